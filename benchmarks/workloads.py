@@ -1,0 +1,199 @@
+"""Benchmark workloads, generated deterministically from a seed (no data set download).
+
+Each workload is a list of chat conversations (OpenAI message lists). One line each:
+
+* code_edit      - rewrite a given function with one small change (output repeats the code).
+* rag_quote      - answer a question by quoting the passage that holds the answer.
+* json_reformat  - turn ``key: value`` records into a JSON array (output repeats the values).
+* multi_turn     - turn 2 of a chat asks to repeat turn 1's answer with a change.
+* summarisation  - summarise a short report (partial repetition of its phrases).
+* translation    - reformat a list of sentences into numbered, quoted lines (translation-style copying).
+* creative       - free-form creative text: the no-repetition control.
+"""
+
+from __future__ import annotations
+
+import random
+
+Messages = list[dict[str, str]]
+
+_NAMES = ["alice", "bruno", "chen", "dara", "emeka", "fatima", "goran", "hana", "ivan", "jun", "kofi", "lena"]
+_CITIES = ["Lisbon", "Osaka", "Nairobi", "Quito", "Tallinn", "Hanoi", "Perth", "Bergen", "Cusco", "Accra"]
+_ITEMS = ["lamp", "kettle", "bicycle", "notebook", "guitar", "backpack", "camera", "blender", "tent", "watch"]
+_TOPICS = [
+    "a lighthouse keeper",
+    "a clockmaker's apprentice",
+    "a lost robot",
+    "a desert caravan",
+    "a city under the sea",
+    "a dragon who hates fire",
+    "a library that moves",
+    "twin astronauts",
+]
+
+_FUNCTIONS = [
+    (
+        "total_price",
+        "items",
+        "item",
+        [
+            "    total = 0",
+            "    for item in items:",
+            "        if item.quantity > 0:",
+            "            total += item.price * item.quantity",
+            "    return total",
+        ],
+    ),
+    (
+        "count_words",
+        "text",
+        "word",
+        [
+            "    counts = {}",
+            "    for word in text.split():",
+            "        word = word.lower().strip('.,!?')",
+            "        counts[word] = counts.get(word, 0) + 1",
+            "    return counts",
+        ],
+    ),
+    (
+        "find_user",
+        "users",
+        "user",
+        [
+            "    for user in users:",
+            "        if user.email == email and user.active:",
+            "            return user",
+            "    raise KeyError(email)",
+        ],
+    ),
+    (
+        "moving_average",
+        "values",
+        "value",
+        [
+            "    window = []",
+            "    averages = []",
+            "    for value in values:",
+            "        window.append(value)",
+            "        if len(window) > size:",
+            "            window.pop(0)",
+            "        averages.append(sum(window) / len(window))",
+            "    return averages",
+        ],
+    ),
+]
+
+
+def code_edit(rng: random.Random) -> Messages:
+    name, arg, loop_var, body = rng.choice(_FUNCTIONS)
+    extra = {"find_user": ", email", "moving_average": ", size"}.get(name, "")
+    new_name = rng.choice(["entry", "element", "record", "thing"])
+    code = "\n".join([f"def {name}({arg}{extra}):", *body])
+    return [
+        {
+            "role": "user",
+            "content": f"Here is a Python function:\n\n```python\n{code}\n```\n\n"
+            f"Rewrite the whole function, renaming the loop variable `{loop_var}` to `{new_name}`. "
+            "Output only the code.",
+        }
+    ]
+
+
+def rag_quote(rng: random.Random) -> Messages:
+    people = rng.sample(_NAMES, 4)
+    cities = rng.sample(_CITIES, 4)
+    sentences = [
+        f"{person.title()} moved to {city} in {rng.randint(1990, 2022)} to work as a "
+        f"{rng.choice(['teacher', 'nurse', 'pilot', 'chef', 'engineer'])}."
+        for person, city in zip(people, cities)
+    ]
+    target = rng.randrange(4)
+    passage = " ".join(sentences)
+    return [
+        {"role": "system", "content": "Answer using only the passage. Quote the passage exactly."},
+        {
+            "role": "user",
+            "content": f"Passage: {passage}\n\nQuestion: Where did {people[target].title()} move, and when? "
+            "Answer by quoting the full sentence from the passage.",
+        },
+    ]
+
+
+def json_reformat(rng: random.Random) -> Messages:
+    records = [
+        (rng.choice(_NAMES).title(), rng.choice(_CITIES), rng.choice(_ITEMS), rng.randint(1, 99))
+        for _ in range(3)
+    ]
+    listing = "\n".join(f"name: {n}; city: {c}; item: {i}; quantity: {q}" for n, c, i, q in records)
+    return [
+        {
+            "role": "user",
+            "content": "Convert these records to a JSON array of objects with keys name, city, item, "
+            f"quantity:\n\n{listing}\n\nOutput only the JSON.",
+        }
+    ]
+
+
+def multi_turn(rng: random.Random) -> Messages:
+    item, city = rng.choice(_ITEMS), rng.choice(_CITIES)
+    first_answer = (
+        f"Here is a short packing list for a trip to {city}:\n1. A {item}\n2. Comfortable shoes\n"
+        f"3. A rain jacket\n4. A water bottle\n5. A map of {city}"
+    )
+    return [
+        {"role": "user", "content": f"Write a short packing list for a trip to {city}."},
+        {"role": "assistant", "content": first_answer},
+        {"role": "user", "content": "Repeat the same list, but add a phone charger as item 6."},
+    ]
+
+
+def summarisation(rng: random.Random) -> Messages:
+    city, item = rng.choice(_CITIES), rng.choice(_ITEMS)
+    count = rng.randint(120, 900)
+    report = (
+        f"The city council of {city} met on Monday to discuss the new public {item} program. "
+        f"The program will place {count} shared {item}s in parks and libraries across {city}. "
+        f"Residents can borrow a {item} for up to two weeks with a library card. "
+        f"The council expects the program to cost less than the current rental scheme, "
+        f"and a review of the {item} program is planned after the first year."
+    )
+    return [{"role": "user", "content": f"Summarise this report in two sentences:\n\n{report}"}]
+
+
+def translation(rng: random.Random) -> Messages:
+    names = rng.sample(_NAMES, 3)
+    items = rng.sample(_ITEMS, 3)
+    sentences = [
+        f"{name.title()} bought a new {item} in {rng.choice(_CITIES)}." for name, item in zip(names, items)
+    ]
+    listing = "\n".join(sentences)
+    return [
+        {
+            "role": "user",
+            "content": "Rewrite each sentence as a numbered line in double quotes, keeping the words "
+            f"exactly:\n\n{listing}",
+        }
+    ]
+
+
+def creative(rng: random.Random) -> Messages:
+    return [{"role": "user", "content": f"Write a short, original story about {rng.choice(_TOPICS)}."}]
+
+
+WORKLOADS = {
+    "code_edit": code_edit,
+    "rag_quote": rag_quote,
+    "json_reformat": json_reformat,
+    "multi_turn": multi_turn,
+    "summarisation": summarisation,
+    "translation": translation,
+    "creative": creative,
+}
+REPETITIVE = ("code_edit", "rag_quote", "json_reformat")
+
+
+def make_workload(name: str, num_prompts: int, seed: int = 0) -> list[Messages]:
+    """``num_prompts`` conversations of workload ``name``, the same for the same seed."""
+    rng = random.Random(f"{name}:{seed}")
+    return [WORKLOADS[name](rng) for _ in range(num_prompts)]

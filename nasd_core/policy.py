@@ -1,0 +1,113 @@
+"""Draft-length policy: speculate only as far as it pays for itself.
+
+A step that verifies g drafts costs t(1 + g) instead of t(1) and emits, in expectation,
+E(g) = 1 + sum_{j=1..g} a_first * a_next^(j-1) tokens, where a_first is the chance the
+first draft is accepted and a_next the chance each further one is, given the previous
+was. The policy picks the g that maximises E(g) / t(1 + g); g = 0 (no speculation) wins
+whenever no draft is likely enough to repay the extra verification cost.
+
+Acceptance is estimated by the length of the context the draft matched (a one-token
+match is a weak guess, a six-token match usually a copy), Beta-smoothed towards priors.
+The step time t(n) is measured online (EWMA per token count) on top of a prior shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Prior chance the first draft is accepted, by matched context length (longer = likelier);
+# measured on the benchmark workloads with the embedded model (benchmarks/acceptance.py).
+PRIOR_FIRST_ACCEPT = {1: 0.15, 2: 0.35, 3: 0.5, 4: 0.6}
+PRIOR_FIRST_ACCEPT_LONG = 0.7
+PRIOR_NEXT_ACCEPT = 0.75
+PRIOR_WEIGHT = 4.0  # pseudo-observations behind each prior
+# Prior shape of a verification step: each extra token costs this share of a 1-token step.
+PRIOR_EXTRA_TOKEN_COST = 0.08
+EWMA_WEIGHT = 0.2
+
+
+def _prior_first(match_length: int) -> float:
+    return PRIOR_FIRST_ACCEPT.get(match_length, PRIOR_FIRST_ACCEPT_LONG)
+
+
+@dataclass
+class _Counts:
+    trials: float = 0.0
+    accepted: float = 0.0
+
+
+@dataclass
+class AcceptanceEstimator:
+    """Acceptance by matched context length, learned from verification outcomes."""
+
+    first: dict[int, _Counts] = field(default_factory=dict)
+    following: dict[int, _Counts] = field(default_factory=dict)
+
+    def record(self, match_length: int, num_drafted: int, num_accepted: int) -> None:
+        """Count one verified draft of ``num_drafted`` tokens of which ``num_accepted`` matched."""
+        if num_drafted <= 0:
+            return
+        first = self.first.setdefault(match_length, _Counts())
+        first.trials += 1
+        first.accepted += num_accepted > 0
+        # Positions 2..: tried while every earlier draft was accepted.
+        following = self.following.setdefault(match_length, _Counts())
+        following.trials += min(num_accepted, num_drafted - 1)
+        following.accepted += max(0, num_accepted - 1)
+
+    def rates(self, match_length: int) -> tuple[float, float]:
+        """(a_first, a_next) for a draft that matched ``match_length`` tokens of context."""
+        first = self.first.get(match_length, _Counts())
+        following = self.following.get(match_length, _Counts())
+        a_first = (first.accepted + PRIOR_WEIGHT * _prior_first(match_length)) / (first.trials + PRIOR_WEIGHT)
+        a_next = (following.accepted + PRIOR_WEIGHT * PRIOR_NEXT_ACCEPT) / (following.trials + PRIOR_WEIGHT)
+        return a_first, a_next
+
+
+class StepTimeModel:
+    """Online model of a verification step's time by number of tokens fed (EWMA per count)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        previous = self._seconds.get(num_tokens)
+        self._seconds[num_tokens] = (
+            seconds if previous is None else ((1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * seconds)
+        )
+
+    def estimate(self, num_tokens: int) -> float:
+        """Seconds for a step of ``num_tokens``; unmeasured counts scale the nearest measured one."""
+        if num_tokens in self._seconds:
+            return self._seconds[num_tokens]
+        if not self._seconds:
+            return 1.0 + PRIOR_EXTRA_TOKEN_COST * (num_tokens - 1)
+        nearest = min(self._seconds, key=lambda measured: abs(measured - num_tokens))
+        shape = (1.0 + PRIOR_EXTRA_TOKEN_COST * (num_tokens - 1)) / (
+            1.0 + PRIOR_EXTRA_TOKEN_COST * (nearest - 1)
+        )
+        return self._seconds[nearest] * shape
+
+
+def expected_tokens(a_first: float, a_next: float, num_draft: int) -> float:
+    """E(g): mean tokens emitted by a step verifying ``num_draft`` drafts (bonus included)."""
+    total, reach = 1.0, a_first
+    for _ in range(num_draft):
+        total += reach
+        reach *= a_next
+    return total
+
+
+def choose_draft_length(
+    max_draft: int, match_length: int, acceptance: AcceptanceEstimator, step_time: StepTimeModel
+) -> int:
+    """The draft length in 0..max_draft with the most expected tokens per second."""
+    if max_draft <= 0:
+        return 0
+    a_first, a_next = acceptance.rates(match_length)
+    best_length, best_rate = 0, 1.0 / step_time.estimate(1)
+    for length in range(1, max_draft + 1):
+        rate = expected_tokens(a_first, a_next, length) / step_time.estimate(1 + length)
+        if rate > best_rate:
+            best_length, best_rate = length, rate
+    return best_length

@@ -1,0 +1,48 @@
+"""Verification: keep exactly the tokens the target model would have produced.
+
+Both rules take the target's output at the ``len(draft) + 1`` positions of one forward
+pass over ``[last token, draft...]`` and return the emitted tokens: the accepted drafts
+followed by one token of the target's own (the correction at the first rejection, or the
+bonus after a fully accepted draft). A step therefore always emits at least one token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from nasd_core.sampling import sample_token
+
+
+def verify_greedy(target_ids: Sequence[int], draft: Sequence[int]) -> list[int]:
+    """Greedy rule.
+
+    Accept draft[i] iff it equals the target's argmax given the context plus draft[:i];
+    at the first mismatch emit the argmax instead (correction) and stop; if every draft
+    matched, the argmax after the last one is a free bonus token.
+    """
+    num_accepted = 0
+    for drafted, target in zip(draft, target_ids):
+        if drafted != target:
+            break
+        num_accepted += 1
+    return list(target_ids[: num_accepted + 1])
+
+
+def verify_sampled(probs: torch.Tensor, draft: Sequence[int], generator: np.random.Generator) -> list[int]:
+    """Lossless rule for a deterministic draft (rows of ``probs`` = target distributions).
+
+    Sample x ~ p at each position; accept the draft d if x == d and go on, else emit x
+    and stop. P(emit d) = p(d) and P(emit y != d) = p(y): exactly plain sampling. This
+    equals "accept d with probability p(d), else sample p with d removed", i.e. rejection
+    sampling with a one-hot draft distribution.
+    """
+    emitted: list[int] = []
+    for position in range(len(draft) + 1):
+        token = sample_token(probs[position], generator)
+        emitted.append(token)
+        if position == len(draft) or token != draft[position]:
+            break
+    return emitted

@@ -1,0 +1,112 @@
+"""Verification rules: greedy by exact cases, sampled by chi-square against the target distribution.
+
+The sampled tests use the real model's distributions at two verified positions and show
+that the same test rejects a deliberately lossy rule, so a pass means something.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from nasd_core.config import SamplingParams
+from nasd_core.sampling import logits_to_probs, make_generator, sample_token
+from nasd_core.verify import verify_greedy, verify_sampled
+
+NUM_TRIALS = 6000
+
+
+def test_greedy_accepts_leading_matches_then_corrects():
+    assert verify_greedy([5, 6, 9, 8], [5, 6, 7]) == [5, 6, 9]  # correction at the first mismatch
+    assert verify_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all accepted + bonus
+    assert verify_greedy([4, 6, 7, 8], [5, 6, 7]) == [4]  # nothing accepted: still one token
+    assert verify_greedy([3], []) == [3]  # no draft: plain decoding
+
+
+def lossy_rule(probs: torch.Tensor, draft: list[int], generator: np.random.Generator) -> list[int]:
+    """Deliberately wrong: accept d with probability p(d), else sample from p *without* removing d.
+
+    P(emit d) = p(d) + (1 - p(d)) p(d) > p(d): biased towards the draft.
+    """
+    emitted: list[int] = []
+    for position in range(len(draft) + 1):
+        if position < len(draft) and generator.random() < float(probs[position, draft[position]]):
+            emitted.append(draft[position])
+            continue
+        emitted.append(sample_token(probs[position], generator))
+        break
+    return emitted
+
+
+@pytest.fixture(scope="module")
+def two_position_probs(model, tokenizer):
+    """Target distributions at two verified positions of a real prompt, with a plausible draft."""
+    params = SamplingParams(temperature=1.0, top_k=8)
+    prompt = tokenizer.encode("The three primary colors are red, yellow and", add_special_tokens=False)
+    with torch.inference_mode():
+        first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        # Draft: the second most likely token, then that context's most likely token.
+        d1 = int(torch.topk(first, 2).indices[1])
+        logits = model(torch.tensor([[*prompt, d1]])).logits[0, -2:]
+        d2 = int(logits[-1].argmax())
+        probs = logits_to_probs(
+            torch.cat([logits, model(torch.tensor([[*prompt, d1, d2]])).logits[0, -1:]]), params
+        )
+    return probs, [d1, d2]
+
+
+def run_rule(rule, probs, draft, seed: int = 1234) -> tuple[Counter, Counter]:
+    generator = make_generator(seed)
+    first, second = Counter(), Counter()
+    for _ in range(NUM_TRIALS):
+        emitted = rule(probs, draft, generator)
+        first[emitted[0]] += 1
+        if emitted[0] == draft[0] and len(emitted) > 1:
+            second[emitted[1]] += 1
+    return first, second
+
+
+def chi_square_p(counts: Counter, probs: torch.Tensor) -> float:
+    support = torch.nonzero(probs).flatten().tolist()
+    assert set(counts) <= set(support), "sampled a token with zero probability"
+    observed = np.array([counts.get(token, 0) for token in support], dtype=float)
+    expected = probs[support].double().numpy()
+    expected = expected / expected.sum() * observed.sum()
+    return float(chisquare(observed, expected).pvalue)
+
+
+def test_sampled_rule_matches_target_distribution_at_two_positions(two_position_probs):
+    probs, draft = two_position_probs
+    first, second = run_rule(verify_sampled, probs, draft)
+    assert chi_square_p(first, probs[0]) > 1e-3
+    # Given the first draft was accepted, the next token follows the second distribution.
+    assert sum(second.values()) > 500
+    assert chi_square_p(second, probs[1]) > 1e-3
+
+
+def test_the_same_test_rejects_a_lossy_rule(two_position_probs):
+    probs, draft = two_position_probs
+    first, _ = run_rule(lossy_rule, probs, draft)
+    assert chi_square_p(first, probs[0]) < 1e-6
+
+
+def test_sampling_consumes_one_draw_per_emitted_token(two_position_probs):
+    probs, draft = two_position_probs
+    generator = make_generator(7)
+    emitted = verify_sampled(probs, draft, generator)
+    replay = make_generator(7)
+    assert emitted == [sample_token(probs[i], replay) for i in range(len(emitted))]
+
+
+def test_top_p_and_top_k_restrict_the_support():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.count_nonzero(probs) == 2
+    full = torch.softmax(logits, dim=-1)[0]
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=float(full[0]) + 1e-4))
+    assert torch.nonzero(probs[0]).flatten().tolist() == [0, 1]
+    assert torch.allclose(probs.sum(), torch.tensor(1.0))
