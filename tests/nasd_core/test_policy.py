@@ -1,0 +1,73 @@
+"""Draft-length policy: expected-token arithmetic and the speculate / don't-speculate decision."""
+
+from __future__ import annotations
+
+import pytest
+
+from nasd_core.metrics import SpecStats
+from nasd_core.policy import AcceptanceEstimator, StepTimeModel, choose_draft_length, expected_tokens
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.5, 0.5, 0) == 1.0
+    assert expected_tokens(0.5, 0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 1.0, 4) == 5.0
+
+
+def test_acceptance_estimator_learns_from_outcomes():
+    estimator = AcceptanceEstimator()
+    prior_first, prior_next = estimator.rates(2)
+    for _ in range(50):
+        estimator.record(2, num_drafted=4, num_accepted=4)
+    first, following = estimator.rates(2)
+    assert first > 0.9 > prior_first and following > 0.9 > prior_next
+    for _ in range(50):
+        estimator.record(5, num_drafted=3, num_accepted=0)
+    assert estimator.rates(5)[0] < 0.1
+    estimator.record(7, num_drafted=0, num_accepted=0)  # nothing drafted: nothing learned
+    assert 7 not in estimator.first
+
+
+def flat_then_expensive() -> StepTimeModel:
+    step_time = StepTimeModel()
+    step_time.observe(1, 0.060)
+    for num_tokens in range(2, 10):
+        step_time.observe(num_tokens, 0.100)
+    return step_time
+
+
+def test_policy_skips_unlikely_drafts_and_takes_likely_ones():
+    step_time = flat_then_expensive()
+    unlikely, likely = AcceptanceEstimator(), AcceptanceEstimator()
+    for _ in range(40):
+        unlikely.record(1, num_drafted=3, num_accepted=0)
+        likely.record(6, num_drafted=8, num_accepted=8)
+    assert choose_draft_length(8, 1, unlikely, step_time) == 0
+    assert choose_draft_length(8, 6, likely, step_time) == 8
+    assert choose_draft_length(0, 6, likely, step_time) == 0
+
+
+def test_step_time_model_uses_measurements_and_scales_the_nearest():
+    step_time = StepTimeModel()
+    assert step_time.estimate(3) > step_time.estimate(1)  # prior shape before any measurement
+    step_time.observe(4, 0.2)
+    step_time.observe(4, 0.1)
+    assert step_time.estimate(4) == pytest.approx(0.8 * 0.2 + 0.2 * 0.1)
+    assert step_time.estimate(5) > step_time.estimate(4)
+
+
+def test_spec_stats_count_acceptance_by_position_and_merge():
+    stats = SpecStats()
+    stats.record_step(num_drafted=3, num_accepted=2, num_emitted=3, source="request")
+    stats.record_step(num_drafted=1, num_accepted=0, num_emitted=1, source="pool")
+    stats.record_step(num_drafted=0, num_accepted=0, num_emitted=1, source=None)
+    assert stats.drafted_by_position == [2, 1, 1]
+    assert stats.accepted_by_position == [1, 1, 0]
+    assert stats.acceptance_by_position == [0.5, 1.0, 0.0]
+    assert stats.tokens_per_step == pytest.approx(5 / 3)
+    assert stats.drafted_by_source == {"request": 3, "pool": 1}
+    total = SpecStats()
+    total.merge(stats)
+    total.merge(stats)
+    assert total.num_emitted == 10 and total.drafted_by_position == [4, 2, 2]
+    assert total.accepted_by_source == {"request": 4, "pool": 0}
