@@ -3,8 +3,8 @@
 Each workload is a list of chat conversations (OpenAI message lists). One line each:
 
 * code_edit      - rewrite a given function with one small change (output repeats the code).
-* rag_quote      - answer a question by quoting the passage that holds the answer.
-* json_reformat  - turn ``key: value`` records into a JSON array (output repeats the values).
+* rag_quote      - copy, word for word, the sentence of a passage that answers a question.
+* json_reformat  - pretty-print a JSON list with one value changed (output repeats the records).
 * multi_turn     - turn 2 of a chat asks to repeat turn 1's answer with a change.
 * summarisation  - summarise a short report (partial repetition of its phrases).
 * translation    - reformat a list of sentences into numbered, quoted lines (translation-style copying).
@@ -13,6 +13,7 @@ Each workload is a list of chat conversations (OpenAI message lists). One line e
 
 from __future__ import annotations
 
+import json
 import random
 
 Messages = list[dict[str, str]]
@@ -103,34 +104,45 @@ def code_edit(rng: random.Random) -> Messages:
 def rag_quote(rng: random.Random) -> Messages:
     people = rng.sample(_NAMES, 4)
     cities = rng.sample(_CITIES, 4)
+    jobs = [
+        "a nurse at the central hospital near the river",
+        "a teacher at a small school in the old town",
+        "a pilot for a regional airline",
+        "a chef in a busy harbour restaurant",
+        "an engineer at the new water treatment plant",
+    ]
     sentences = [
-        f"{person.title()} moved to {city} in {rng.randint(1990, 2022)} to work as a "
-        f"{rng.choice(['teacher', 'nurse', 'pilot', 'chef', 'engineer'])}."
+        f"{person.title()} moved to {city} in {rng.randint(1990, 2022)} to work as {rng.choice(jobs)}."
         for person, city in zip(people, cities)
     ]
-    target = rng.randrange(4)
     passage = " ".join(sentences)
+    target = rng.choice(people).title()
     return [
-        {"role": "system", "content": "Answer using only the passage. Quote the passage exactly."},
         {
             "role": "user",
-            "content": f"Passage: {passage}\n\nQuestion: Where did {people[target].title()} move, and when? "
-            "Answer by quoting the full sentence from the passage.",
-        },
+            "content": f"{passage}\n\nCopy, word for word, the sentence above that says where "
+            f"{target} moved.",
+        }
     ]
 
 
 def json_reformat(rng: random.Random) -> Messages:
     records = [
-        (rng.choice(_NAMES).title(), rng.choice(_CITIES), rng.choice(_ITEMS), rng.randint(1, 99))
-        for _ in range(3)
+        {
+            "name": name.title(),
+            "city": rng.choice(_CITIES),
+            "item": rng.choice(_ITEMS),
+            "quantity": rng.randint(1, 99),
+        }
+        for name in rng.sample(_NAMES, 3)
     ]
-    listing = "\n".join(f"name: {n}; city: {c}; item: {i}; quantity: {q}" for n, c, i, q in records)
+    listing = json.dumps(records)
+    changed = rng.choice(records)["name"]
     return [
         {
             "role": "user",
-            "content": "Convert these records to a JSON array of objects with keys name, city, item, "
-            f"quantity:\n\n{listing}\n\nOutput only the JSON.",
+            "content": f"Here is a JSON list:\n{listing}\n\nRewrite it pretty-printed with an indent of "
+            f"2 spaces, and change the quantity of {changed} to {rng.randint(1, 99)}.",
         }
     ]
 

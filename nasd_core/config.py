@@ -12,8 +12,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from nasd_core.errors import InvalidRequestError
 
-# Batch <= 4 row of TensorRT-LLM's table: k=3 (longest key), gamma=5 (draft length).
-DEFAULT_NUM_DRAFT_TOKENS = 5
+# Draft-length cap. TensorRT-LLM's batch<=4 row uses gamma=5; on CPU a verification step
+# of 11 tokens costs about what one of 6 does, and long copies keep being accepted, so the
+# single-stream cap is 10 (as transformers' prompt lookup); `auto` drafts less when unsure.
+DEFAULT_NUM_DRAFT_TOKENS = 10
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 1
 DEFAULT_MAX_TOKENS = 128

@@ -9,6 +9,7 @@ produces: token-identical under greedy, distribution-identical under sampling.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +26,16 @@ from nasd_core.stopping import FinishReason, StopChecker
 from nasd_core.verify import verify_greedy, verify_sampled
 
 TokenCallback = Callable[[list[int]], None]
+
+# Step times measured on a model outlive one request: later requests start calibrated.
+_STEP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_step_time(model) -> StepTimeModel:
+    """The step-time model shared by every ``generate`` call on ``model``."""
+    if model not in _STEP_TIMES:
+        _STEP_TIMES[model] = StepTimeModel()
+    return _STEP_TIMES[model]
 
 
 @dataclass
@@ -152,13 +163,13 @@ def generate(
         tokenizer: its tokenizer.
         prompt: text (tokenized without special tokens) or token ids.
         params: sampling parameters (default: greedy, 128 tokens).
-        spec: speculation settings (default: on, gamma 5, contexts of 1..3 tokens).
+        spec: speculation settings (default: auto, draft cap 10, hybrid request-local source).
         shared: read-only ``(name, index)`` draft sources after the request's own tokens.
         use_cache: keep the KV-cache across steps (False recomputes every step).
         on_tokens: called with each step's newly emitted tokens (streaming).
         local_index: request-local index to use (and grow) instead of a fresh one.
-        step_time: measured step times the ``auto`` mode weighs drafts against (shared across
-            calls so later requests start calibrated; see ``measure_step_times``).
+        step_time: measured step times the ``auto`` mode weighs drafts against (default: the
+            model's shared one, so later requests start calibrated; see ``measure_step_times``).
 
     Returns:
         GenerationResult with the tokens, the text, the finish reason and the stats.
@@ -179,7 +190,7 @@ def generate(
     generator = make_generator(params.seed)
     decoder = KVDecoder(model, use_cache)
     acceptance = AcceptanceEstimator()
-    step_time = step_time if step_time is not None else StepTimeModel()
+    step_time = step_time if step_time is not None else model_step_time(model)
     tokens = list(prompt_ids)
 
     # Prefill all but the last prompt token: every step, the first included, then looks

@@ -1,0 +1,207 @@
+"""Single-stream benchmark: every compared system in one process, on the same prompts, in one run.
+
+Systems: transformers greedy (``hf_greedy``), transformers prompt lookup
+(``hf_prompt_lookup``, ``prompt_lookup_num_tokens=10``), the seeds' NASD as published
+(``seed_nasd``), and this library with speculation off / on / auto. All greedy, so every
+system must emit exactly ``hf_greedy``'s tokens; the run records whether each did.
+
+    python -m benchmarks.single_stream            # full: 5 prompts x 7 workloads, 128 tokens
+    python -m benchmarks.single_stream --quick    # 2 prompts x 7 workloads, 96 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.baselines.seed_nasd import seed_nasd_generate
+from benchmarks.common import counting_forwards, run_metadata, write_result
+from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
+from nasd_core.config import ModelConfig, SamplingParams, SpecConfig
+from nasd_core.generate import eos_ids, generate, measure_step_times
+from nasd_core.metrics import SpecStats
+from nasd_core.models import load_model
+from nasd_core.policy import StepTimeModel
+
+SYSTEMS = ("hf_greedy", "hf_prompt_lookup", "seed_nasd", "nasd_off", "nasd_on", "nasd_auto")
+BASELINE = "hf_greedy"
+
+
+@dataclass
+class Totals:
+    """Sums over the prompts of one (workload, system) cell."""
+
+    num_prompts: int = 0
+    num_tokens: int = 0
+    seconds: float = 0.0
+    num_forwards: int = 0
+    num_identical: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def summary(self, baseline_tokens_per_s: float) -> dict[str, object]:
+        tokens_per_s = self.num_tokens / self.seconds if self.seconds else 0.0
+        row: dict[str, object] = {
+            "tokens": self.num_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(tokens_per_s, 2),
+            "speedup_vs_hf_greedy": round(tokens_per_s / baseline_tokens_per_s, 3)
+            if baseline_tokens_per_s
+            else None,
+            # Every forward counts, prefill included, for every system alike (hf_greedy = 1.0).
+            "tokens_per_forward": round(self.num_tokens / self.num_forwards, 3) if self.num_forwards else 0.0,
+            "identical_to_hf_greedy": self.num_identical == self.num_prompts,
+        }
+        if self.stats.num_steps:
+            row["acceptance_by_position"] = [round(rate, 3) for rate in self.stats.acceptance_by_position]
+            row["drafting_share"] = round(self.stats.drafting_share, 5)
+            row["acceptance_rate"] = round(self.stats.acceptance_rate, 3)
+        return row
+
+
+def make_runners(model, tokenizer, max_tokens: int, step_time: StepTimeModel) -> dict[str, Callable]:
+    """One callable per system: prompt ids -> (generated ids, SpecStats or None)."""
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    stop_ids = eos_ids(model, tokenizer)
+
+    def hf(prompt_ids: list[int], **extra) -> tuple[list[int], None]:
+        inputs = torch.tensor([prompt_ids])
+        with torch.inference_mode():
+            out = model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=pad_id,
+                **extra,
+            )
+        return out[0, len(prompt_ids) :].tolist(), None
+
+    def nasd(mode: str) -> Callable:
+        def run(prompt_ids: list[int]) -> tuple[list[int], SpecStats]:
+            result = generate(
+                model,
+                tokenizer,
+                prompt_ids,
+                SamplingParams(max_tokens=max_tokens),
+                SpecConfig(mode=mode),
+                step_time=step_time,
+            )
+            return result.token_ids, result.stats
+
+        return run
+
+    return {
+        "hf_greedy": hf,
+        "hf_prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
+        "seed_nasd": lambda ids: (seed_nasd_generate(model, ids, max_tokens, stop_ids), None),
+        "nasd_off": nasd("off"),
+        "nasd_on": nasd("on"),
+        "nasd_auto": nasd("auto"),
+    }
+
+
+def run_benchmark(num_prompts: int, max_tokens: int, workloads: list[str], dtype: str, seed: int) -> dict:
+    model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
+    step_time = measure_step_times(model, SpecConfig().num_draft_tokens + 1)
+    runners = make_runners(model, tokenizer, max_tokens, step_time)
+    prompts = {
+        name: [
+            tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for conv in make_workload(name, num_prompts, seed)
+        ]
+        for name in workloads
+    }
+    for system in SYSTEMS:  # warm-up: first calls pay one-off allocation costs
+        runners[system](prompts[workloads[0]][0][:32])
+
+    totals = {name: {system: Totals() for system in SYSTEMS} for name in workloads}
+    jobs = [(name, index) for name in workloads for index in range(num_prompts)]
+    for job_number, (name, index) in enumerate(tqdm(jobs, desc="single-stream", unit="prompt")):
+        prompt_ids = list(prompts[name][index])
+        reference: list[int] | None = None
+        # Rotate the order per prompt so no system always runs first (cache/thermal effects).
+        shift = job_number % len(SYSTEMS)
+        order = [*SYSTEMS[shift:], *SYSTEMS[:shift]]
+        outputs = {}
+        for system in order:
+            with counting_forwards(model) as forwards:
+                started = time.perf_counter()
+                output, stats = runners[system](prompt_ids)
+                elapsed = time.perf_counter() - started
+            cell = totals[name][system]
+            cell.num_prompts += 1
+            cell.num_tokens += len(output)
+            cell.seconds += elapsed
+            cell.num_forwards += forwards.count
+            if stats is not None:
+                cell.stats.merge(stats)
+            outputs[system] = output
+        reference = outputs[BASELINE]
+        for system in SYSTEMS:
+            totals[name][system].num_identical += outputs[system] == reference
+
+    results: dict[str, object] = {}
+    for name in workloads:
+        baseline = totals[name][BASELINE]
+        baseline_rate = baseline.num_tokens / baseline.seconds if baseline.seconds else 0.0
+        results[name] = {system: totals[name][system].summary(baseline_rate) for system in SYSTEMS}
+    return {
+        "benchmark": "single_stream",
+        "meta": {
+            **run_metadata(model, dtype),
+            "num_prompts_per_workload": num_prompts,
+            "max_tokens": max_tokens,
+            "workload_seed": seed,
+            "step_time_probe_ms": {
+                n: round(step_time.estimate(n) * 1000, 1) for n in range(1, SpecConfig().num_draft_tokens + 2)
+            },
+        },
+        "workloads": results,
+    }
+
+
+def markdown_table(payload: dict) -> str:
+    """README table: tokens/s ratio to plain greedy by workload and system."""
+    header = "| workload | " + " | ".join(SYSTEMS) + " | nasd_auto tokens/forward | drafting share |"
+    lines = [header, "|" + "---|" * (len(SYSTEMS) + 3)]
+    for name, rows in payload["workloads"].items():
+        ratios = [
+            f"{rows[s]['speedup_vs_hf_greedy']:.2f}x" + ("" if rows[s]["identical_to_hf_greedy"] else " ≠")
+            for s in SYSTEMS
+        ]
+        auto = rows["nasd_auto"]
+        lines.append(
+            f"| {name}{' (rep.)' if name in REPETITIVE else ''} | "
+            + " | ".join(ratios)
+            + f" | {auto['tokens_per_forward']:.2f} | {100 * auto.get('drafting_share', 0):.2f}% |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="2 prompts per workload, 96 tokens")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per workload")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--seed", type=int, default=0, help="workload generator seed")
+    args = parser.parse_args()
+    num_prompts = args.prompts or (2 if args.quick else 5)
+    max_tokens = args.max_tokens or (96 if args.quick else 128)
+    payload = run_benchmark(num_prompts, max_tokens, args.workloads, args.dtype, args.seed)
+    suffix = "_quick" if args.quick else ""
+    path = write_result(f"single_stream_{args.dtype}{suffix}", payload)
+    print(markdown_table(payload))
+    print(f"\nwritten: {path}")
+
+
+if __name__ == "__main__":
+    main()
