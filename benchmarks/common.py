@@ -15,7 +15,7 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def run_metadata(model, dtype: str) -> dict[str, object]:
+def run_metadata(model, dtype: str, module: str) -> dict[str, object]:
     """Where and how a result was produced, so a table can be traced back to its run."""
     try:
         commit = subprocess.run(
@@ -24,7 +24,7 @@ def run_metadata(model, dtype: str) -> dict[str, object]:
     except OSError:
         commit = "unknown"
     return {
-        "command": " ".join(["python", "-m", *sys.argv]) if sys.argv else "",
+        "command": " ".join(["python", "-m", module, *sys.argv[1:]]),
         "commit": commit,
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "machine": platform.machine(),

@@ -153,7 +153,7 @@ def run_benchmark(num_prompts: int, max_tokens: int, workloads: list[str], dtype
     return {
         "benchmark": "single_stream",
         "meta": {
-            **run_metadata(model, dtype),
+            **run_metadata(model, dtype, "benchmarks.single_stream"),
             "num_prompts_per_workload": num_prompts,
             "max_tokens": max_tokens,
             "workload_seed": seed,

@@ -1,0 +1,41 @@
+"""The benchmark harness's own logic on small inputs: metrics, ratios, result schema, workloads."""
+
+from __future__ import annotations
+
+from benchmarks.single_stream import SYSTEMS, Totals, markdown_table
+from benchmarks.workloads import WORKLOADS, make_workload
+from nasd_core.metrics import SpecStats
+
+
+def test_totals_summary_computes_rates_ratios_and_identity():
+    stats = SpecStats()
+    stats.record_step(num_drafted=4, num_accepted=3, num_emitted=4, source="request")
+    stats.drafting_time_s, stats.decode_time_s = 0.01, 1.0
+    cell = Totals(num_prompts=2, num_tokens=40, seconds=2.0, num_forwards=10, num_identical=1, stats=stats)
+    row = cell.summary(baseline_tokens_per_s=10.0)
+    assert row["tokens_per_s"] == 20.0
+    assert row["speedup_vs_hf_greedy"] == 2.0
+    assert row["tokens_per_forward"] == 4.0
+    assert row["identical_to_hf_greedy"] is False
+    assert row["acceptance_by_position"] == [1.0, 1.0, 1.0, 0.0]
+    assert row["drafting_share"] == 0.01
+
+
+def test_markdown_table_has_one_row_per_workload_and_flags_mismatches():
+    plain = Totals(num_prompts=1, num_tokens=10, seconds=1.0, num_forwards=10, num_identical=1)
+    wrong = Totals(num_prompts=1, num_tokens=10, seconds=0.5, num_forwards=5, num_identical=0)
+    payload = {
+        "workloads": {"code_edit": {s: (wrong if s == "nasd_on" else plain).summary(10.0) for s in SYSTEMS}}
+    }
+    table = markdown_table(payload).splitlines()
+    assert len(table) == 3
+    assert "code_edit (rep.)" in table[2]
+    assert "2.00x ≠" in table[2]  # nasd_on's mismatch is flagged, not hidden
+
+
+def test_workloads_are_deterministic_and_distinct():
+    for name in WORKLOADS:
+        first, again = make_workload(name, 3, seed=5), make_workload(name, 3, seed=5)
+        assert first == again
+        assert all(conv[-1]["role"] == "user" and conv[-1]["content"] for conv in first)
+    assert make_workload("code_edit", 3, seed=1) != make_workload("code_edit", 3, seed=2)
