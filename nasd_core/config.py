@@ -125,6 +125,24 @@ class IndexConfig(_Config):
     )
 
 
+class EngineConfig(_Config):
+    """Limits and behaviour of a continuous-batching engine."""
+
+    max_batch_rows: int = Field(32, ge=1, le=1024, description="Most requests decoding in one forward.")
+    max_waiting: int = Field(
+        256, ge=0, description="Most queued requests; beyond this add_request is refused."
+    )
+    prefill_chunk_tokens: int = Field(
+        256, ge=1, description="Prompt tokens prefilled per engine step, so running rows keep decoding."
+    )
+    compact_waste_ratio: float = Field(
+        0.5, gt=0.0, lt=1.0, description="Compact the batch KV-cache when this share of columns are holes."
+    )
+    spec: SpecConfig = Field(
+        default_factory=lambda: SpecConfig(), description="Default speculation settings."
+    )
+
+
 class ModelConfig(_Config):
     """Which model to load and how."""
 

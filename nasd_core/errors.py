@@ -26,3 +26,7 @@ class ContextLengthError(InvalidRequestError):
 
 class ModelLoadError(NASDError, RuntimeError):
     """A model or tokenizer could not be found or loaded."""
+
+
+class EngineOverloadedError(NASDError):
+    """The engine's waiting queue is full; retry later (the service answers 503/429)."""

@@ -248,17 +248,25 @@ def generate(
 
 
 @torch.inference_mode()
-def measure_step_times(model, max_tokens: int, context_length: int = 256, repeats: int = 3) -> StepTimeModel:
-    """Warm-up probe: time verification steps of 1..max_tokens tokens on a dummy context.
+def measure_step_times(
+    model,
+    token_counts: int | Sequence[int],
+    context_length: int = 256,
+    repeats: int = 3,
+    step_time: StepTimeModel | None = None,
+) -> StepTimeModel:
+    """Warm-up probe: time forward steps of the given token counts on a dummy context.
 
     Gives the ``auto`` policy a calibrated cost curve before the first request (on CPU the
-    curve is far from flat: matrix kernels change algorithm with the row count).
+    curve is far from flat: matrix kernels change algorithm with the row count). An int
+    means every count from 1 to it.
     """
-    step_time = StepTimeModel()
+    counts = range(1, token_counts + 1) if isinstance(token_counts, int) else token_counts
+    step_time = step_time if step_time is not None else model_step_time(model)
     decoder = KVDecoder(model)
     decoder.forward([i % model.config.vocab_size for i in range(context_length)])
     for _ in range(repeats):
-        for num_tokens in range(1, max_tokens + 1):
+        for num_tokens in counts:
             started = time.perf_counter()
             decoder.forward([0] * num_tokens)
             step_time.observe(num_tokens, time.perf_counter() - started)

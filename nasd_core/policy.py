@@ -65,7 +65,11 @@ class AcceptanceEstimator:
 
 
 class StepTimeModel:
-    """Online model of a verification step's time by number of tokens fed (EWMA per count)."""
+    """Online model of a verification step's time by the number of tokens fed (EWMA per count).
+
+    For a batch the count is rows x width: on the matrix multiplies that dominate a step,
+    the cost follows the total number of token rows fed.
+    """
 
     def __init__(self) -> None:
         self._seconds: dict[int, float] = {}
@@ -75,6 +79,10 @@ class StepTimeModel:
         self._seconds[num_tokens] = (
             seconds if previous is None else ((1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * seconds)
         )
+
+    def covers(self, num_tokens: int) -> bool:
+        """Whether a step of at least ``num_tokens`` tokens has been measured."""
+        return any(measured >= num_tokens for measured in self._seconds)
 
     def estimate(self, num_tokens: int) -> float:
         """Seconds for a step of ``num_tokens``; unmeasured counts scale the nearest measured one."""
@@ -101,13 +109,59 @@ def expected_tokens(a_first: float, a_next: float, num_draft: int) -> float:
 def choose_draft_length(
     max_draft: int, match_length: int, acceptance: AcceptanceEstimator, step_time: StepTimeModel
 ) -> int:
-    """The draft length in 0..max_draft with the most expected tokens per second."""
-    if max_draft <= 0:
-        return 0
-    a_first, a_next = acceptance.rates(match_length)
-    best_length, best_rate = 0, 1.0 / step_time.estimate(1)
-    for length in range(1, max_draft + 1):
-        rate = expected_tokens(a_first, a_next, length) / step_time.estimate(1 + length)
+    """The draft length in 0..max_draft with the most expected tokens per second (one row)."""
+    return choose_batch_draft_lengths(
+        [RowDraft("auto", max_draft, match_length, acceptance)], step_time, True
+    )[0]
+
+
+# TensorRT-LLM's measured table, used as the cold-start cap before step times are known:
+# batch <= 4: gamma 5; <= 32: gamma 3; larger: no speculation.
+COLD_START_TABLE = ((4, 5), (32, 3))
+
+
+def cold_start_cap(num_rows: int) -> int:
+    """Largest draft length the cold-start table allows for a batch of ``num_rows``."""
+    for max_rows, gamma in COLD_START_TABLE:
+        if num_rows <= max_rows:
+            return gamma
+    return 0
+
+
+@dataclass
+class RowDraft:
+    """What the batch policy knows about one row: its mode, available draft and acceptance."""
+
+    mode: str
+    num_available: int
+    match_length: int
+    acceptance: AcceptanceEstimator
+
+
+def choose_batch_draft_lengths(rows: list[RowDraft], step_time: StepTimeModel, calibrated: bool) -> list[int]:
+    """Per-row draft lengths for one batched verification step.
+
+    Every row feeds ``1 + width`` positions (shorter rows are padded), so a row drafting up
+    to the width costs nothing extra: the choice is the width, and it is the one with the
+    most expected tokens per second over the whole batch, ``sum_i E_i(min(width, g_i)) /
+    t(rows * (1 + width))``. ``on`` rows always verify their whole draft, ``off`` rows none.
+    Until step times are ``calibrated`` the width is capped by the cold-start table.
+    """
+    if not rows:
+        return []
+    forced = max((row.num_available for row in rows if row.mode == "on"), default=0)
+    available = max((row.num_available for row in rows if row.mode == "auto"), default=0)
+    cap = available if calibrated else min(available, cold_start_cap(len(rows)))
+    rates = [row.acceptance.rates(row.match_length) for row in rows]
+    best_width, best_rate = forced, -1.0
+    for width in range(forced, max(forced, cap) + 1):
+        expected = 0.0
+        for row, (a_first, a_next) in zip(rows, rates):
+            if row.mode == "off":
+                expected += 1.0
+            else:
+                expected += expected_tokens(a_first, a_next, min(width, row.num_available))
+        rate = expected / step_time.estimate(len(rows) * (1 + width))
         if rate > best_rate:
-            best_length, best_rate = length, rate
-    return best_length
+            best_width, best_rate = width, rate
+    return [0 if row.mode == "off" else min(best_width, row.num_available) for row in rows]

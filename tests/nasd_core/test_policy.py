@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from nasd_core.metrics import SpecStats
-from nasd_core.policy import AcceptanceEstimator, StepTimeModel, choose_draft_length, expected_tokens
+from nasd_core.policy import (
+    AcceptanceEstimator,
+    RowDraft,
+    StepTimeModel,
+    choose_batch_draft_lengths,
+    choose_draft_length,
+    cold_start_cap,
+    expected_tokens,
+)
 
 
 def test_expected_tokens_is_the_geometric_sum():
@@ -71,3 +79,30 @@ def test_spec_stats_count_acceptance_by_position_and_merge():
     total.merge(stats)
     assert total.num_emitted == 10 and total.drafted_by_position == [4, 2, 2]
     assert total.accepted_by_source == {"request": 4, "pool": 0}
+
+
+def row(mode: str, available: int, match_length: int, accepted_all: bool | None) -> RowDraft:
+    estimator = AcceptanceEstimator()
+    for _ in range(40):
+        if accepted_all is not None:
+            estimator.record(match_length, available or 1, (available or 1) if accepted_all else 0)
+    return RowDraft(mode, available, match_length, estimator)
+
+
+def test_batch_policy_speculates_for_small_batches_and_stops_for_large_ones():
+    step_time = StepTimeModel()
+    # Cost proportional to the tokens fed beyond a fixed part: speculation pays only for few rows.
+    for num_tokens in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]:
+        step_time.observe(num_tokens, 0.05 + 0.004 * num_tokens)
+    small = [row("auto", 6, 6, True) for _ in range(2)]
+    assert choose_batch_draft_lengths(small, step_time, calibrated=True) == [6, 6]
+    large = [row("auto", 6, 1, False) for _ in range(64)]
+    assert choose_batch_draft_lengths(large, step_time, calibrated=True) == [0] * 64
+    mixed = [row("on", 3, 1, False), row("off", 5, 6, True), row("auto", 2, 6, True)]
+    assert choose_batch_draft_lengths(mixed, step_time, calibrated=True) == [3, 0, 2]
+
+
+def test_cold_start_table_caps_the_width_until_calibrated():
+    assert cold_start_cap(1) == 5 and cold_start_cap(32) == 3 and cold_start_cap(33) == 0
+    rows = [row("auto", 10, 8, True) for _ in range(8)]
+    assert choose_batch_draft_lengths(rows, StepTimeModel(), calibrated=False) == [3] * 8

@@ -1,0 +1,176 @@
+"""Engine concurrency sweep: throughput and per-token latency for speculation off / on / auto.
+
+For each mix and concurrency C, the engine runs with ``max_batch_rows=C`` and is handed
+``2*C`` requests at once, so continuous batching keeps C of them in flight. All modes run
+in the same process on the same prompts; the report gives ratios to ``off``.
+
+    python -m benchmarks.concurrency            # C = 1, 4, 16, 32; 64 tokens per request
+    python -m benchmarks.concurrency --quick    # C = 1, 4, 16; 48 tokens per request
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from itertools import cycle, islice
+
+import numpy as np
+from tqdm import tqdm
+
+from benchmarks.common import RESULTS_DIR, run_metadata, write_result
+from benchmarks.workloads import make_workload
+from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from nasd_core.engine import Engine
+from nasd_core.generate import measure_step_times
+from nasd_core.models import load_model
+
+MIXES = {
+    "repetitive": ("code_edit", "rag_quote", "json_reformat", "translation"),
+    "non_repetitive": ("creative",),
+}
+MODES = ("off", "on", "auto")
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else 0.0
+
+
+def run_cell(
+    model, tokenizer, prompts: list[list[int]], concurrency: int, mode: str, max_tokens: int
+) -> dict:
+    """One (concurrency, mode) measurement over ``prompts``."""
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=concurrency, max_waiting=len(prompts)))
+    last_emit: dict[str, float] = {}
+    per_token_s: list[float] = []
+    first_token_s: list[float] = []
+
+    def on_tokens(request, token_ids) -> None:
+        now = time.perf_counter()
+        if not token_ids:
+            return
+        previous = last_emit.get(request.request_id)
+        if previous is None:
+            first_token_s.append(now - request.arrival_time)
+        else:
+            # A step that emits k tokens spreads its wait over them: per-token latency.
+            per_token_s.extend([(now - previous) / len(token_ids)] * len(token_ids))
+        last_emit[request.request_id] = now
+
+    started = time.perf_counter()
+    ids = [
+        engine.add_request(
+            prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode=mode), on_tokens=on_tokens
+        )
+        for prompt in prompts
+    ]
+    while not engine.is_finished():
+        engine.step()
+    elapsed = time.perf_counter() - started
+    results = [engine.pop_result(request_id) for request_id in ids]
+    num_tokens = sum(len(result.token_ids) for result in results)
+    return {
+        "requests": len(prompts),
+        "tokens": num_tokens,
+        "seconds": round(elapsed, 3),
+        "tokens_per_s": round(num_tokens / elapsed, 2),
+        "tokens_per_step": round(engine.stats.tokens_per_step, 3),
+        "ttft_p50_ms": round(1000 * percentile(first_token_s, 50), 1),
+        "ttft_p99_ms": round(1000 * percentile(first_token_s, 99), 1),
+        "itl_p50_ms": round(1000 * percentile(per_token_s, 50), 1),
+        "itl_p99_ms": round(1000 * percentile(per_token_s, 99), 1),
+        "draft_width_histogram": dict(sorted(engine.width_histogram.items())),
+        "outputs": [result.token_ids for result in results],
+    }
+
+
+def run_sweep(levels: list[int], max_tokens: int, dtype: str) -> dict:
+    model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
+    # Calibrate the step-time model over the token counts a sweep feeds (rows x width).
+    measure_step_times(
+        model, sorted({*range(1, 18), *(c * w for c in levels for w in (1, 2, 4, 6, 11, 17))}), repeats=2
+    )
+    sweep: dict[str, dict] = {}
+    cells = [(mix, level) for mix in MIXES for level in levels]
+    for mix, level in tqdm(cells, desc="concurrency", unit="cell"):
+        conversations = [conv for name in MIXES[mix] for conv in make_workload(name, 8, seed=3)]
+        prompts = [
+            tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for conv in islice(cycle(conversations), 2 * level)
+        ]
+        row = {mode: run_cell(model, tokenizer, prompts, level, mode, max_tokens) for mode in MODES}
+        # Greedy: every mode must produce the same tokens; a mismatch is reported, not hidden.
+        reference = row["off"]["outputs"]
+        for mode in MODES:
+            row[mode]["identical_to_off"] = row[mode].pop("outputs") == reference
+            row[mode]["ratio_to_off"] = round(row[mode]["tokens_per_s"] / row["off"]["tokens_per_s"], 3)
+        sweep.setdefault(mix, {})[str(level)] = row
+    return {
+        "benchmark": "concurrency",
+        "meta": {**run_metadata(model, dtype, "benchmarks.concurrency"), "max_tokens": max_tokens},
+        "sweep": sweep,
+    }
+
+
+def markdown_table(payload: dict) -> str:
+    lines = [
+        "| mix | concurrency | off tok/s | on | auto | auto ITL p50 / p99 ms | auto tokens/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for mix, levels in payload["sweep"].items():
+        for level, row in levels.items():
+            flags = "" if all(row[m]["identical_to_off"] for m in MODES) else " ≠"
+            lines.append(
+                f"| {mix} | {level} | {row['off']['tokens_per_s']:.1f} | {row['on']['ratio_to_off']:.2f}x "
+                f"| {row['auto']['ratio_to_off']:.2f}x{flags} | {row['auto']['itl_p50_ms']:.0f} / "
+                f"{row['auto']['itl_p99_ms']:.0f} | {row['auto']['tokens_per_step']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def plot(payload: dict, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(
+        1, len(payload["sweep"]), figsize=(6 * len(payload["sweep"]), 4), squeeze=False
+    )
+    for axis, (mix, levels) in zip(axes[0], payload["sweep"].items()):
+        concurrency = [int(level) for level in levels]
+        for mode in MODES:
+            axis.plot(
+                concurrency,
+                [levels[str(c)][mode]["tokens_per_s"] for c in concurrency],
+                marker="o",
+                label=mode,
+            )
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(concurrency, [str(c) for c in concurrency])
+        axis.set_xlabel("concurrent requests")
+        axis.set_ylabel("output tokens/s")
+        axis.set_title(f"{mix} mix")
+        axis.legend()
+    figure.tight_layout()
+    plots = RESULTS_DIR.parent / "plots"
+    plots.mkdir(exist_ok=True)
+    figure.savefig(plots / f"{name}.png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    levels = [1, 4, 16] if args.quick else [1, 4, 16, 32]
+    payload = run_sweep(levels, 48 if args.quick else 64, args.dtype)
+    name = f"concurrency_{args.dtype}{'_quick' if args.quick else ''}"
+    write_result(name, payload)
+    plot(payload, name)
+    print(markdown_table(payload))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""One request's state inside the engine: tokens, stop checker, drafter, generator, counters."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nasd_core.config import SamplingParams, SpecConfig
+from nasd_core.drafter import RequestDrafter
+from nasd_core.metrics import SpecStats
+from nasd_core.policy import AcceptanceEstimator
+from nasd_core.stopping import StopChecker
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """A request from admission to its last token.
+
+    ``tokens`` is the prompt followed by the output; its last token is the one the next
+    verification step feeds (the model has keys and values for all the others).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    spec: SpecConfig
+    stopper: StopChecker
+    drafter: RequestDrafter
+    generator: np.random.Generator
+    on_tokens: Callable[[Request, list[int]], None] | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    tokens: list[int] = field(default_factory=list)
+    acceptance: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
+    stats: SpecStats = field(default_factory=SpecStats)
+    num_prefilled: int = 0
+    prefill_cache: object | None = None
+    cancelled: bool = False
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.stopper.output_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return "cancelled" if self.cancelled else self.stopper.finish_reason

@@ -1,0 +1,158 @@
+"""Continuous-batching engine on the real model: batched identity, seeds, cancellation, queue limits."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nasd_core import SamplingParams, SpecConfig, generate
+from nasd_core.async_engine import AsyncEngine
+from nasd_core.config import EngineConfig
+from nasd_core.engine import Engine
+from nasd_core.errors import EngineOverloadedError, InvalidRequestError
+
+PROMPTS = [
+    "one, two, three, four, five,",
+    "The cat sat on the mat. The dog sat on the log. The bird sat on the",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Monday, Tuesday,",
+    '{"name": "Ada", "age": 36}\n{"name": "Alan", "age": 41}\n{"name": "Grace", "age":',
+    "To be, or not to be,",
+    "The cat sat on the mat. The cat sat on the",
+    "SELECT name FROM users WHERE age > 30;\nSELECT name FROM users WHERE",
+    "Hi",
+    "alpha beta gamma alpha beta gamma alpha",
+    "<ul>\n  <li>apple</li>\n  <li>banana</li>\n  <li>",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
+MAX_TOKENS = [14, 20, 24, 10, 18, 12, 22, 16, 8, 20, 15, 24]
+
+
+@pytest.fixture(scope="module")
+def single_runs(model, tokenizer):
+    """Each prompt's single-sequence greedy output (itself equal to transformers' greedy)."""
+    return [
+        generate(
+            model, tokenizer, prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off")
+        ).token_ids
+        for prompt, max_tokens in zip(PROMPTS, MAX_TOKENS)
+    ]
+
+
+def run_staggered(
+    engine: Engine, prompts, max_tokens, spec: SpecConfig, params_for=None
+) -> dict[int, list[int]]:
+    """Add the prompts a few at a time between steps, run to completion, outputs by prompt index."""
+    ids: dict[int, str] = {}
+    pending = list(range(len(prompts)))
+    while pending or not engine.is_finished():
+        for _ in range(min(3, len(pending))):
+            index = pending.pop(0)
+            params = params_for(index) if params_for else SamplingParams(max_tokens=max_tokens[index])
+            ids[index] = engine.add_request(prompts[index], params, spec)
+        for _ in range(2):
+            engine.step()
+    return {index: engine.pop_result(request_id).token_ids for index, request_id in ids.items()}
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+@pytest.mark.parametrize("compact_waste_ratio", [0.5, 0.01], ids=["default_compaction", "compact_every_step"])
+def test_batched_greedy_equals_single_sequence_runs(model, tokenizer, single_runs, mode, compact_waste_ratio):
+    config = EngineConfig(max_batch_rows=8, prefill_chunk_tokens=16, compact_waste_ratio=compact_waste_ratio)
+    engine = Engine(model, tokenizer, config)
+    engine.batch.min_compact_columns = 0 if compact_waste_ratio < 0.5 else engine.batch.min_compact_columns
+    outputs = run_staggered(engine, PROMPTS, MAX_TOKENS, SpecConfig(mode=mode, num_draft_tokens=5))
+    mismatches = [i for i, expected in enumerate(single_runs) if outputs[i] != expected]
+    assert not mismatches, f"rows {mismatches} differ from their single-sequence runs"
+    assert engine.stats.num_accepted > 0, "speculation was not exercised"
+    assert max(engine.width_histogram) > 0
+    if compact_waste_ratio < 0.5:
+        assert engine.batch.num_compactions > 0
+    assert engine.batch.num_rows == 0 and not engine.requests
+
+
+def test_sampled_requests_keep_their_seed_whatever_the_batch(model, tokenizer):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=1234)
+    alone = Engine(model, tokenizer).generate([PROMPTS[1]], params)[0].token_ids
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=6))
+    crowd = [SamplingParams(max_tokens=12, temperature=1.0, seed=seed) for seed in range(5)]
+    outputs = run_staggered(
+        engine,
+        [PROMPTS[0], PROMPTS[2], PROMPTS[1], PROMPTS[4], PROMPTS[9], PROMPTS[3]],
+        None,
+        SpecConfig(mode="on"),
+        params_for=lambda i: params if i == 2 else crowd[i % 5],
+    )
+    assert outputs[2] == alone
+
+
+def test_cancellation_leaves_other_requests_untouched(model, tokenizer, single_runs):
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=4))
+    ids = [engine.add_request(PROMPTS[i], SamplingParams(max_tokens=MAX_TOKENS[i])) for i in range(4)]
+    waiting_id = engine.add_request(PROMPTS[5], SamplingParams(max_tokens=10))
+    for _ in range(3):
+        engine.step()
+    assert engine.cancel(ids[2])  # running
+    assert engine.cancel(waiting_id)  # still queued
+    assert not engine.cancel("no-such-request")
+    while not engine.is_finished():
+        engine.step()
+    cancelled = engine.pop_result(ids[2])
+    assert cancelled.finish_reason == "cancelled"
+    assert single_runs[2][: len(cancelled.token_ids)] == cancelled.token_ids
+    for i in (0, 1, 3):
+        assert engine.pop_result(ids[i]).token_ids == single_runs[i]
+
+
+def test_full_queue_refuses_new_requests_and_keeps_the_others(model, tokenizer, single_runs):
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=1, max_waiting=2))
+    first = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS[0]))
+    second = engine.add_request(PROMPTS[3], SamplingParams(max_tokens=MAX_TOKENS[3]))
+    with pytest.raises(EngineOverloadedError):
+        engine.add_request(PROMPTS[5], SamplingParams(max_tokens=5))
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("", SamplingParams(max_tokens=5))
+    while not engine.is_finished():
+        engine.step()
+    assert engine.pop_result(first).token_ids == single_runs[0]
+    assert engine.pop_result(second).token_ids == single_runs[3]
+
+
+def test_async_engine_streams_concurrent_requests(model, tokenizer, single_runs):
+    async_engine = AsyncEngine(Engine(model, tokenizer, EngineConfig(max_batch_rows=4)))
+    async_engine.start()
+
+    async def collect(index: int) -> tuple[list[int], str | None]:
+        tokens, reason = [], None
+        async for chunk in async_engine.generate(
+            PROMPTS[index], SamplingParams(max_tokens=MAX_TOKENS[index])
+        ):
+            tokens.extend(chunk.token_ids)
+            reason = chunk.finish_reason
+        return tokens, reason
+
+    async def abandon() -> int:
+        received = 0
+        async for chunk in async_engine.generate(PROMPTS[11], SamplingParams(max_tokens=64)):
+            received += len(chunk.token_ids)
+            if received >= 3:
+                break  # the client goes away: the request must be cancelled
+        return received
+
+    async def scenario():
+        with pytest.raises(InvalidRequestError):
+            async for _ in async_engine.generate([], SamplingParams(max_tokens=4)):
+                pass
+        return await asyncio.gather(*(collect(i) for i in range(6)), abandon())
+
+    try:
+        results = asyncio.run(scenario())
+        for index, (tokens, reason) in enumerate(results[:6]):
+            assert tokens == single_runs[index]
+            assert reason in ("stop", "length")
+        engine = async_engine.engine
+        assert async_engine.call(lambda e: e.is_finished() and not e.requests).result(timeout=30)
+        assert engine.batch.num_rows == 0
+    finally:
+        async_engine.shutdown()
