@@ -1,7 +1,7 @@
 """Engine concurrency sweep: throughput and per-token latency for speculation off / on / auto.
 
 For each mix and concurrency C, the engine runs with ``max_batch_rows=C`` and is handed
-``2*C`` requests at once, so continuous batching keeps C of them in flight. All modes run
+``max(2*C, 6)`` requests at once, so continuous batching keeps C of them in flight. All modes run
 in the same process on the same prompts; the report gives ratios to ``off``.
 
     python -m benchmarks.concurrency            # C = 1, 4, 16, 32; 64 tokens per request
