@@ -16,6 +16,7 @@ import torch
 from nasd_core.config import IndexConfig, SamplingParams, SpecConfig, build
 from nasd_core.generate import generate
 from nasd_core.ngram import NGramIndex
+from nasd_core.sampling import logits_to_probs
 
 # A storage is private to its caller; its budget only guards against runaway growth.
 _STORAGE_MAX_ENTRIES = 10_000_000
@@ -100,8 +101,6 @@ class LogitsProcessor:
         self.params = build(SamplingParams, temperature=temperature, top_k=top_k, top_p=top_p)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        from nasd_core.sampling import logits_to_probs
-
         if self.params.is_greedy:
             return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
         return logits_to_probs(logits, self.params)

@@ -28,10 +28,10 @@ from nasd_core.generate import GenerationResult, check_context, encode_prompt, e
 from nasd_core.metrics import SpecStats
 from nasd_core.ngram import NGramIndex
 from nasd_core.policy import RowDraft, choose_batch_draft_lengths
-from nasd_core.sampling import logits_to_probs, make_generator
+from nasd_core.sampling import make_generator
 from nasd_core.sequence import Request, RequestStatus
 from nasd_core.stopping import StopChecker
-from nasd_core.verify import verify_greedy, verify_sampled
+from nasd_core.verify import verify
 
 TokenListener = Callable[[Request, list[int]], None]
 
@@ -264,17 +264,12 @@ class Engine:
             past_key_values=self.batch.cache,
             use_cache=True,
         )
-        logits = output.logits
-        greedy_ids = logits.argmax(dim=-1).tolist()
-        emitted_rows = []
-        for index, (request, draft, length) in enumerate(zip(rows, drafts, lengths)):
-            proposal = draft.tokens[:length]
-            if request.params.is_greedy:
-                emitted = verify_greedy(greedy_ids[index][: length + 1], proposal)
-            else:
-                probs = logits_to_probs(logits[index, : length + 1], request.params)
-                emitted = verify_sampled(probs, proposal, request.generator)
-            emitted_rows.append(emitted)
+        emitted_rows = [
+            verify(
+                output.logits[index, : length + 1], draft.tokens[:length], request.params, request.generator
+            )
+            for index, (request, draft, length) in enumerate(zip(rows, drafts, lengths))
+        ]
         step_s = time.perf_counter() - forward_started
         self.step_time.observe(len(rows) * width, step_s)
         self.batch.commit([len(emitted) for emitted in emitted_rows], width)
@@ -283,17 +278,12 @@ class Engine:
         learn_started = time.perf_counter()
         now = time.perf_counter()
         for request, draft, length, emitted in zip(rows, drafts, lengths, emitted_rows):
-            num_accepted = len(emitted) - 1
-            request.acceptance.record(draft.match_length, length, num_accepted)
-            num_taken = request.stopper.extend(emitted)
-            request.tokens.extend(emitted[:num_taken])
-            request.drafter.observe(request.tokens)
-            request.stats.record_step(length, num_accepted, num_taken, draft.source if length else None)
+            kept = request.advance(draft, length, emitted)
             request.stats.decode_time_s += step_s
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.on_tokens is not None:
-                request.on_tokens(request, emitted[:num_taken])
+                request.on_tokens(request, kept)
         share = (drafting_s + time.perf_counter() - learn_started) / len(rows)
         for request in rows:
             request.stats.drafting_time_s += share

@@ -16,14 +16,15 @@ from dataclasses import dataclass, field
 import torch
 
 from nasd_core.config import SamplingParams, SpecConfig, build
-from nasd_core.drafter import Draft, RequestDrafter
+from nasd_core.drafter import RequestDrafter
 from nasd_core.errors import ContextLengthError, InvalidRequestError
 from nasd_core.metrics import SpecStats
 from nasd_core.ngram import NGramIndex
-from nasd_core.policy import AcceptanceEstimator, StepTimeModel, choose_draft_length
-from nasd_core.sampling import logits_to_probs, make_generator
+from nasd_core.policy import StepTimeModel, choose_draft_length
+from nasd_core.sampling import make_generator
+from nasd_core.sequence import Request
 from nasd_core.stopping import FinishReason, StopChecker
-from nasd_core.verify import verify_greedy, verify_sampled
+from nasd_core.verify import verify
 
 TokenCallback = Callable[[list[int]], None]
 
@@ -184,14 +185,18 @@ def generate(
     prompt_ids = encode_prompt(tokenizer, prompt, vocab_size)
     check_context(model, len(prompt_ids), params.max_tokens)
 
-    stats = SpecStats()
-    stopper = StopChecker(tokenizer, params, eos_ids(model, tokenizer))
-    drafter = RequestDrafter(spec, shared, local_index, vocab_size, params.seed)
-    generator = make_generator(params.seed)
+    request = Request(
+        request_id="generate",
+        prompt_ids=prompt_ids,
+        params=params,
+        spec=spec,
+        stopper=StopChecker(tokenizer, params, eos_ids(model, tokenizer)),
+        drafter=RequestDrafter(spec, shared, local_index, vocab_size, params.seed),
+        generator=make_generator(params.seed),
+    )
+    stats, drafter = request.stats, request.drafter
     decoder = KVDecoder(model, use_cache)
-    acceptance = AcceptanceEstimator()
     step_time = step_time if step_time is not None else model_step_time(model)
-    tokens = list(prompt_ids)
 
     # Prefill all but the last prompt token: every step, the first included, then looks
     # the same - [last token, drafts...] - and the first step can already speculate.
@@ -199,49 +204,44 @@ def generate(
     if len(prompt_ids) > 1:
         decoder.forward(prompt_ids[:-1])
     stats.prefill_time_s = time.perf_counter() - started
-    drafter.observe(tokens)
+    drafter.observe(request.tokens)
     stats.drafting_time_s += time.perf_counter() - started - stats.prefill_time_s
 
     decode_started = time.perf_counter()
-    while not stopper.is_finished:
+    while not request.stopper.is_finished:
         draft_started = time.perf_counter()
-        max_draft = min(spec.num_draft_tokens, stopper.num_remaining - 1) if spec.is_speculating else 0
-        draft = drafter.propose(tokens, max_draft)
+        max_draft = (
+            min(spec.num_draft_tokens, request.stopper.num_remaining - 1) if spec.is_speculating else 0
+        )
+        draft = drafter.propose(request.tokens, max_draft)
+        num_drafted = len(draft.tokens)
         if spec.mode == "auto" and draft.tokens:
-            keep = choose_draft_length(len(draft.tokens), draft.match_length, acceptance, step_time)
-            draft = Draft(draft.tokens[:keep], draft.source if keep else None, draft.match_length)
+            num_drafted = choose_draft_length(num_drafted, draft.match_length, request.acceptance, step_time)
         stats.drafting_time_s += time.perf_counter() - draft_started
 
         forward_started = time.perf_counter()
-        logits = decoder.forward([tokens[-1], *draft.tokens])
-        if params.is_greedy:
-            emitted = verify_greedy(logits.argmax(dim=-1).tolist(), draft.tokens)
-        else:
-            emitted = verify_sampled(logits_to_probs(logits, params), draft.tokens, generator)
-        step_time.observe(1 + len(draft.tokens), time.perf_counter() - forward_started)
-        num_accepted = len(emitted) - 1
-        decoder.discard(len(draft.tokens) - num_accepted)
-        acceptance.record(draft.match_length, len(draft.tokens), num_accepted)
+        proposal = draft.tokens[:num_drafted]
+        logits = decoder.forward([request.tokens[-1], *proposal])
+        emitted = verify(logits, proposal, params, request.generator)
+        step_time.observe(1 + num_drafted, time.perf_counter() - forward_started)
+        decoder.discard(num_drafted - (len(emitted) - 1))
 
         learn_started = time.perf_counter()
         if spec.filler_top_k > 1 and spec.is_speculating:
             top = torch.topk(logits[: len(emitted)], spec.filler_top_k, dim=-1).indices.tolist()
-            tail = tokens[-spec.max_ngram :]
+            tail = request.tokens[-spec.max_ngram :]
             for position, alternatives in enumerate(top):
                 drafter.learn_alternatives(tail + emitted[:position], alternatives)
-        num_taken = stopper.extend(emitted)
-        tokens.extend(emitted[:num_taken])
-        drafter.observe(tokens)
+        kept = request.advance(draft, num_drafted, emitted)
         stats.drafting_time_s += time.perf_counter() - learn_started
-        stats.record_step(len(draft.tokens), num_accepted, num_taken, draft.source)
         if on_tokens is not None:
-            on_tokens(emitted[:num_taken])
+            on_tokens(kept)
     stats.decode_time_s = time.perf_counter() - decode_started
 
     return GenerationResult(
-        token_ids=stopper.output_ids,
-        text=stopper.text(),
-        finish_reason=stopper.finish_reason or "length",
+        token_ids=request.output_ids,
+        text=request.stopper.text(),
+        finish_reason=request.stopper.finish_reason or "length",
         prompt_ids=prompt_ids,
         stats=stats,
     )

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nasd_core.config import SamplingParams, SpecConfig
-from nasd_core.drafter import RequestDrafter
+from nasd_core.drafter import Draft, RequestDrafter
 from nasd_core.metrics import SpecStats
 from nasd_core.policy import AcceptanceEstimator
 from nasd_core.stopping import StopChecker
@@ -64,3 +64,16 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return "cancelled" if self.cancelled else self.stopper.finish_reason
+
+    def advance(self, draft: Draft, num_drafted: int, emitted: list[int]) -> list[int]:
+        """Take one verified step: ``num_drafted`` tokens of ``draft`` were verified and
+        ``emitted`` came out. Updates the output, the drafter, acceptance and counters;
+        returns the tokens actually kept (a stop condition can cut the step short)."""
+        num_accepted = len(emitted) - 1
+        self.acceptance.record(draft.match_length, num_drafted, num_accepted)
+        num_taken = self.stopper.extend(emitted)
+        kept = emitted[:num_taken]
+        self.tokens.extend(kept)
+        self.drafter.observe(self.tokens)
+        self.stats.record_step(num_drafted, num_accepted, num_taken, draft.source if num_drafted else None)
+        return kept

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from nasd_core.sampling import sample_token
+from nasd_core.config import SamplingParams
+from nasd_core.sampling import logits_to_probs, sample_token
 
 
 def verify_greedy(target_ids: Sequence[int], draft: Sequence[int]) -> list[int]:
@@ -46,3 +47,12 @@ def verify_sampled(probs: torch.Tensor, draft: Sequence[int], generator: np.rand
         if position == len(draft) or token != draft[position]:
             break
     return emitted
+
+
+def verify(
+    logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, generator: np.random.Generator
+) -> list[int]:
+    """Emitted tokens of one row from its ``[len(draft) + 1, vocab]`` logits, by the request's rule."""
+    if params.is_greedy:
+        return verify_greedy(logits.argmax(dim=-1).tolist(), draft)
+    return verify_sampled(logits_to_probs(logits, params), draft, generator)
