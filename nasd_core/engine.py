@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from nasd_core.batch_kv import BatchKV
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
-from nasd_core.drafter import EMPTY_DRAFT, RequestDrafter
+from nasd_core.drafter import RequestDrafter
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
 from nasd_core.generate import GenerationResult, check_context, encode_prompt, eos_ids, model_step_time
 from nasd_core.metrics import SpecStats
@@ -227,12 +227,7 @@ class Engine:
     def _decode(self) -> None:
         rows = self.running
         started = time.perf_counter()
-        drafts = []
-        for request in rows:
-            cap = min(request.spec.num_draft_tokens, request.stopper.num_remaining - 1)
-            drafts.append(
-                request.drafter.propose(request.tokens, cap) if request.spec.is_speculating else EMPTY_DRAFT
-            )
+        drafts = [request.propose() for request in rows]
         lengths = choose_batch_draft_lengths(
             [
                 RowDraft(

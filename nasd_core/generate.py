@@ -164,7 +164,7 @@ def generate(
         tokenizer: its tokenizer.
         prompt: text (tokenized without special tokens) or token ids.
         params: sampling parameters (default: greedy, 128 tokens).
-        spec: speculation settings (default: auto, draft cap 10, hybrid request-local source).
+        spec: speculation settings (default: auto, draft cap 16, hybrid request-local source).
         shared: read-only ``(name, index)`` draft sources after the request's own tokens.
         use_cache: keep the KV-cache across steps (False recomputes every step).
         on_tokens: called with each step's newly emitted tokens (streaming).
@@ -210,10 +210,7 @@ def generate(
     decode_started = time.perf_counter()
     while not request.stopper.is_finished:
         draft_started = time.perf_counter()
-        max_draft = (
-            min(spec.num_draft_tokens, request.stopper.num_remaining - 1) if spec.is_speculating else 0
-        )
-        draft = drafter.propose(request.tokens, max_draft)
+        draft = request.propose()
         num_drafted = len(draft.tokens)
         if spec.mode == "auto" and draft.tokens:
             num_drafted = choose_draft_length(num_drafted, draft.match_length, request.acceptance, step_time)

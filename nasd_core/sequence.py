@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nasd_core.config import SamplingParams, SpecConfig
-from nasd_core.drafter import Draft, RequestDrafter
+from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
 from nasd_core.metrics import SpecStats
 from nasd_core.policy import AcceptanceEstimator
 from nasd_core.stopping import StopChecker
@@ -64,6 +64,15 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return "cancelled" if self.cancelled else self.stopper.finish_reason
+
+    def propose(self) -> Draft:
+        """This step's draft: up to the draft cap, never past ``max_tokens`` (the step's own
+        token always comes on top), nothing when the request does not speculate."""
+        if not self.spec.is_speculating:
+            return EMPTY_DRAFT
+        return self.drafter.propose(
+            self.tokens, min(self.spec.num_draft_tokens, self.stopper.num_remaining - 1)
+        )
 
     def advance(self, draft: Draft, num_drafted: int, emitted: list[int]) -> list[int]:
         """Take one verified step: ``num_drafted`` tokens of ``draft`` were verified and
