@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from nasd_core.config import SamplingParams, SpecConfig
 from nasd_core.engine import Engine
 from nasd_core.metrics import SpecStats
+from nasd_core.ngram import NGramIndex
 from nasd_core.sequence import Request
 
 logger = logging.getLogger(__name__)
@@ -85,8 +86,11 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         spec: SpecConfig | None = None,
         request_id: str | None = None,
+        shared: Sequence[tuple[str, NGramIndex]] | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream one request's tokens. Leaving the iteration early cancels the request.
+
+        ``shared`` overrides the engine's shared draft sources for this request.
 
         Raises:
             InvalidRequestError, EngineOverloadedError: from ``Engine.add_request``.
@@ -103,7 +107,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(chunks.put_nowait, chunk)
 
         def add(engine: Engine) -> str:
-            return engine.add_request(prompt, params, spec, request_id, on_tokens=on_tokens)
+            return engine.add_request(prompt, params, spec, request_id, on_tokens=on_tokens, shared=shared)
 
         added_id = await asyncio.wrap_future(self.call(add))
         finished = False

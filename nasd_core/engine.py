@@ -79,8 +79,12 @@ class Engine:
         spec: SpecConfig | None = None,
         request_id: str | None = None,
         on_tokens: TokenListener | None = None,
+        shared: Sequence[tuple[str, NGramIndex]] | None = None,
     ) -> str:
         """Queue a request; returns its id.
+
+        ``shared`` replaces the engine's shared draft sources for this request only (a
+        tenant reads only its own indexes); None keeps the engine's.
 
         Raises:
             InvalidRequestError: bad prompt or parameters (nothing is queued).
@@ -103,7 +107,9 @@ class Engine:
             params=params,
             spec=spec,
             stopper=StopChecker(self.tokenizer, params, self.eos_token_ids),
-            drafter=RequestDrafter(spec, self.shared, vocab_size=self.vocab_size, seed=params.seed),
+            drafter=RequestDrafter(
+                spec, self.shared if shared is None else shared, vocab_size=self.vocab_size, seed=params.seed
+            ),
             generator=make_generator(params.seed),
             on_tokens=on_tokens,
             arrival_time=time.perf_counter(),

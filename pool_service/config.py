@@ -1,0 +1,77 @@
+"""Settings of the shared n-gram pool, passed down from the service to the sync workers."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from nasd_core.config import IndexConfig
+
+# Stream retention: ~20k finished sequences of a few hundred tokens is a few MB in Redis and
+# replays into a local index in well under a second; older text is less likely to recur.
+DEFAULT_MAX_STREAM_LEN = 20_000
+DEFAULT_MAX_SEQUENCE_TOKENS = 8_192
+DEFAULT_PUBLISH_BATCH = 64
+DEFAULT_FLUSH_INTERVAL_MS = 50
+DEFAULT_READ_BATCH = 512
+# A blocking read returns as soon as an entry arrives, so the block time only bounds how often
+# an idle replica polls: long blocks keep Redis commands per generated token low.
+DEFAULT_READ_BLOCK_MS = 10_000
+DEFAULT_MAX_PENDING = 4_096
+DEFAULT_SOCKET_TIMEOUT_S = 2.0
+DEFAULT_BACKOFF_INITIAL_S = 0.1
+DEFAULT_BACKOFF_MAX_S = 5.0
+DEFAULT_WARM_START_TIMEOUT_S = 5.0
+DEFAULT_MAX_TENANTS = 64
+# The pool-fed and replica indexes hold other requests' n-grams: bigger than a request's own.
+DEFAULT_POOL_INDEX = IndexConfig(max_entries=2_000_000)
+SCHEMA_VERSION = 1
+
+
+class PoolConfig(BaseModel):
+    """Where the shared pool lives and how a replica syncs with it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    redis_url: str | None = Field(
+        None,
+        description="redis:// or rediss:// URL (password in the URL); None = an in-process pool "
+        "(one replica, or several replicas in one process).",
+    )
+    tenant_isolation: bool = Field(
+        False,
+        description="Each tenant (the request's `user`) drafts only from its own namespace. A shared "
+        "draft pool is a timing side channel: a fast response tells one user that another wrote the text.",
+    )
+    max_tenants: int = Field(DEFAULT_MAX_TENANTS, ge=1, description="Most tenant namespaces per replica.")
+    max_stream_len: int = Field(
+        DEFAULT_MAX_STREAM_LEN,
+        ge=1,
+        description="Finished sequences the pool retains (approximate trim).",
+    )
+    max_sequence_tokens: int = Field(
+        DEFAULT_MAX_SEQUENCE_TOKENS, ge=2, description="Longer sequences are published by their last tokens."
+    )
+    publish_batch: int = Field(DEFAULT_PUBLISH_BATCH, ge=1, description="Sequences per publish call.")
+    flush_interval_ms: int = Field(
+        DEFAULT_FLUSH_INTERVAL_MS, ge=1, description="Write-behind delay that lets publishes batch."
+    )
+    read_batch: int = Field(DEFAULT_READ_BATCH, ge=1, description="Entries per read call.")
+    read_block_ms: int = Field(DEFAULT_READ_BLOCK_MS, ge=1, description="Longest wait of one blocking read.")
+    max_pending: int = Field(
+        DEFAULT_MAX_PENDING,
+        ge=1,
+        description="Unpublished sequences kept while Redis is away.",
+    )
+    socket_timeout_s: float = Field(
+        DEFAULT_SOCKET_TIMEOUT_S, gt=0, description="A Redis call slower than this counts as Redis down."
+    )
+    backoff_initial_s: float = Field(DEFAULT_BACKOFF_INITIAL_S, gt=0, description="First reconnect delay.")
+    backoff_max_s: float = Field(DEFAULT_BACKOFF_MAX_S, gt=0, description="Longest reconnect delay.")
+    warm_start_timeout_s: float = Field(
+        DEFAULT_WARM_START_TIMEOUT_S,
+        ge=0,
+        description="How long start() waits for the retained pool to replay before serving anyway.",
+    )
+    index: IndexConfig = Field(
+        default_factory=lambda: DEFAULT_POOL_INDEX, description="Bounds of the replica and pool-fed indexes."
+    )

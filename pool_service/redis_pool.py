@@ -1,0 +1,160 @@
+"""RedisPool: the shared pool on Redis, one bounded stream per namespace.
+
+Keys (the braces are a Redis Cluster hash tag, so a namespace's keys share a slot and the
+publish script may touch them together):
+
+* ``nasd:{ns}:seqs`` - stream of finished sequences, ``XADD ... MAXLEN ~ max_stream_len``;
+* ``nasd:{ns}:seen`` - sorted set of content digests, trimmed to 2 x max_stream_len, so a
+  sequence that several replicas (or users) finish is stored once;
+* ``nasd:{ns}:meta`` - hash: schema version, epoch (new when the pool is recreated), created.
+
+A publish is one ``EVALSHA`` for a whole batch (dedup + append + trims run atomically in
+Redis); a read is one blocking ``XREAD``. Memory is bounded by the stream length times the
+sequence length cap; run Redis with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` (or
+``volatile-lru``) as a last resort, never ``noeviction``, which would turn a full pool into
+failed publishes (which the worker survives, but the pool then stops learning).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+from collections.abc import Sequence
+
+import redis.asyncio as redis
+from redis.exceptions import RedisError
+
+from pool_service.codec import pack_tokens, sequence_digest
+from pool_service.config import SCHEMA_VERSION, PoolConfig
+from pool_service.store import START_CURSOR, PoolUnavailableError, ReadBatch, decode_batch, now_ms
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = "nasd"
+
+# KEYS: stream, seen. ARGV: maxlen, seen_cap, namespace, origin, ts, then (digest, tokens) pairs.
+_PUBLISH_SCRIPT = """
+local added = 0
+for i = 6, #ARGV, 2 do
+  if not redis.call('ZSCORE', KEYS[2], ARGV[i]) then
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*',
+               'n', ARGV[3], 'o', ARGV[4], 't', ARGV[i + 1], 'ts', ARGV[5])
+    redis.call('ZADD', KEYS[2], ARGV[5], ARGV[i])
+    added = added + 1
+  end
+end
+local excess = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[2])
+if excess > 0 then
+  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, excess - 1)
+end
+return added
+"""
+
+
+def pool_keys(namespace: str) -> dict[str, str]:
+    """The Redis keys of one namespace."""
+    tag = namespace.replace("{", "(").replace("}", ")")
+    return {name: f"{KEY_PREFIX}:{{{tag}}}:{name}" for name in ("seqs", "seen", "meta")}
+
+
+class RedisPool:
+    """A namespace's pool on Redis (redis-py asyncio). Construct, then ``connect()``.
+
+    Args:
+        url: ``redis://`` or ``rediss://`` URL; a password goes in it (``redis://:pw@host``).
+        namespace: model + tokenizer fingerprint (+ tenant); pools of different namespaces
+            never mix.
+        config: retention and timeouts.
+        vocab_size: token ids at or above it are malformed entries.
+    """
+
+    def __init__(
+        self, url: str, namespace: str, config: PoolConfig | None = None, vocab_size: int | None = None
+    ) -> None:
+        self.url = url
+        self.namespace = namespace
+        self.config = config or PoolConfig(redis_url=url)
+        self.vocab_size = vocab_size
+        self.keys = pool_keys(namespace)
+        self.num_calls = 0
+        self._client: redis.Redis | None = None
+        self._reader: redis.Redis | None = None
+        self._publish = None
+
+    def _clients(self) -> tuple[redis.Redis, redis.Redis]:
+        if self._client is None or self._reader is None:
+            timeout_s = self.config.socket_timeout_s
+            self._client = redis.Redis.from_url(
+                self.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+            )
+            # A blocking read legitimately waits read_block_ms: its socket must wait longer.
+            self._reader = redis.Redis.from_url(
+                self.url,
+                socket_timeout=timeout_s + self.config.read_block_ms / 1000,
+                socket_connect_timeout=timeout_s,
+            )
+            self._publish = self._client.register_script(_PUBLISH_SCRIPT)
+        return self._client, self._reader
+
+    async def connect(self) -> str:
+        client, _ = self._clients()
+        meta = self.keys["meta"]
+        try:
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.hsetnx(meta, "schema_version", SCHEMA_VERSION)
+                pipe.hsetnx(meta, "epoch", secrets.token_hex(8))
+                pipe.hsetnx(meta, "created_ms", now_ms())
+                pipe.hsetnx(meta, "namespace", self.namespace)
+                pipe.hmget(meta, "schema_version", "epoch")
+                *_, (version, epoch) = await pipe.execute()
+            self.num_calls += 1
+        except (RedisError, OSError) as exc:
+            raise PoolUnavailableError(f"redis unreachable: {exc}") from exc
+        try:
+            version_number = int(version)
+        except (TypeError, ValueError):
+            version_number = None
+        if version_number != SCHEMA_VERSION or not epoch:
+            raise PoolUnavailableError(
+                f"pool {self.namespace!r} has schema {version!r}, this replica speaks {SCHEMA_VERSION}"
+            )
+        return epoch.decode(errors="replace")
+
+    async def publish(self, origin: str, sequences: Sequence[Sequence[int]]) -> int:
+        if not sequences:
+            return 0
+        self._clients()
+        args: list[object] = [self.config.max_stream_len, 2 * self.config.max_stream_len]
+        args += [self.namespace, origin, now_ms()]
+        for sequence in sequences:
+            packed = pack_tokens(sequence)
+            args += [sequence_digest(packed), packed]
+        try:
+            self.num_calls += 1
+            return int(await self._publish(keys=[self.keys["seqs"], self.keys["seen"]], args=args))
+        except (RedisError, OSError) as exc:
+            raise PoolUnavailableError(f"publish failed: {exc}") from exc
+
+    async def read(self, cursor: str, count: int, block_ms: int) -> ReadBatch:
+        _, reader = self._clients()
+        try:
+            self.num_calls += 1
+            # BLOCK 0 means "for ever" to Redis; no BLOCK is what a zero wait means here.
+            reply = await reader.xread({self.keys["seqs"]: cursor}, count=count, block=block_ms or None)
+        except (RedisError, OSError) as exc:
+            raise PoolUnavailableError(f"read failed: {exc}") from exc
+        raw: list[tuple[str, dict[bytes, bytes]]] = []
+        for _stream, entries in reply or []:
+            raw.extend((entry_id.decode(), fields) for entry_id, fields in entries)
+        return decode_batch(raw, self.namespace, self.vocab_size, cursor)
+
+    async def close(self) -> None:
+        for client in (self._client, self._reader):
+            if client is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await client.aclose()
+        self._client = self._reader = self._publish = None
+
+
+__all__ = ["START_CURSOR", "RedisPool", "pool_keys"]

@@ -1,0 +1,174 @@
+"""The pool stores: round trips, de-duplication, bad entries, memory bounds (real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+
+from pool_service.codec import (
+    ForeignEntryError,
+    MalformedEntryError,
+    decode_entry,
+    encode_entry,
+    pack_tokens,
+)
+from pool_service.config import PoolConfig
+from pool_service.redis_pool import RedisPool, pool_keys
+from pool_service.store import START_CURSOR, InMemoryPool, PoolUnavailableError
+
+VOCAB = 1000
+
+
+def test_codec_round_trip_and_rejections():
+    fields = encode_entry("ns", "replica-a", pack_tokens([5, 0, 999]), 1234)
+    entry = decode_entry("1-0", fields, "ns", VOCAB)
+    assert (entry.origin, entry.token_ids, entry.published_ms) == ("replica-a", [5, 0, 999], 1234)
+    with pytest.raises(ForeignEntryError):
+        decode_entry("1-0", fields, "other-ns", VOCAB)
+    with pytest.raises(MalformedEntryError, match="outside the vocabulary"):
+        decode_entry("1-0", fields, "ns", 999)
+    for broken in (
+        {k: v for k, v in fields.items() if k != b"t"},
+        {**fields, b"t": b"\x01\x02\x03"},
+        {**fields, b"t": b""},
+        {**fields, b"ts": b"soon"},
+        {**fields, b"o": b"\xff\xfe"},
+    ):
+        with pytest.raises(MalformedEntryError):
+            decode_entry("1-0", broken, "ns", VOCAB)
+
+
+def _stores(redis_url: str | None, namespace: str, config: PoolConfig):
+    if redis_url is None:
+        return InMemoryPool(namespace, config, VOCAB)
+    return RedisPool(redis_url, namespace, config, VOCAB)
+
+
+@pytest.fixture(params=["memory", "redis"])
+def make_store(request, namespace):
+    url = request.getfixturevalue("redis_url") if request.param == "redis" else None
+
+    def make(config: PoolConfig | None = None):
+        return _stores(url, namespace, config or PoolConfig(redis_url=url))
+
+    return make
+
+
+def test_publish_read_dedup_and_cursor(make_store):
+    async def run():
+        store = make_store()
+        await store.connect()
+        assert await store.publish("a", [[1, 2, 3], [4, 5, 6], [1, 2, 3]]) == 2
+        assert await store.publish("b", [[4, 5, 6], [7, 8]]) == 1  # another replica, same text
+        first = await store.read(START_CURSOR, 2, 0)
+        assert [e.token_ids for e in first.entries] == [[1, 2, 3], [4, 5, 6]]
+        rest = await store.read(first.cursor, 10, 0)
+        assert [(e.origin, e.token_ids) for e in rest.entries] == [("b", [7, 8])]
+        empty = await store.read(rest.cursor, 10, 50)  # blocks 50 ms, then nothing
+        assert empty.entries == [] and empty.cursor == rest.cursor
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_blocking_read_wakes_on_publish(make_store):
+    async def run():
+        reader, writer = make_store(), make_store()
+        await reader.connect()
+        await writer.connect()
+        pending = asyncio.create_task(reader.read(START_CURSOR, 10, 5000))
+        await asyncio.sleep(0.1)
+        await writer.publish("w", [[9, 9, 9]])
+        batch = await asyncio.wait_for(pending, 2)  # long before the 5 s block ends
+        assert [e.token_ids for e in batch.entries] == [[9, 9, 9]]
+        await reader.close()
+        await writer.close()
+
+    asyncio.run(run())
+
+
+def test_malformed_and_foreign_entries_are_counted_and_skipped(redis_url, namespace):
+    async def run():
+        store = RedisPool(redis_url, namespace, PoolConfig(redis_url=redis_url), VOCAB)
+        await store.connect()
+        client = redis.Redis.from_url(redis_url)
+        stream = pool_keys(namespace)["seqs"]
+        await store.publish("a", [[1, 2]])
+        client.xadd(stream, {"garbage": "yes"})
+        client.xadd(stream, encode_entry(namespace, "x", b"\x00\x01\x02", 1))
+        client.xadd(stream, encode_entry(namespace, "x", pack_tokens([VOCAB + 5]), 1))
+        client.xadd(stream, encode_entry("another-model", "x", pack_tokens([3, 4]), 1))
+        await store.publish("a", [[5, 6]])
+        batch = await store.read(START_CURSOR, 100, 0)
+        assert [e.token_ids for e in batch.entries] == [[1, 2], [5, 6]]
+        assert (batch.num_malformed, batch.num_foreign, batch.num_read) == (3, 1, 6)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_incompatible_schema_is_refused(redis_url, namespace):
+    redis.Redis.from_url(redis_url).hset(pool_keys(namespace)["meta"], "schema_version", "999")
+
+    async def run():
+        store = RedisPool(redis_url, namespace)
+        with pytest.raises(PoolUnavailableError, match="schema"):
+            await store.connect()
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_unreachable_redis_raises_typed_error(namespace):
+    from tests.redis_server import free_port
+
+    async def run():
+        store = RedisPool(f"redis://127.0.0.1:{free_port()}", namespace)
+        with pytest.raises(PoolUnavailableError):
+            await store.connect()
+        with pytest.raises(PoolUnavailableError):
+            await store.publish("a", [[1, 2]])
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_redis_memory_bounded_under_a_flood_of_100k_sequences(own_redis, namespace):
+    """100k distinct sequences published: the stream and digest set stay at their caps."""
+    max_len = 2000
+    config = PoolConfig(redis_url=own_redis.url, max_stream_len=max_len)
+
+    async def run():
+        store = RedisPool(own_redis.url, namespace, config, VOCAB)
+        await store.connect()
+        for start in range(0, 100_000, 1000):
+            batch = [
+                [(i * 7) % VOCAB, (i * 13) % VOCAB, i % VOCAB, i // VOCAB] for i in range(start, start + 1000)
+            ]
+            assert await store.publish("flood", batch) == 1000
+        await store.close()
+
+    asyncio.run(run())
+    client = redis.Redis.from_url(own_redis.url)
+    keys = pool_keys(namespace)
+    # Approximate trimming drops whole stream nodes (100 entries each by default).
+    assert max_len <= client.xlen(keys["seqs"]) <= max_len + 100
+    assert client.zcard(keys["seen"]) == 2 * max_len
+    used = sum(client.memory_usage(key) for key in keys.values())
+    assert used < 2_000_000, used  # ~ a few hundred bytes per retained sequence
+
+
+def test_in_memory_pool_bounded(namespace):
+    config = PoolConfig(max_stream_len=100)
+
+    async def run():
+        store = InMemoryPool(namespace, config, VOCAB)
+        for i in range(5000):
+            await store.publish("a", [[i % VOCAB, i // VOCAB]])
+        batch = await store.read(START_CURSOR, 10_000, 0)
+        assert len(batch.entries) == 100
+        assert batch.entries[-1].token_ids == [4999 % VOCAB, 4]
+
+    asyncio.run(run())

@@ -1,0 +1,171 @@
+"""Sync workers against real Redis: cross-process sharing, replay, faults, isolation, bounds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import redis
+
+from nasd_core.config import IndexConfig, SpecConfig
+from nasd_core.drafter import RequestDrafter
+from pool_service import PoolConfig, SharedPools
+from pool_service.codec import encode_entry, pack_tokens
+from pool_service.redis_pool import RedisPool, pool_keys
+from pool_service.shared import tenant_namespace
+
+VOCAB = 1000
+
+
+class Worker:
+    """A sync worker in a separate process (tests/pool_service/sync_worker.py)."""
+
+    def __init__(self, url: str, namespace: str, origin: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.pool_service.sync_worker", url, namespace, origin],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._read() == {"ready": True}
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        assert line, "worker process died"
+        return json.loads(line)
+
+    def ask(self, **command) -> dict:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        self.ask(op="stop")
+        self.process.wait(10)
+
+
+def _poll(condition, timeout_s: float) -> float | None:
+    """Seconds until ``condition()`` held, or None if it did not within the timeout."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if condition():
+            return time.monotonic() - started
+        time.sleep(0.005)
+    return None
+
+
+def test_sequence_finished_on_a_reaches_b_within_1s_and_c_replays_it(redis_url, namespace):
+    a, b = Worker(redis_url, namespace, "A"), Worker(redis_url, namespace, "B")
+    try:
+        sequence = [11, 12, 13, 14, 15, 16, 17, 18]
+        assert b.ask(op="propose", context=[11, 12, 13], n=5)["draft"] == []
+        started = time.monotonic()
+        a.ask(op="publish", tokens=sequence)
+        took = _poll(lambda: b.ask(op="propose", context=[11, 12, 13], n=5)["draft"] == sequence[3:], 1.0)
+        assert took is not None and time.monotonic() - started < 1.0, "B did not learn A's sequence in 1 s"
+        # A does not learn its own sequence a second time into its pool index.
+        assert a.ask(op="propose", context=[11, 12, 13], n=5)["draft"] == []
+        c = Worker(redis_url, namespace, "C")  # started later: replays the retained pool
+        assert c.ask(op="propose", context=[11, 12, 13], n=5)["draft"] == sequence[3:]
+        c.close()
+        stats = b.ask(op="stats")["namespaces"][0]
+        assert stats["received"] == 1 and stats["state"] == "connected"
+    finally:
+        a.close()
+        b.close()
+
+
+def _pools(url: str, namespace: str, origin: str, **config) -> SharedPools:
+    return SharedPools(
+        PoolConfig(redis_url=url, backoff_max_s=0.2, **config), namespace, origin=origin, vocab_size=VOCAB
+    )
+
+
+async def _until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def test_malformed_and_foreign_entries_are_skipped_by_the_worker(redis_url, namespace):
+    async def run():
+        pools = _pools(redis_url, namespace, "B")
+        await pools.start()
+        stream = pool_keys(namespace)["seqs"]
+        client = redis.Redis.from_url(redis_url)
+        client.xadd(stream, {"t": "not tokens"})
+        client.xadd(stream, encode_entry(namespace, "A", pack_tokens([1, VOCAB * 9]), 0))
+        client.xadd(stream, encode_entry("another", "A", pack_tokens([1, 2, 3]), 0))
+        writer = RedisPool(redis_url, namespace, PoolConfig(redis_url=redis_url), VOCAB)
+        await writer.publish("A", [[40, 41, 42, 43]])
+        pool_index = pools.sources_for(None)[1][1]
+        assert await _until(lambda: pool_index.propose([40, 41], 2)[0] == [42, 43], 2)
+        stats = pools.stats()["namespaces"][0]
+        assert (stats["malformed"], stats["foreign"], stats["received"]) == (2, 1, 1)
+        assert stats["state"] == "connected"
+        await writer.close()
+        await pools.stop()
+
+    asyncio.run(run())
+
+
+def test_tenant_a_sequences_never_reach_tenant_b(redis_url, namespace):
+    secret = [500, 501, 502, 503, 504, 505]
+
+    async def run():
+        x = _pools(redis_url, namespace, "X", tenant_isolation=True)
+        y = _pools(redis_url, namespace, "Y", tenant_isolation=True)
+        await x.start()
+        await y.start()
+        y.sources_for("tenant-a"), y.sources_for("tenant-b")  # workers of both tenants run on Y
+        x.publish("tenant-a", secret)
+        # Positive control: tenant A's own pool on the other replica learns it...
+        assert await _until(lambda: y.sources_for("tenant-a")[1][1].propose(secret[:2], 4)[0], 3)
+        await asyncio.sleep(0.3)
+        # ...while tenant B (and the untenanted default) can draft none of it, from any source.
+        for pools in (x, y):
+            for tenant in ("tenant-b", None):
+                drafter = RequestDrafter(SpecConfig(local_index="prompt_lookup"), pools.sources_for(tenant))
+                assert drafter.propose(secret[:2], 4).tokens == []
+        client = redis.Redis.from_url(redis_url)
+        assert client.xlen(pool_keys(tenant_namespace(namespace, "tenant-b"))["seqs"]) == 0
+        assert client.xlen(pool_keys(namespace)["seqs"]) == 0
+        assert client.xlen(pool_keys(tenant_namespace(namespace, "tenant-a"))["seqs"]) == 1
+        await x.stop()
+        await y.stop()
+
+    asyncio.run(run())
+
+
+def test_local_memory_bounded_under_a_flood(own_redis, namespace):
+    """The pool-fed index keeps its entry budget; sequences queued while Redis is away are bounded."""
+
+    async def run():
+        writer = RedisPool(own_redis.url, namespace, PoolConfig(redis_url=own_redis.url), VOCAB)
+        for start in range(0, 20_000, 1000):
+            await writer.publish(
+                "W", [[i % VOCAB, (i * 7) % VOCAB, i // VOCAB, 3] for i in range(start, start + 1000)]
+            )
+        await writer.close()
+        reader = _pools(own_redis.url, namespace, "R", index=IndexConfig(max_entries=5000), max_pending=100)
+        await reader.start()
+        space_stats = reader.stats()["namespaces"][0]
+        assert space_stats["received"] == 20_000 and space_stats["replayed"]
+        assert reader.sources_for(None)[1][1].num_entries <= 5000
+        own_redis.kill()
+        assert await _until(lambda: reader.stats()["namespaces"][0]["state"] == "down", 15)
+        for i in range(100_000):
+            reader.publish(None, [i % VOCAB, i // VOCAB, 1])
+        await asyncio.sleep(0.05)
+        space_stats = reader.stats()["namespaces"][0]
+        assert space_stats["pending"] == 100 and space_stats["dropped"] == 100_000 - 100
+        assert reader.stats()["replica_index_entries"] <= 5000
+        await reader.stop()
+
+    asyncio.run(run())
