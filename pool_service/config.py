@@ -11,7 +11,8 @@ from nasd_core.config import IndexConfig
 DEFAULT_MAX_STREAM_LEN = 20_000
 DEFAULT_MAX_SEQUENCE_TOKENS = 8_192
 DEFAULT_PUBLISH_BATCH = 64
-DEFAULT_FLUSH_INTERVAL_MS = 50
+DEFAULT_FLUSH_INTERVAL_MS = 100
+DEFAULT_READ_INTERVAL_MS = 100
 DEFAULT_READ_BATCH = 512
 # A blocking read returns as soon as an entry arrives, so the block time only bounds how often
 # an idle replica polls: long blocks keep Redis commands per generated token low.
@@ -54,6 +55,11 @@ class PoolConfig(BaseModel):
     publish_batch: int = Field(DEFAULT_PUBLISH_BATCH, ge=1, description="Sequences per publish call.")
     flush_interval_ms: int = Field(
         DEFAULT_FLUSH_INTERVAL_MS, ge=1, description="Write-behind delay that lets publishes batch."
+    )
+    read_interval_ms: int = Field(
+        DEFAULT_READ_INTERVAL_MS,
+        ge=0,
+        description="Pause after a read that learned something, so bursts batch.",
     )
     read_batch: int = Field(DEFAULT_READ_BATCH, ge=1, description="Entries per read call.")
     read_block_ms: int = Field(DEFAULT_READ_BLOCK_MS, ge=1, description="Longest wait of one blocking read.")

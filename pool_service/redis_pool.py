@@ -33,14 +33,14 @@ logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "nasd"
 
-# KEYS: stream, seen. ARGV: maxlen, seen_cap, namespace, origin, ts, then (digest, tokens) pairs.
+# KEYS: stream, seen. ARGV: maxlen, seen_cap, namespace, origin, then (digest, tokens, ts) triples.
 _PUBLISH_SCRIPT = """
 local added = 0
-for i = 6, #ARGV, 2 do
+for i = 5, #ARGV, 3 do
   if not redis.call('ZSCORE', KEYS[2], ARGV[i]) then
     redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*',
-               'n', ARGV[3], 'o', ARGV[4], 't', ARGV[i + 1], 'ts', ARGV[5])
-    redis.call('ZADD', KEYS[2], ARGV[5], ARGV[i])
+               'n', ARGV[3], 'o', ARGV[4], 't', ARGV[i + 1], 'ts', ARGV[i + 2])
+    redis.call('ZADD', KEYS[2], ARGV[i + 2], ARGV[i])
     added = added + 1
   end
 end
@@ -121,15 +121,21 @@ class RedisPool:
             )
         return epoch.decode(errors="replace")
 
-    async def publish(self, origin: str, sequences: Sequence[Sequence[int]]) -> int:
+    async def publish(
+        self, origin: str, sequences: Sequence[Sequence[int]], finished_ms: Sequence[int] | None = None
+    ) -> int:
         if not sequences:
             return 0
         self._clients()
-        args: list[object] = [self.config.max_stream_len, 2 * self.config.max_stream_len]
-        args += [self.namespace, origin, now_ms()]
-        for sequence in sequences:
+        args: list[object] = [
+            self.config.max_stream_len,
+            2 * self.config.max_stream_len,
+            self.namespace,
+            origin,
+        ]
+        for sequence, published_ms in zip(sequences, finished_ms or [now_ms()] * len(sequences)):
             packed = pack_tokens(sequence)
-            args += [sequence_digest(packed), packed]
+            args += [sequence_digest(packed), packed, published_ms]
         try:
             self.num_calls += 1
             return int(await self._publish(keys=[self.keys["seqs"], self.keys["seen"]], args=args))

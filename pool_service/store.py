@@ -59,8 +59,14 @@ class PoolStore(Protocol):
             PoolUnavailableError: unreachable, or written by an incompatible schema.
         """
 
-    async def publish(self, origin: str, sequences: Sequence[Sequence[int]]) -> int:
-        """Append the sequences not already in the pool; returns how many were new."""
+    async def publish(
+        self, origin: str, sequences: Sequence[Sequence[int]], finished_ms: Sequence[int] | None = None
+    ) -> int:
+        """Append the sequences not already in the pool; returns how many were new.
+
+        ``finished_ms`` (default: now) is when each sequence finished, so readers can measure
+        how stale what they learn is (sync lag).
+        """
 
     async def read(self, cursor: str, count: int, block_ms: int) -> ReadBatch:
         """Up to ``count`` entries after ``cursor``, waiting up to ``block_ms`` for the first."""
@@ -120,11 +126,13 @@ class InMemoryPool:
     async def connect(self) -> str:
         return self._log.epoch
 
-    async def publish(self, origin: str, sequences: Sequence[Sequence[int]]) -> int:
+    async def publish(
+        self, origin: str, sequences: Sequence[Sequence[int]], finished_ms: Sequence[int] | None = None
+    ) -> int:
         self.num_calls += 1
-        log, published_ms = self._log, now_ms()
+        log = self._log
         num_added = 0
-        for sequence in sequences:
+        for sequence, published_ms in zip(sequences, finished_ms or [now_ms()] * len(sequences)):
             packed = pack_tokens(sequence)
             digest = sequence_digest(packed)
             if digest in log.seen:

@@ -23,7 +23,7 @@ import numpy as np
 from nasd_core.ngram import NGramIndex
 from pool_service.codec import pack_tokens, sequence_digest
 from pool_service.config import PoolConfig
-from pool_service.store import START_CURSOR, PoolStore, PoolUnavailableError
+from pool_service.store import START_CURSOR, PoolStore, PoolUnavailableError, now_ms
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class PoolSync:
             ),
             0,
         )
-        self._pending: deque[list[int]] = deque()
+        self._pending: deque[tuple[list[int], int]] = deque()  # (tokens, finished at, ms)
         self._recent: OrderedDict[bytes, None] = OrderedDict()
         self._lags_ms: deque[float] = deque(maxlen=_LAG_SAMPLES)
         self._cursor = START_CURSOR
@@ -128,11 +128,11 @@ class PoolSync:
             return
         loop = self._loop
         if loop is not None and not loop.is_closed() and _running_loop() is not loop:
-            loop.call_soon_threadsafe(self._enqueue, tokens)  # the queue belongs to the loop thread
+            loop.call_soon_threadsafe(self._enqueue, tokens, now_ms())  # the queue is the loop's
         else:
-            self._enqueue(tokens)
+            self._enqueue(tokens, now_ms())
 
-    def _enqueue(self, tokens: list[int]) -> None:
+    def _enqueue(self, tokens: list[int], finished_ms: int) -> None:
         digest = sequence_digest(pack_tokens(tokens))
         if digest in self._recent:
             self.counts["duplicates_skipped"] += 1
@@ -140,7 +140,7 @@ class PoolSync:
         self._recent[digest] = None
         if len(self._recent) > _RECENT_DIGESTS:
             self._recent.popitem(last=False)
-        self._pending.append(tokens)
+        self._pending.append((tokens, finished_ms))
         while len(self._pending) > self.config.max_pending:
             self._pending.popleft()
             self.counts["dropped"] += 1
@@ -176,7 +176,9 @@ class PoolSync:
             await asyncio.sleep(self.config.flush_interval_ms / 1000)  # let a burst batch up
             while self._pending:
                 batch = [self._pending[i] for i in range(min(self.config.publish_batch, len(self._pending)))]
-                num_added = await self.store.publish(self.origin, batch)
+                num_added = await self.store.publish(
+                    self.origin, [tokens for tokens, _ in batch], [finished_ms for _, finished_ms in batch]
+                )
                 # Taken off the queue only once Redis has them: a failure keeps them pending.
                 for _ in batch:
                     self._pending.popleft()
@@ -202,6 +204,10 @@ class PoolSync:
             self._cursor = batch.cursor
             if batch.num_read < self.config.read_batch:
                 self.is_replayed.set()
+            if learned and self.is_replayed.is_set():
+                # Entries arrive in bursts (a batch finishing): one read per interval takes a
+                # whole burst, which keeps Redis commands per generated token low.
+                await asyncio.sleep(self.config.read_interval_ms / 1000)
 
     def _set_state(self, state: str, error: BaseException | None = None) -> None:
         if error is not None:

@@ -7,14 +7,10 @@ because CI is where these tests must run.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import time
 
 import pytest
-import redis
+
+from pool_service.local_redis import LocalRedis, free_port, is_up
 
 MACHINE_REDIS_URL = os.environ.get("NASD_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 
@@ -28,62 +24,10 @@ def require(condition: bool, reason: str) -> None:
     pytest.skip(f"!!! SKIPPED: {reason} !!!")
 
 
-def is_up(url: str) -> bool:
-    try:
-        return bool(redis.Redis.from_url(url, socket_timeout=1).ping())
-    except redis.RedisError:
-        return False
+def own_redis_server() -> LocalRedis:
+    """A started redis-server of the test's own (fails or skips loudly without the binary)."""
+    require(LocalRedis.available(), "redis-server is not installed")
+    return LocalRedis().start("--enable-debug-command", "yes")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class RedisServer:
-    """A redis-server process of the test's own on a free port, that it may kill and restart."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
-
-    def start(self, *extra: str) -> RedisServer:
-        binary = shutil.which("redis-server")
-        require(binary is not None, "redis-server is not installed")
-        self.process = subprocess.Popen(
-            [
-                binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                *extra,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while not is_up(self.url):
-            if time.monotonic() > deadline or self.process.poll() is not None:
-                raise RuntimeError(f"redis-server on port {self.port} did not start")
-            time.sleep(0.02)
-        return self
-
-    def kill(self) -> None:
-        """kill -9: no shutdown, no goodbye to clients."""
-        if self.process is not None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait()
-            self.process = None
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            self.process.wait(10)
-            self.process = None
+__all__ = ["MACHINE_REDIS_URL", "free_port", "is_up", "own_redis_server", "require"]

@@ -7,7 +7,7 @@ import time
 import pytest
 import redis
 
-from tests.redis_server import MACHINE_REDIS_URL, RedisServer, is_up, require
+from tests.redis_server import MACHINE_REDIS_URL, is_up, own_redis_server, require
 
 
 @pytest.fixture
@@ -28,6 +28,6 @@ def redis_url(namespace):
 @pytest.fixture
 def own_redis():
     """A redis-server of this test's own, on a free port."""
-    server = RedisServer().start()
+    server = own_redis_server()
     yield server
     server.stop()

@@ -19,7 +19,7 @@ from nasd_core.config import EngineConfig
 from nasd_core.engine import Engine
 from pool_service import PoolConfig, SharedPools
 from pool_service.redis_pool import RedisPool, pool_keys
-from tests.redis_server import RedisServer
+from tests.redis_server import own_redis_server
 
 PROMPTS = [
     "The cat sat on the mat. The dog sat on the log. The bird sat on the",
@@ -50,7 +50,7 @@ def test_generation_survives_redis_kill_and_sync_resumes(model, tokenizer, names
         generate(model, tokenizer, p, SamplingParams(max_tokens=MAX_TOKENS), SpecConfig(mode="off")).token_ids
         for p in PROMPTS
     ]
-    server = RedisServer().start("--enable-debug-command", "yes")
+    server = own_redis_server()
     async_engine = AsyncEngine(Engine(model, tokenizer, EngineConfig(max_batch_rows=8)))
     async_engine.start()
     config = PoolConfig(redis_url=server.url, backoff_max_s=0.2, socket_timeout_s=0.5, flush_interval_ms=5)
