@@ -11,12 +11,15 @@ from nasd_core.config import IndexConfig
 DEFAULT_MAX_STREAM_LEN = 20_000
 DEFAULT_MAX_SEQUENCE_TOKENS = 8_192
 DEFAULT_PUBLISH_BATCH = 64
-DEFAULT_FLUSH_INTERVAL_MS = 100
+# Write-behind and read coalescing: a burst of finishing requests costs one publish and one
+# read per replica. A finished sequence waits at most the flush interval before it is sent,
+# and a reader returns as soon as it arrives, so sync lag stays near 300 ms.
+DEFAULT_FLUSH_INTERVAL_MS = 300
 DEFAULT_READ_INTERVAL_MS = 100
 DEFAULT_READ_BATCH = 512
 # A blocking read returns as soon as an entry arrives, so the block time only bounds how often
 # an idle replica polls: long blocks keep Redis commands per generated token low.
-DEFAULT_READ_BLOCK_MS = 10_000
+DEFAULT_READ_BLOCK_MS = 60_000
 DEFAULT_MAX_PENDING = 4_096
 DEFAULT_SOCKET_TIMEOUT_S = 2.0
 DEFAULT_BACKOFF_INITIAL_S = 0.1

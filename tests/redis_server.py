@@ -1,4 +1,5 @@
-"""Real Redis servers for tests: the machine's at 127.0.0.1:6379, or one a test owns.
+"""Test support: real Redis servers (the machine's at 127.0.0.1:6379, or one a test owns),
+and waiting for a condition.
 
 Outside CI a missing server skips the test with a loud reason; in CI (CI=true) it fails,
 because CI is where these tests must run.
@@ -6,7 +7,9 @@ because CI is where these tests must run.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 
 import pytest
 
@@ -30,4 +33,14 @@ def own_redis_server() -> LocalRedis:
     return LocalRedis().start("--enable-debug-command", "yes")
 
 
-__all__ = ["MACHINE_REDIS_URL", "free_port", "is_up", "own_redis_server", "require"]
+async def until(condition, timeout_s: float) -> bool:
+    """Whether ``condition()`` became true within ``timeout_s`` (polled every 10 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+__all__ = ["MACHINE_REDIS_URL", "free_port", "is_up", "own_redis_server", "require", "until"]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import redis
 
@@ -19,7 +18,7 @@ from nasd_core.config import EngineConfig
 from nasd_core.engine import Engine
 from pool_service import PoolConfig, SharedPools
 from pool_service.redis_pool import RedisPool, pool_keys
-from tests.redis_server import own_redis_server
+from tests.redis_server import own_redis_server, until
 
 PROMPTS = [
     "The cat sat on the mat. The dog sat on the log. The bird sat on the",
@@ -30,15 +29,6 @@ PROMPTS = [
     "<ul>\n  <li>apple</li>\n  <li>banana</li>\n  <li>",
 ]
 MAX_TOKENS = 20
-
-
-async def _until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        await asyncio.sleep(0.02)
-    return False
 
 
 def _namespace_stats(pools: SharedPools) -> dict:
@@ -84,12 +74,12 @@ def test_generation_survives_redis_kill_and_sync_resumes(model, tokenizer, names
         # Phase 2: requests start and finish while Redis is down.
         outputs += await asyncio.gather(*(serve_one(p) for p in PROMPTS[3:]))
         assert outputs == expected, "a generation changed or failed because of the pool"
-        assert await _until(lambda: _namespace_stats(pools)["state"] == "down", 10)
+        assert await until(lambda: _namespace_stats(pools)["state"] == "down", 10)
         assert _namespace_stats(pools)["pending"] >= 3  # kept, not lost
         # Phase 3: Redis comes back empty on the same port; sync resumes by itself and
         # publishes everything finished meanwhile.
         server.start("--enable-debug-command", "yes")
-        assert await _until(lambda: _namespace_stats(pools)["pending"] == 0, 10), _namespace_stats(pools)
+        assert await until(lambda: _namespace_stats(pools)["pending"] == 0, 10), _namespace_stats(pools)
         client = redis.Redis.from_url(server.url)
         stream = pool_keys(namespace)["seqs"]
         published = {tuple(e.token_ids) for e in (await _read_all(server.url, namespace))}
@@ -99,7 +89,7 @@ def test_generation_survives_redis_kill_and_sync_resumes(model, tokenizer, names
         await writer.publish("other", [[7, 8, 9, 10, 11, 12]])
         await writer.close()
         pool_index = pools.sources_for(None)[1][1]
-        assert await _until(lambda: pool_index.propose([7, 8, 9], 3)[0] == [10, 11, 12], 5)
+        assert await until(lambda: pool_index.propose([7, 8, 9], 3)[0] == [10, 11, 12], 5)
         assert _namespace_stats(pools)["state"] == "connected"
 
         # Phase 4: Redis stalls (DEBUG SLEEP) longer than the socket timeout while a request runs.
@@ -107,7 +97,7 @@ def test_generation_survives_redis_kill_and_sync_resumes(model, tokenizer, names
         stall.start()
         assert await serve_one(PROMPTS[0]) == expected[0]
         stall.join()
-        assert await _until(lambda: _namespace_stats(pools)["state"] == "connected", 10)
+        assert await until(lambda: _namespace_stats(pools)["state"] == "connected", 10)
         await pools.stop()
 
     try:

@@ -16,6 +16,7 @@ from pool_service import PoolConfig, SharedPools
 from pool_service.codec import encode_entry, pack_tokens
 from pool_service.redis_pool import RedisPool, pool_keys
 from pool_service.shared import tenant_namespace
+from tests.redis_server import until
 
 VOCAB = 1000
 
@@ -84,15 +85,6 @@ def _pools(url: str, namespace: str, origin: str, **config) -> SharedPools:
     )
 
 
-async def _until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        await asyncio.sleep(0.01)
-    return False
-
-
 def test_malformed_and_foreign_entries_are_skipped_by_the_worker(redis_url, namespace):
     async def run():
         pools = _pools(redis_url, namespace, "B")
@@ -105,7 +97,7 @@ def test_malformed_and_foreign_entries_are_skipped_by_the_worker(redis_url, name
         writer = RedisPool(redis_url, namespace, PoolConfig(redis_url=redis_url), VOCAB)
         await writer.publish("A", [[40, 41, 42, 43]])
         pool_index = pools.sources_for(None)[1][1]
-        assert await _until(lambda: pool_index.propose([40, 41], 2)[0] == [42, 43], 2)
+        assert await until(lambda: pool_index.propose([40, 41], 2)[0] == [42, 43], 2)
         stats = pools.stats()["namespaces"][0]
         assert (stats["malformed"], stats["foreign"], stats["received"]) == (2, 1, 1)
         assert stats["state"] == "connected"
@@ -126,7 +118,7 @@ def test_tenant_a_sequences_never_reach_tenant_b(redis_url, namespace):
         y.sources_for("tenant-a"), y.sources_for("tenant-b")  # workers of both tenants run on Y
         x.publish("tenant-a", secret)
         # Positive control: tenant A's own pool on the other replica learns it...
-        assert await _until(lambda: y.sources_for("tenant-a")[1][1].propose(secret[:2], 4)[0], 3)
+        assert await until(lambda: y.sources_for("tenant-a")[1][1].propose(secret[:2], 4)[0], 3)
         await asyncio.sleep(0.3)
         # ...while tenant B (and the untenanted default) can draft none of it, from any source.
         for pools in (x, y):
@@ -159,7 +151,7 @@ def test_local_memory_bounded_under_a_flood(own_redis, namespace):
         assert space_stats["received"] == 20_000 and space_stats["replayed"]
         assert reader.sources_for(None)[1][1].num_entries <= 5000
         own_redis.kill()
-        assert await _until(lambda: reader.stats()["namespaces"][0]["state"] == "down", 15)
+        assert await until(lambda: reader.stats()["namespaces"][0]["state"] == "down", 15)
         for i in range(100_000):
             reader.publish(None, [i % VOCAB, i // VOCAB, 1])
         await asyncio.sleep(0.05)

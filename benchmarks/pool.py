@@ -1,0 +1,226 @@
+"""Shared pool benchmark: a replica warmed only through Redis vs a cold, local-only replica.
+
+Two replicas (each an engine on its own thread with its own pool worker) share one
+redis-server that this benchmark starts, so every Redis command is counted. Replica A serves
+phase 1; replica B then serves phase 2 twice, in the same run on the same prompts: once
+cold (its requests see only their own tokens) and once warm (they also see what the pool
+brought from A). Workloads, one line each:
+
+* repeat_question  - other users ask the same questions A answered (popular question, retry).
+* paraphrase       - other users ask A's questions in other words (answers overlap, not equal).
+* multi_turn       - turn 1 of each chat ran on A; turn 2 ("repeat it with a change") runs on B.
+* unrelated        - A writes stories, B summarises reports: the control, the pool cannot help.
+
+    python -m benchmarks.pool            # 8 conversations per workload, 96 new tokens
+    python -m benchmarks.pool --quick    # 4 conversations, 64 new tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+
+from tqdm import tqdm
+
+from benchmarks.common import run_metadata, write_result
+from benchmarks.workloads import make_workload
+from nasd_core.async_engine import AsyncEngine
+from nasd_core.config import EngineConfig, ModelConfig, SamplingParams
+from nasd_core.engine import Engine
+from nasd_core.generate import measure_step_times
+from nasd_core.metrics import SpecStats
+from nasd_core.models import load_model
+from pool_service import PoolConfig, SharedPools, namespace_for
+from pool_service.local_redis import LocalRedis
+
+Messages = list[dict[str, str]]
+CONCURRENCY = 4
+
+
+def _questions(num: int) -> list[Messages]:
+    """Questions whose answers are free text (not copied from the prompt)."""
+    packing = [conv[:1] for conv in make_workload("multi_turn", num, seed=7)]
+    stories = make_workload("creative", num, seed=7)
+    summaries = make_workload("summarisation", num, seed=7)
+    mixed = [conv for triple in zip(packing, stories, summaries) for conv in triple]
+    return mixed[:num]
+
+
+def _paraphrase(conversation: Messages) -> Messages:
+    content = conversation[-1]["content"]
+    return [*conversation[:-1], {"role": "user", "content": f"Please help me with this. {content}"}]
+
+
+class Replica:
+    """An engine thread plus its pool view, as a Serve replica holds them."""
+
+    def __init__(self, model, tokenizer, pool_config: PoolConfig, namespace: str, origin: str) -> None:
+        self.tokenizer = tokenizer
+        self.engine = AsyncEngine(Engine(model, tokenizer, EngineConfig(max_batch_rows=CONCURRENCY)))
+        self.pools = SharedPools(
+            pool_config,
+            namespace,
+            apply=lambda fn: self.engine.call(lambda engine: fn()),
+            origin=origin,
+            vocab_size=model.config.vocab_size,
+        )
+
+    async def start(self) -> None:
+        self.engine.start()
+        await self.pools.start()
+
+    async def stop(self) -> None:
+        await self.pools.stop()
+        self.engine.shutdown()
+
+    async def serve(self, conversations: list[Messages], max_tokens: int, use_pool: bool) -> dict:
+        """Serve the conversations together (batched); publish each when it finishes."""
+        stats = SpecStats()
+        outputs: list[list[int]] = []
+
+        async def one(conversation: Messages) -> list[int]:
+            prompt_ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            output: list[int] = []
+            shared = self.pools.sources_for(None) if use_pool else []
+            async for chunk in self.engine.generate(
+                prompt_ids, SamplingParams(max_tokens=max_tokens), shared=shared
+            ):
+                output += chunk.token_ids
+                if chunk.stats is not None:
+                    stats.merge(chunk.stats)
+            if use_pool:  # a local-only replica neither reads nor writes the pool
+                self.pools.publish(None, prompt_ids + output)
+            return output
+
+        started = time.perf_counter()
+        outputs = await asyncio.gather(*(one(conversation) for conversation in conversations))
+        elapsed = time.perf_counter() - started
+        num_tokens = sum(len(output) for output in outputs)
+        return {
+            "tokens": num_tokens,
+            "seconds": round(elapsed, 3),
+            "tokens_per_s": round(num_tokens / elapsed, 2),
+            "tokens_per_step": round(stats.tokens_per_step, 3),
+            "drafted_by_source": stats.drafted_by_source,
+            "accepted_by_source": stats.accepted_by_source,
+            "outputs": outputs,
+        }
+
+
+def workloads(num: int) -> dict[str, tuple[list[Messages], list[Messages] | None]]:
+    """Phase-1 conversations for A and phase-2 ones for B (None: built from A's answers)."""
+    questions = _questions(num)
+    return {
+        "repeat_question": (questions, questions),
+        "paraphrase": (questions, [_paraphrase(conv) for conv in questions]),
+        "multi_turn": ([conv[:1] for conv in make_workload("multi_turn", num, seed=11)], None),
+        "unrelated": (make_workload("creative", num, seed=21), make_workload("summarisation", num, seed=22)),
+    }
+
+
+def _second_turns(first_turns: list[Messages], answers: list[str]) -> list[Messages]:
+    follow_up = "Repeat the same answer, but add one more item or sentence at the end."
+    return [
+        [*conv, {"role": "assistant", "content": answer}, {"role": "user", "content": follow_up}]
+        for conv, answer in zip(first_turns, answers)
+    ]
+
+
+async def run_workload(model, tokenizer, redis: LocalRedis, name: str, phases, max_tokens: int) -> dict:
+    namespace = f"{namespace_for('bench', tokenizer)}-{name}-{time.time_ns()}"
+    config = PoolConfig(redis_url=redis.url)
+    replica_a = Replica(model, tokenizer, config, namespace, "A")
+    replica_b = Replica(model, tokenizer, config, namespace, "B")
+    await replica_a.start()
+    await replica_b.start()
+    commands_before = redis.commands_processed()
+    first, second = phases
+    served_a = await replica_a.serve(first, max_tokens, use_pool=True)
+    if second is None:
+        answers = [tokenizer.decode(output, skip_special_tokens=True) for output in served_a["outputs"]]
+        second = _second_turns(first, answers)
+    # B must have learned all of A's sequences before phase 2 (normally well under a second).
+    b_sync = replica_b.pools.stats()["namespaces"][0]
+    deadline = time.monotonic() + 10
+    while b_sync["received"] < len(first) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        b_sync = replica_b.pools.stats()["namespaces"][0]
+    cold = await replica_b.serve(second, max_tokens, use_pool=False)
+    warm = await replica_b.serve(second, max_tokens, use_pool=True)
+    await replica_a.stop()
+    await replica_b.stop()
+    # The first INFO call of our own is in the count.
+    num_commands = redis.commands_processed() - commands_before - 1
+    num_tokens = served_a["tokens"] + cold["tokens"] + warm["tokens"]
+    identical = warm.pop("outputs") == cold.pop("outputs")
+    served_a.pop("outputs")
+    return {
+        "replica_a": served_a,
+        "cold": cold,
+        "warm": warm,
+        "identical_outputs": identical,
+        "tokens_per_step_ratio": round(warm["tokens_per_step"] / cold["tokens_per_step"], 3),
+        "tokens_per_s_ratio": round(warm["tokens_per_s"] / cold["tokens_per_s"], 3),
+        "redis_commands": num_commands,
+        "redis_commands_per_token": round(num_commands / num_tokens, 5),
+        "sync_lag_ms_p50": b_sync["lag_ms_p50"],
+        "sync_lag_ms_p99": b_sync["lag_ms_p99"],
+        "sequences_received_by_b": b_sync["received"],
+    }
+
+
+def markdown_table(payload: dict) -> str:
+    lines = [
+        "| workload | cold tokens/step | warm tokens/step | ratio | cold tok/s | warm tok/s | ratio "
+        "| Redis cmds/token | sync lag p50 / p99 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in payload["workloads"].items():
+        mark = "" if row["identical_outputs"] else " ≠"
+        lines.append(
+            f"| {name}{mark} | {row['cold']['tokens_per_step']:.2f} | {row['warm']['tokens_per_step']:.2f} "
+            f"| {row['tokens_per_step_ratio']:.2f}x | {row['cold']['tokens_per_s']:.1f} "
+            f"| {row['warm']['tokens_per_s']:.1f} | {row['tokens_per_s_ratio']:.2f}x "
+            f"| {row['redis_commands_per_token']:.4f} | {row['sync_lag_ms_p50']} / {row['sync_lag_ms_p99']} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="4 conversations, 64 tokens")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    num, max_tokens = (4, 64) if args.quick else (8, 96)
+    model, tokenizer = load_model(config=ModelConfig(dtype=args.dtype))
+    measure_step_times(
+        model, sorted({*range(1, 18), *(CONCURRENCY * w for w in (1, 2, 4, 6, 11, 17))}), repeats=2
+    )
+    redis = LocalRedis().start()
+    results: dict[str, dict] = {}
+    try:
+        for name, phases in tqdm(workloads(num).items(), desc="pool", unit="workload"):
+            results[name] = asyncio.run(run_workload(model, tokenizer, redis, name, phases, max_tokens))
+    finally:
+        redis.stop()
+    payload = {
+        "benchmark": "pool",
+        "meta": {
+            **run_metadata(model, args.dtype, "benchmarks.pool"),
+            "conversations": num,
+            "max_tokens": max_tokens,
+            "concurrency": CONCURRENCY,
+        },
+        "workloads": results,
+    }
+    suffix = "_quick" if args.quick else ""
+    path = write_result(f"pool_{args.dtype}{suffix}", payload)
+    print(markdown_table(payload))
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
