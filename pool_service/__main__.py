@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", help="export: write JSON lines here instead of stdout")
     args = parser.parse_args(argv)
 
-    client = redis.Redis.from_url(args.redis_url, socket_timeout=10)
+    # The same password variable the replicas read (a password in the URL wins).
+    password = os.environ.get("NASD_REDIS_PASSWORD") or None
+    client = redis.Redis.from_url(args.redis_url, password=password, socket_timeout=10)
     try:
         if args.command == "stats":
             chosen = [args.namespace] if args.namespace else namespaces(client)

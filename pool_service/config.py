@@ -41,6 +41,11 @@ class PoolConfig(BaseModel):
         description="redis:// or rediss:// URL (password in the URL); None = an in-process pool "
         "(one replica, or several replicas in one process).",
     )
+    redis_password_env: str | None = Field(
+        "NASD_REDIS_PASSWORD",
+        description="Environment variable holding the Redis password (e.g. from a Kubernetes Secret), "
+        "used when the URL carries none, so the password never sits in a manifest or config.",
+    )
     tenant_isolation: bool = Field(
         False,
         description="Each tenant (the request's `user`) drafts only from its own namespace. A shared "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 from collections.abc import Sequence
 
@@ -85,12 +86,16 @@ class RedisPool:
     def _clients(self) -> tuple[redis.Redis, redis.Redis]:
         if self._client is None or self._reader is None:
             timeout_s = self.config.socket_timeout_s
+            env = self.config.redis_password_env
+            # A password in the URL wins (redis-py lets URL options override keyword arguments).
+            password = os.environ.get(env) or None if env else None
             self._client = redis.Redis.from_url(
-                self.url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+                self.url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
             )
             # A blocking read legitimately waits read_block_ms: its socket must wait longer.
             self._reader = redis.Redis.from_url(
                 self.url,
+                password=password,
                 socket_timeout=timeout_s + self.config.read_block_ms / 1000,
                 socket_connect_timeout=timeout_s,
             )

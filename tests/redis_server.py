@@ -27,10 +27,10 @@ def require(condition: bool, reason: str) -> None:
     pytest.skip(f"!!! SKIPPED: {reason} !!!")
 
 
-def own_redis_server() -> LocalRedis:
+def own_redis_server(*extra_args: str) -> LocalRedis:
     """A started redis-server of the test's own (fails or skips loudly without the binary)."""
     require(LocalRedis.available(), "redis-server is not installed")
-    return LocalRedis().start("--enable-debug-command", "yes")
+    return LocalRedis().start("--enable-debug-command", "yes", *extra_args)
 
 
 async def until(condition, timeout_s: float) -> bool:

@@ -172,3 +172,27 @@ def test_in_memory_pool_bounded(namespace):
         assert batch.entries[-1].token_ids == [4999 % VOCAB, 4]
 
     asyncio.run(run())
+
+
+def test_password_from_the_environment(monkeypatch, namespace):
+    """A Redis with requirepass is reached with the password from NASD_REDIS_PASSWORD only."""
+    from tests.redis_server import own_redis_server
+
+    server = own_redis_server("--requirepass", "s3cret-test")
+
+    async def connect() -> None:
+        store = RedisPool(server.url, namespace, PoolConfig(redis_url=server.url), VOCAB)
+        try:
+            await store.connect()
+            assert await store.publish("a", [[1, 2]]) == 1
+        finally:
+            await store.close()
+
+    try:
+        monkeypatch.delenv("NASD_REDIS_PASSWORD", raising=False)
+        with pytest.raises(PoolUnavailableError):
+            asyncio.run(connect())
+        monkeypatch.setenv("NASD_REDIS_PASSWORD", "s3cret-test")
+        asyncio.run(connect())
+    finally:
+        server.stop()
