@@ -1,4 +1,4 @@
-# NASD-Serve: `make demo` sets up and generates once, `make test` sets up and tests.
+# NASD-Serve: `make serve` sets up and serves the OpenAI API, `make test` sets up and tests.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench bench-quick clean
+.PHONY: install demo serve test lint bench bench-quick image clean
 
 install: $(STAMP)
 
@@ -22,6 +22,13 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	$(PY) -m nasd_core "Rewrite with the loop variable renamed to n: for i in range(10): print(i * i)" --max-tokens 64
 
+# OpenAI-compatible server: embedded model, in-memory pool, 1 replica (NASD_* env vars override).
+serve: install
+	@echo "NASD-Serve: OpenAI API at http://127.0.0.1:8000/v1 (Ctrl-C stops it). Try:"
+	@echo "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\"
+	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Say hello\"}], \"max_tokens\": 32, \"temperature\": 0}'"
+	$(VENV)/bin/serve run deployments.app
+
 test: install
 	$(PY) -m pytest -q tests
 
@@ -34,6 +41,11 @@ bench: install
 
 bench-quick: install
 	$(PY) -m benchmarks.single_stream --quick
+
+# Container image for k8s/ (docker/Dockerfile; CUDA torch by default). Needs Docker, not the venv.
+IMAGE ?= nasd-serve:0.1.0
+image:
+	docker build -f docker/Dockerfile -t $(IMAGE) $(IMAGE_BUILD_ARGS) .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,166 @@
+"""``build_app(args) -> Application``: the NASD replicas behind the OpenAI ingress.
+
+``serve run deployments:build_app model=... redis_url=... num_replicas=2`` passes its
+``key=value`` arguments here as strings; ``AppArgs`` coerces them. ``args_from_env()`` reads
+the same settings from ``NASD_*`` environment variables for ``serve run deployments.app``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from ray import serve
+from ray.serve import Application
+
+from deployments.ingress import OpenAIIngress
+from deployments.replica import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, NASDReplica, ReplicaConfig
+from nasd_core.config import DEFAULT_NUM_DRAFT_TOKENS, EMBEDDED_MODEL, EngineConfig, ModelConfig, SpecConfig
+from pool_service import PoolConfig
+
+DEFAULT_NUM_REPLICAS = 1
+# Serve gives every replica one CPU unless told otherwise; a replica's torch threads follow it.
+DEFAULT_NUM_CPUS_PER_REPLICA = 1.0
+# The ingress only awaits replicas, so the replicas' queues bound concurrency, not the ingress
+# (Serve's default of 5 ongoing requests per ingress replica would serialise the service).
+DEFAULT_INGRESS_MAX_ONGOING_REQUESTS = 10_000
+REPLICA_DEPLOYMENT = "NASDReplica"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+
+# AppArgs field -> environment variable read by args_from_env().
+ENV_VARS = {
+    "model": "NASD_MODEL",
+    "served_model_name": "NASD_SERVED_MODEL_NAME",
+    "dtype": "NASD_DTYPE",
+    "device": "NASD_DEVICE",
+    "redis_url": "NASD_REDIS_URL",
+    "pool_namespace": "NASD_POOL_NAMESPACE",
+    "tenant_isolation": "NASD_TENANT_ISOLATION",
+    "num_replicas": "NASD_NUM_REPLICAS",
+    "num_cpus_per_replica": "NASD_NUM_CPUS",
+    "num_gpus_per_replica": "NASD_NUM_GPUS",
+    "speculation": "NASD_SPECULATION",
+    "num_draft_tokens": "NASD_NUM_DRAFT_TOKENS",
+    "max_batch_rows": "NASD_MAX_BATCH_ROWS",
+    "max_waiting": "NASD_MAX_WAITING",
+    "autoscaling": "NASD_AUTOSCALING",
+}
+
+
+class AppArgs(BaseModel):
+    """Arguments of the application (a typo is an error, not a silently ignored setting)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(None, description="HF model id or local dir; None = the embedded SmolLM2-135M.")
+    served_model_name: str | None = Field(
+        None, description="Name clients send as `model` (default: the model argument, or the embedded name)."
+    )
+    dtype: str = Field("float32", description="Weights dtype: float32, bfloat16 or float16.")
+    device: str | None = Field(None, description="torch device (default: cuda with GPUs, else cpu).")
+    redis_url: str | None = Field(
+        None, description="redis:// or rediss:// URL of the shared pool; None = in-memory."
+    )
+    pool_namespace: str | None = Field(
+        None, description="Prefix of the pool namespace, to separate deployments sharing one Redis."
+    )
+    tenant_isolation: bool = Field(
+        False, description="Requests draft only from their `user`'s pool namespace."
+    )
+    num_replicas: int = Field(DEFAULT_NUM_REPLICAS, ge=1, description="Replicas (ignored with autoscaling).")
+    num_cpus_per_replica: float = Field(
+        DEFAULT_NUM_CPUS_PER_REPLICA,
+        ge=0,
+        description="CPUs reserved per replica; also its torch thread count.",
+    )
+    num_gpus_per_replica: float = Field(0.0, ge=0, description="GPUs per replica (0 = CPU only).")
+    speculation: Literal["auto", "on", "off"] = Field("auto", description="Default speculation mode.")
+    num_draft_tokens: int = Field(DEFAULT_NUM_DRAFT_TOKENS, ge=0, description="Default draft length cap.")
+    max_batch_rows: int | None = Field(
+        None, ge=1, description="Rows per engine step (None = the engine's default)."
+    )
+    max_waiting: int | None = Field(
+        None, ge=0, description="Queued requests per replica (None = engine default)."
+    )
+    autoscaling: dict[str, Any] | None = Field(
+        None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas."
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        # `serve run ... redis_url=` and an empty environment variable mean "not set".
+        return None if value == "" else value
+
+    @field_validator("autoscaling", mode="before")
+    @classmethod
+    def _parse_json(cls, value: Any) -> Any:
+        return json.loads(value) if isinstance(value, str) else value
+
+
+def args_from_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The application arguments set through ``NASD_*`` environment variables."""
+    environ = os.environ if environ is None else environ
+    return {field: environ[name] for field, name in ENV_VARS.items() if environ.get(name)}
+
+
+def build_app(args: dict[str, Any] | AppArgs) -> Application:
+    """Bind the OpenAI ingress to the NASD replica deployment.
+
+    Args:
+        args: ``AppArgs`` or a dict of its fields (strings are coerced).
+
+    Returns:
+        The application for ``serve.run`` or ``serve run``.
+
+    Raises:
+        pydantic.ValidationError: an unknown argument or an invalid value.
+    """
+    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    device = args.device or ("cuda" if args.num_gpus_per_replica > 0 else "cpu")
+    engine_limits = {
+        name: value
+        for name, value in (("max_batch_rows", args.max_batch_rows), ("max_waiting", args.max_waiting))
+        if value is not None
+    }
+    engine = EngineConfig(
+        **engine_limits, spec=SpecConfig(mode=args.speculation, num_draft_tokens=args.num_draft_tokens)
+    )
+    served_model_name = args.served_model_name or args.model or EMBEDDED_MODEL
+    config = ReplicaConfig(
+        model=ModelConfig(name=args.model, dtype=args.dtype, device=device),
+        served_model_name=served_model_name,
+        num_threads=max(1, int(args.num_cpus_per_replica)) if device == "cpu" else None,
+        engine=engine,
+        pool=PoolConfig(redis_url=args.redis_url, tenant_isolation=args.tenant_isolation),
+        pool_namespace=args.pool_namespace,
+    )
+    actor_options: dict[str, Any] = {"num_cpus": args.num_cpus_per_replica}
+    if args.num_gpus_per_replica > 0:
+        actor_options["num_gpus"] = args.num_gpus_per_replica
+    scaling = (
+        {"autoscaling_config": args.autoscaling} if args.autoscaling else {"num_replicas": args.num_replicas}
+    )
+    replica = (
+        serve.deployment(NASDReplica)
+        .options(
+            name=REPLICA_DEPLOYMENT,
+            # Everything the engine can hold (running + queued); beyond it Serve queues the call.
+            max_ongoing_requests=engine.max_batch_rows + engine.max_waiting,
+            ray_actor_options=actor_options,
+            graceful_shutdown_timeout_s=DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
+            **scaling,
+        )
+        .bind(config)
+    )
+    return (
+        serve.deployment(OpenAIIngress)
+        .options(
+            name=INGRESS_DEPLOYMENT,
+            ray_actor_options={"num_cpus": 0},
+            max_ongoing_requests=DEFAULT_INGRESS_MAX_ONGOING_REQUESTS,
+        )
+        .bind(replica, served_model_name)
+    )

@@ -1,0 +1,350 @@
+"""The OpenAI-compatible HTTP front: FastAPI mounted on a Serve deployment that holds only a
+handle to the replicas (no model files, no torch).
+
+Every error leaves as OpenAI's error JSON, ``{"error": {"message", "type", "param", "code"}}``,
+with a 4xx status for a bad request (FastAPI's own 422 validation answer is replaced by 400).
+"""
+
+# No `from __future__ import annotations` here: serve.ingress pickles the FastAPI app when the
+# class is decorated, and FastAPI must then resolve the route annotations as real types. For
+# the same reason every helper the routes use is defined above the class.
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from ray import serve
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+
+from deployments.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    Delta,
+    ErrorInfo,
+    ErrorResponse,
+    GenerateChunk,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+    new_id,
+)
+
+logger = logging.getLogger(__name__)
+
+# Counters summed over replicas in the stats endpoint's "total".
+_SUMMED = ("num_steps", "num_emitted", "num_drafted", "num_accepted")
+
+app = FastAPI(title="NASD-Serve", description="OpenAI-compatible server with n-gram speculative decoding.")
+
+
+def error_response(status_code: int, info: ErrorInfo) -> JSONResponse:
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=status_code)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        message = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}"
+        return error_response(400, ErrorInfo(message=message, type="invalid_request_error"))
+    # loc is ("body", field, ...): the top-level field is the param (as OpenAI names it), the
+    # full path goes in the message.
+    path = [str(part) for part in first["loc"][1:]]
+    param = path[0] if path else None
+    message = f"{'.'.join(path) or 'body'}: {first['msg']}"
+    return error_response(400, ErrorInfo(message=message, type="invalid_request_error", param=param))
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return error_response(exc.status_code, ErrorInfo(message=str(exc.detail), type=kind))
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def _replica_failure(exc: Exception) -> GenerateChunk:
+    # The replica reports request errors as chunks; an exception here means the call itself
+    # failed (replica died mid-request, no replica reachable).
+    logger.warning("replica call failed: %s: %s", type(exc).__name__, exc)
+    info = ErrorInfo(
+        message=f"the replica serving this request failed ({type(exc).__name__}); retry", type="server_error"
+    )
+    return GenerateChunk(error=info, status_code=503)
+
+
+def _total(replicas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counters summed over replicas, with the rates recomputed from the sums."""
+    total: dict[str, Any] = {name: 0 for name in ("num_requests", *_SUMMED)}
+    by_source: dict[str, dict[str, int]] = {"drafted_by_source": {}, "accepted_by_source": {}}
+    widths: dict[str, int] = {}
+    for stats in replicas:
+        total["num_requests"] += stats["num_requests"]
+        for name in _SUMMED:
+            total[name] += stats["spec"][name]
+        for name, sums in by_source.items():
+            for source, count in stats["spec"][name].items():
+                sums[source] = sums.get(source, 0) + count
+        for width, count in stats["width_histogram"].items():
+            widths[width] = widths.get(width, 0) + count
+    total["tokens_per_step"] = (
+        round(total["num_emitted"] / total["num_steps"], 4) if total["num_steps"] else 0.0
+    )
+    total["acceptance_rate"] = (
+        round(total["num_accepted"] / total["num_drafted"], 4) if total["num_drafted"] else 0.0
+    )
+    return {**total, **by_source, "width_histogram": widths}
+
+
+@serve.ingress(app)
+class OpenAIIngress:
+    """OpenAI routes over a handle to the NASD replicas.
+
+    Args:
+        replica: handle to the ``NASDReplica`` deployment.
+        served_model_name: the only model name requests may ask for.
+    """
+
+    def __init__(self, replica: DeploymentHandle, served_model_name: str) -> None:
+        self.replica = replica
+        self.served_model_name = served_model_name
+        self.created = int(time.time())
+        self.model_info: dict[str, Any] | None = None
+        # Each replica's latest stats, from the last chunk of every request and stats calls.
+        self.replica_stats: dict[str, dict[str, Any]] = {}
+
+    # ------------------------------------------------------------------ routes
+    @app.get("/health")
+    async def health(self) -> Response:
+        try:
+            await self.replica.check_health.remote()
+        except Exception as exc:
+            return error_response(503, _replica_failure(exc).error)
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(self) -> ModelList:
+        if self.model_info is None:
+            try:  # asked once: every replica serves the same model
+                self.model_info = await self.replica.model_info.remote()
+            except Exception as exc:  # still list the model, without its context length
+                logger.warning("model_info call failed: %s", exc)
+        max_model_len = self.model_info["max_model_len"] if self.model_info else None
+        return ModelList(
+            data=[ModelCard(id=self.served_model_name, created=self.created, max_model_len=max_model_len)]
+        )
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(self, body: CompletionRequest) -> Response:
+        request_id = new_id("cmpl")
+        return await self._answer(
+            body.model,
+            GenerateRequest.from_completion(body),
+            body.stream,
+            lambda first, chunks: self._completion_events(request_id, body, first, chunks),
+            lambda text, last: CompletionResponse(
+                id=request_id,
+                model=self.served_model_name,
+                choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+                usage=last.usage,
+                nasd=last.nasd,
+            ),
+        )
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+        request_id = new_id("chatcmpl")
+        return await self._answer(
+            body.model,
+            GenerateRequest.from_chat(body),
+            body.stream,
+            lambda first, chunks: self._chat_events(request_id, body, first, chunks),
+            lambda text, last: ChatCompletionResponse(
+                id=request_id,
+                model=self.served_model_name,
+                choices=[
+                    ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)
+                ],
+                usage=last.usage,
+                nasd=last.nasd,
+            ),
+        )
+
+    @app.get("/v1/nasd/stats")
+    async def nasd_stats(self) -> dict[str, Any]:
+        """Speculation counters per replica (the latest each one reported) and summed."""
+        try:
+            self._remember(await self.replica.stats.remote())
+        except Exception as exc:  # still show what earlier requests reported
+            logger.warning("stats call failed: %s", exc)
+        replicas = sorted(self.replica_stats.values(), key=lambda stats: stats["replica_id"])
+        return {
+            "object": "nasd.stats",
+            "model": self.served_model_name,
+            "total": _total(replicas),
+            "replicas": replicas,
+        }
+
+    # ----------------------------------------------------------------- helpers
+    async def _answer(
+        self,
+        model: str | None,
+        request: GenerateRequest,
+        stream: bool,
+        events: Callable[[GenerateChunk, DeploymentResponseGenerator], AsyncIterator[str]],
+        whole: Callable[[str, GenerateChunk], BaseModel],
+    ) -> Response:
+        """One generation route: check the model, start the request on a replica, then answer
+        with ``events`` (SSE) or, once it is done, the ``whole`` response; errors as JSON."""
+        if (error := self._check_model(model)) is not None:
+            return error
+        chunks, first = await self._start(request)
+        if first.error is not None:
+            return error_response(first.status_code, first.error)
+        if stream:
+            return self._stream(events(first, chunks))
+        last, text = await self._collect(first, chunks)
+        if last.error is not None:
+            return error_response(last.status_code, last.error)
+        return JSONResponse(whole(text, last).model_dump())
+
+    def _check_model(self, model: str | None) -> JSONResponse | None:
+        if model is None or model == self.served_model_name:
+            return None
+        info = ErrorInfo(
+            message=f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
+            type="invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
+        return error_response(404, info)
+
+    async def _start(
+        self, request: GenerateRequest
+    ) -> tuple[DeploymentResponseGenerator | None, GenerateChunk]:
+        """Send the request to a replica and wait for its first chunk (which may be an error),
+        so the HTTP status is known before any byte of the answer is sent."""
+        chunks = self.replica.options(stream=True).generate.remote(request.model_dump())
+        try:
+            first = await chunks.__anext__()
+        except Exception as exc:
+            chunks.cancel()
+            return None, _replica_failure(exc)
+        self._remember(first.replica)
+        return chunks, first
+
+    async def _next(self, chunks: DeploymentResponseGenerator) -> GenerateChunk | None:
+        """The next chunk, None at the end; a failed call becomes an error chunk."""
+        try:
+            chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            return None
+        except Exception as exc:
+            return _replica_failure(exc)
+        self._remember(chunk.replica)
+        return chunk
+
+    async def _chunks(
+        self, first: GenerateChunk, chunks: DeploymentResponseGenerator
+    ) -> AsyncIterator[GenerateChunk]:
+        """Every chunk of a request, the first included, up to the last or an error. Leaving
+        early (the client went away) cancels the request on the replica."""
+        chunk: GenerateChunk | None = first
+        try:
+            while chunk is not None:
+                yield chunk
+                if chunk.finish_reason is not None or chunk.error is not None:
+                    return
+                chunk = await self._next(chunks)
+        finally:
+            if chunk is None or (chunk.finish_reason is None and chunk.error is None):
+                chunks.cancel()
+
+    async def _collect(
+        self, first: GenerateChunk, chunks: DeploymentResponseGenerator
+    ) -> tuple[GenerateChunk, str]:
+        """The last chunk (or an error chunk) and the whole text."""
+        text, last = "", first
+        async for chunk in self._chunks(first, chunks):
+            text += chunk.text
+            last = chunk
+        return last, text
+
+    def _remember(self, stats: dict[str, Any] | None) -> None:
+        if stats is not None and stats.get("replica_id"):
+            self.replica_stats[stats["replica_id"]] = stats
+
+    @staticmethod
+    def _stream(events: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _completion_events(
+        self,
+        request_id: str,
+        body: CompletionRequest,
+        first: GenerateChunk,
+        chunks: DeploymentResponseGenerator,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def event(choices: list[CompletionChoice], usage=None) -> str:
+            return _sse(
+                CompletionChunk(
+                    id=request_id, created=created, model=self.served_model_name, choices=choices, usage=usage
+                )
+            )
+
+        async for chunk in self._chunks(first, chunks):
+            if chunk.error is not None:
+                yield _sse(ErrorResponse(error=chunk.error))
+                break
+            yield event([CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason)])
+            if chunk.usage is not None and body.include_usage:
+                yield event([], usage=chunk.usage)
+        yield "data: [DONE]\n\n"
+
+    async def _chat_events(
+        self,
+        request_id: str,
+        body: ChatCompletionRequest,
+        first: GenerateChunk,
+        chunks: DeploymentResponseGenerator,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def event(choices: list[ChatChunkChoice], usage=None) -> str:
+            return _sse(
+                ChatCompletionChunk(
+                    id=request_id, created=created, model=self.served_model_name, choices=choices, usage=usage
+                )
+            )
+
+        # OpenAI opens a chat stream with the role, then sends content deltas.
+        yield event([ChatChunkChoice(delta=Delta(role="assistant", content=""))])
+        async for chunk in self._chunks(first, chunks):
+            if chunk.error is not None:
+                yield _sse(ErrorResponse(error=chunk.error))
+                break
+            if chunk.text:
+                yield event([ChatChunkChoice(delta=Delta(content=chunk.text))])
+            if chunk.finish_reason is not None:
+                yield event([ChatChunkChoice(delta=Delta(), finish_reason=chunk.finish_reason)])
+            if chunk.usage is not None and body.include_usage:
+                yield event([], usage=chunk.usage)
+        yield "data: [DONE]\n\n"

@@ -1,0 +1,341 @@
+"""The NASD replica: one model, one continuous-batching engine and the replica's view of the
+shared pool, behind a Ray Serve deployment.
+
+``NASDServer`` is the plain class (constructor without I/O, explicit ``start()``), usable
+without Serve; ``NASDReplica`` is the deployment Serve constructs, starts and shuts down.
+Every method called through a handle returns or yields plain data, never raises a custom
+exception across the handle: a bad request becomes an error chunk the ingress answers with,
+and the replica keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray import serve
+
+from deployments.metrics import EXPORT_INTERVAL_S, ReplicaMetrics
+from deployments.schemas import ErrorInfo, GenerateChunk, GenerateRequest, Usage
+from nasd_core.async_engine import AsyncEngine, StreamChunk
+from nasd_core.config import EMBEDDED_MODEL, EngineConfig, ModelConfig, SamplingParams, SpecConfig, build
+from nasd_core.engine import Engine
+from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
+from nasd_core.generate import encode_prompt
+from nasd_core.metrics import SpecStats
+from nasd_core.models import load_model
+from pool_service import PoolConfig, SharedPools, namespace_for
+
+logger = logging.getLogger(__name__)
+
+# Serve waits this long for __del__ (flushing the pool) before it kills the replica.
+DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 20.0
+ENGINE_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class ReplicaConfig(BaseModel):
+    """Everything one replica needs; built by ``build_app`` from the application's arguments."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Which model, dtype and device.")
+    served_model_name: str = Field(EMBEDDED_MODEL, description="The name clients send as `model`.")
+    num_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (the CPUs this replica was given); None = torch's."
+    )
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig, description="Batch/queue limits, spec default."
+    )
+    pool: PoolConfig = Field(default_factory=PoolConfig, description="Where the shared pool lives.")
+    pool_namespace: str | None = Field(
+        None, description="Prefix of the pool namespace, to separate deployments sharing one Redis."
+    )
+
+
+class TextStream:
+    """Turns a growing list of output ids into text deltas that never need taking back.
+
+    While a request runs, the tail that could still be the start of a stop string (and an
+    incomplete UTF-8 character) is held back; at the end the text is cut before the first stop
+    string, exactly as ``StopChecker.text()`` cuts the library's result. This relies on the
+    engine ending a request with the token that completes a stop string.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.output_ids: list[int] = []
+        self.num_sent = 0
+
+    def push(self, token_ids: Sequence[int], finished: bool) -> str:
+        self.output_ids.extend(token_ids)
+        text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+        if finished:
+            hits = [at for at in (text.find(stop) for stop in self.stop) if at >= 0]
+            end = min(hits, default=len(text))
+        else:
+            end = len(text) - self.holdback
+            while end > self.num_sent and text[end - 1] == "\ufffd":  # a character still arriving
+                end -= 1
+        delta = text[self.num_sent : end] if end > self.num_sent else ""
+        self.num_sent = max(self.num_sent, end)
+        return delta
+
+
+def error_chunk(exc: BaseException) -> GenerateChunk:
+    """The chunk that reports ``exc`` to the ingress, with the HTTP status it maps to."""
+    if isinstance(exc, InvalidRequestError):
+        code = "context_length_exceeded" if isinstance(exc, ContextLengthError) else None
+        info = ErrorInfo(message=exc.message, type="invalid_request_error", param=exc.param, code=code)
+        return GenerateChunk(error=info, status_code=400)
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        param = ".".join(str(part) for part in first["loc"]) or None
+        info = ErrorInfo(message=f"{param}: {first['msg']}", type="invalid_request_error", param=param)
+        return GenerateChunk(error=info, status_code=400)
+    if isinstance(exc, EngineOverloadedError):
+        info = ErrorInfo(message=str(exc), type="server_error", code="engine_overloaded")
+        return GenerateChunk(error=info, status_code=503)
+    return GenerateChunk(
+        error=ErrorInfo(message=f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
+        status_code=500,
+    )
+
+
+class NASDServer:
+    """A model, its engine and the shared pool. Construct (no I/O), then ``await start()``.
+
+    Args:
+        config: model, engine and pool settings.
+        origin: this replica's name in stats and in the pool (default: host and pid).
+    """
+
+    def __init__(self, config: ReplicaConfig, origin: str | None = None) -> None:
+        self.config = config
+        self.origin = origin
+        self.model = None
+        self.tokenizer = None
+        self.async_engine: AsyncEngine | None = None
+        self.pools: SharedPools | None = None
+        self.totals = SpecStats()  # finished requests, merged on the event loop
+        self.num_requests = 0
+        self.started_at: float | None = None
+        # Set by the Serve deployment, where Ray exports them; None when used as a library.
+        self.metrics: ReplicaMetrics | None = None
+
+    async def start(self) -> None:
+        """Load the model, start the engine thread and the pool's sync worker.
+
+        Raises:
+            ModelLoadError: the model cannot be loaded (Serve then reports the replica failed).
+        """
+        config = self.config
+        if config.num_threads is not None:
+            # Two replicas on one machine must not both spread over every core.
+            torch.set_num_threads(config.num_threads)
+        # Loaded on this thread, not with asyncio.to_thread: a model loaded on a helper thread
+        # and then run on the engine thread left two OpenMP thread teams fighting over the
+        # cores, and every request ran ~5x slower (8.1 s vs 1.5 s for 16 tokens on 2 cores).
+        self.model, self.tokenizer = load_model(None, config.model)
+        self.async_engine = AsyncEngine(Engine(self.model, self.tokenizer, config.engine))
+        self.async_engine.start()
+        namespace = namespace_for(config.model.name or EMBEDDED_MODEL, self.tokenizer)
+        if config.pool_namespace:
+            namespace = f"{config.pool_namespace}/{namespace}"
+        engine = self.async_engine
+        self.pools = SharedPools(
+            config.pool,
+            namespace,
+            # Index updates run between engine steps, where no request reads the indexes.
+            apply=lambda update: engine.call(lambda _: update()),
+            origin=self.origin,
+            vocab_size=self.model.config.vocab_size,
+        )
+        await self.pools.start()
+        self.started_at = time.time()
+        logger.info(
+            "replica %s serving %s (pool namespace %s)", self.origin, config.served_model_name, namespace
+        )
+
+    async def shutdown(self) -> None:
+        """Flush the pool's pending writes, then stop the engine.
+
+        Serve calls this once the replica's ongoing requests are done. The pool stops first:
+        its index updates run on the engine thread.
+        """
+        if self.pools is not None:
+            await self.pools.stop()
+        if self.async_engine is not None:
+            await asyncio.to_thread(self.async_engine.shutdown, ENGINE_SHUTDOWN_TIMEOUT_S)
+
+    # ------------------------------------------------------------ handle API
+    async def generate(self, request: dict[str, Any]) -> AsyncIterator[GenerateChunk]:
+        """Stream one request (a ``GenerateRequest`` as a dict).
+
+        With ``stream`` set, yields a chunk per engine step that produced text; otherwise one
+        chunk at the end. The last chunk has the finish reason, usage and counters. Any
+        failure is yielded as a chunk with ``error`` set, never raised.
+        """
+        try:
+            parsed = GenerateRequest.model_validate(request)
+            prompt_ids = self._prompt_ids(parsed)
+            params, spec = self._params(parsed, len(prompt_ids))
+            text = TextStream(self.tokenizer, params.stop)
+            pending = ""
+            steps = self.async_engine.generate(
+                prompt_ids, params, spec, shared=self.pools.sources_for(parsed.user)
+            )
+            # Closing the engine stream cancels the request at once when the client goes away.
+            async with contextlib.aclosing(steps):
+                async for step in steps:
+                    if step.finish_reason == "cancelled":  # the engine aborted it (shutdown, failed step)
+                        yield GenerateChunk(
+                            error=ErrorInfo(
+                                message="the engine stopped this request; retry", type="server_error"
+                            ),
+                            status_code=503,
+                        )
+                        return
+                    finished = step.finish_reason is not None
+                    pending += text.push(step.token_ids, finished)
+                    if finished:
+                        yield self._finish(parsed, prompt_ids, text.output_ids, step, pending)
+                    elif parsed.stream and pending:
+                        yield GenerateChunk(text=pending)
+                        pending = ""
+        except Exception as exc:  # reported, never raised: a bad request must not kill the replica
+            if not isinstance(exc, InvalidRequestError | ValidationError | EngineOverloadedError):
+                logger.exception("request failed")
+            yield error_chunk(exc)
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-able counters of this replica: speculation totals, policy widths, queue, pool."""
+        engine = self.async_engine.engine
+        # Read from the event loop while the engine thread steps: lengths and a plain dict copy
+        # are atomic under the GIL, which is all a monitoring snapshot needs.
+        widths = dict(engine.width_histogram)
+        return {
+            "replica_id": self.pools.origin,
+            "model": self.config.served_model_name,
+            "updated_at": time.time(),
+            "num_requests": self.num_requests,
+            "num_running": len(engine.running),
+            "num_waiting": len(engine.waiting) + len(engine.prefilling),
+            "spec": self.totals.to_dict(),
+            "width_histogram": {str(width): count for width, count in sorted(widths.items())},
+            "pool": self.pools.stats(),
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        """Name, context length and vocabulary size of the served model."""
+        model_config = self.model.config
+        return {
+            "id": self.config.served_model_name,
+            "max_model_len": getattr(model_config, "max_position_embeddings", None),
+            "vocab_size": model_config.vocab_size,
+            "created": int(self.started_at or time.time()),
+        }
+
+    def check_health(self) -> None:
+        """Raise when the engine thread is gone (Serve then replaces this replica)."""
+        if self.async_engine is None or not self.async_engine.is_running:
+            raise RuntimeError(
+                f"the engine thread is not running (last error: {self.async_engine.last_error!r})"
+            )
+
+    # ------------------------------------------------------------- helpers
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        vocab_size = self.model.config.vocab_size
+        if request.messages is not None:
+            try:
+                prompt = self.tokenizer.apply_chat_template(
+                    request.messages, add_generation_prompt=True, tokenize=False
+                )
+            except Exception as exc:  # jinja raises whatever the template author chose
+                raise InvalidRequestError(
+                    f"the chat template rejected the messages: {exc}", "messages"
+                ) from None
+            return encode_prompt(self.tokenizer, prompt, vocab_size)
+        if request.prompt is None:
+            raise InvalidRequestError("a prompt or messages are required", param="prompt")
+        return encode_prompt(self.tokenizer, request.prompt, vocab_size)
+
+    def _params(self, request: GenerateRequest, num_prompt_tokens: int) -> tuple[SamplingParams, SpecConfig]:
+        max_tokens = request.max_tokens
+        if max_tokens is None:  # chat without a limit: up to the end of the context, as vLLM does
+            limit = getattr(self.model.config, "max_position_embeddings", None) or 2 * num_prompt_tokens
+            max_tokens = max(1, limit - num_prompt_tokens)
+        sampling: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "top_k": 0 if request.top_k == -1 else request.top_k,  # vLLM spells "all" as -1
+            "seed": request.seed,
+        }
+        if request.stop is not None:
+            sampling["stop"] = request.stop
+        spec = self.config.engine.spec
+        overrides = {
+            name: value
+            for name, value in (("mode", request.speculation), ("num_draft_tokens", request.num_draft_tokens))
+            if value is not None
+        }
+        if overrides:
+            spec = build(SpecConfig, **{**spec.model_dump(), **overrides})
+        return build(SamplingParams, **sampling), spec
+
+    def _finish(
+        self,
+        request: GenerateRequest,
+        prompt_ids: list[int],
+        output_ids: list[int],
+        step: StreamChunk,
+        text: str,
+    ) -> GenerateChunk:
+        """Publish the finished sequence to the pool, count it, and build the last chunk."""
+        self.pools.publish(request.user, prompt_ids + output_ids)
+        self.num_requests += 1
+        if step.stats is not None:
+            self.totals.merge(step.stats)
+            if self.metrics is not None:
+                self.metrics.record_request(step.finish_reason, len(prompt_ids), step.stats)
+        return GenerateChunk(
+            text=text,
+            finish_reason=step.finish_reason,
+            usage=Usage(
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=len(output_ids),
+                total_tokens=len(prompt_ids) + len(output_ids),
+            ),
+            nasd=step.stats.to_dict() if step.stats is not None else None,
+            replica=self.stats(),
+        )
+
+
+class NASDReplica(NASDServer):
+    """The Serve deployment of a NASDServer (``build_app`` applies the deployment options)."""
+
+    async def __init__(self, config: ReplicaConfig) -> None:  # Serve awaits an async constructor
+        super().__init__(config, origin=serve.get_replica_context().replica_id.unique_id)
+        await self.start()
+        self.metrics = ReplicaMetrics(config.served_model_name, self.pools.origin)
+        self._exporter = asyncio.create_task(self._export_metrics())
+
+    async def _export_metrics(self) -> None:
+        while True:
+            try:
+                self.metrics.export(self.stats())
+            except Exception:  # a monitoring hiccup must not end the loop
+                logger.exception("metrics export failed")
+            await asyncio.sleep(EXPORT_INTERVAL_S)
+
+    async def __del__(self) -> None:  # Serve's graceful-shutdown hook
+        self._exporter.cancel()
+        await self.shutdown()

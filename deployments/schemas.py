@@ -1,0 +1,256 @@
+"""Request and response models of the OpenAI-compatible API, and what the ingress and a replica
+exchange through a deployment handle.
+
+Request models ignore unknown fields (as vLLM's server does), so clients that send newer
+OpenAI fields keep working. This module imports pydantic only: the ingress uses it without
+loading torch.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# The OpenAI completions API documents 16 as the default of max_tokens. Chat has no default:
+# the replica lets it run to the end of the context, as vLLM does.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# OpenAI's default; send temperature 0 for greedy (token-identical to plain decoding) output.
+DEFAULT_TEMPERATURE = 1.0
+
+SpeculationMode = Literal["auto", "on", "off"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "length"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---------------------------------------------------------------------------- requests
+class StreamOptions(_Request):
+    include_usage: bool = Field(False, description="Send a last chunk with the request's usage.")
+
+
+class SamplingFields(_Request):
+    """Fields every generation request shares. Ranges are checked by the engine, which knows the
+    model's context length, so one rule answers both the library and the service."""
+
+    max_tokens: int | None = Field(None, description="Most tokens to generate.")
+    temperature: float = Field(DEFAULT_TEMPERATURE, description="0 = greedy; > 0 samples.")
+    top_p: float = Field(1.0, description="Nucleus sampling mass, in (0, 1].")
+    top_k: int = Field(0, description="Keep the k most likely tokens; 0 or -1 = all (extra field).")
+    stop: str | list[str] | None = Field(None, description="Stop strings; the text ends before them.")
+    seed: int | None = Field(None, description="Seed of this request's sampler.")
+    n: int = Field(1, description="Choices per request; only 1 is supported.")
+    stream: bool = Field(False, description="Answer with server-sent events.")
+    stream_options: StreamOptions | None = Field(None, description="Streaming options.")
+    user: str | None = Field(None, description="End-user id; the pool tenant when isolation is on.")
+    speculation: SpeculationMode | None = Field(
+        None, description="Extra field: speculative decoding mode of this request (default: the server's)."
+    )
+    num_draft_tokens: int | None = Field(
+        None, description="Extra field: draft length cap of this request (default: the server's)."
+    )
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int) -> int:
+        if value != 1:
+            raise ValueError("only n=1 is supported")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    model: str | None = Field(None, description="Served model name (default: the served model).")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="One prompt: text or token ids (a list holding one prompt is accepted)."
+    )
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, description="Most tokens to generate.")
+
+    @field_validator("prompt")
+    @classmethod
+    def _single_prompt(cls, value: str | list) -> str | list[int]:
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise ValueError("send one prompt per request (batched prompts are not supported)")
+            return value[0]
+        return value
+
+
+class TextPart(_Request):
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str = Field(description="The text.")
+
+
+class ChatMessage(_Request):
+    role: Role = Field(description="Who wrote the message.")
+    content: str | list[TextPart] | None = Field(None, description="Text, or a list of text parts.")
+    name: str | None = Field(None, description="Optional author name.")
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines, as vLLM does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    model: str | None = Field(None, description="Served model name (default: the served model).")
+    messages: list[ChatMessage] = Field(min_length=1, description="The conversation so far.")
+    max_completion_tokens: int | None = Field(
+        None, description="Newer name of max_tokens; wins when both are given."
+    )
+
+
+class GenerateRequest(SamplingFields):
+    """What the ingress sends a replica: exactly one of ``prompt`` (text or ids) or ``messages``
+    (role/content dicts the replica renders with its tokenizer's chat template)."""
+
+    prompt: str | list[int] | None = Field(None, description="Completion prompt.")
+    messages: list[dict[str, str]] | None = Field(None, description="Chat messages, content as text.")
+
+    @classmethod
+    def from_completion(cls, request: CompletionRequest) -> GenerateRequest:
+        return cls(prompt=request.prompt, **request.model_dump(include=_SAMPLING_FIELDS))
+
+    @classmethod
+    def from_chat(cls, request: ChatCompletionRequest) -> GenerateRequest:
+        messages = [
+            {"role": message.role, "content": message.text()}
+            | ({"name": message.name} if message.name else {})
+            for message in request.messages
+        ]
+        fields = request.model_dump(include=_SAMPLING_FIELDS)
+        if request.max_completion_tokens is not None:
+            fields["max_tokens"] = request.max_completion_tokens
+        return cls(messages=messages, **fields)
+
+
+_SAMPLING_FIELDS = set(SamplingFields.model_fields)
+
+
+# --------------------------------------------------------------------------- responses
+class ErrorInfo(BaseModel):
+    message: str = Field(description="What is wrong, for a human.")
+    type: str = Field(description="invalid_request_error, server_error...")
+    param: str | None = Field(None, description="The offending request field, if any.")
+    code: str | None = Field(None, description="Machine-readable reason, e.g. context_length_exceeded.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class GenerateChunk(BaseModel):
+    """What a replica yields: new text, or at the end the finish reason, usage and counters;
+    or an error (then ``status_code`` says which HTTP status the ingress answers)."""
+
+    text: str = Field("", description="New text since the previous chunk.")
+    finish_reason: FinishReason | None = Field(None, description="Set on the last chunk.")
+    usage: Usage | None = Field(None, description="Set on the last chunk.")
+    nasd: dict[str, Any] | None = Field(None, description="This request's speculation counters (last chunk).")
+    replica: dict[str, Any] | None = Field(None, description="The replica's stats after it (last chunk).")
+    error: ErrorInfo | None = Field(None, description="Set when the request failed.")
+    status_code: int = Field(200, description="HTTP status of the error.")
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class _Answer(BaseModel):
+    """Fields every completion answer and stream chunk share."""
+
+    id: str
+    created: int = Field(default_factory=_now)
+    model: str
+    usage: Usage | None = None
+
+
+class CompletionResponse(_Answer):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    nasd: dict[str, Any] | None = Field(None, description="Extra: speculation counters of this request.")
+
+
+class CompletionChunk(_Answer):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionResponse(_Answer):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    nasd: dict[str, Any] | None = Field(None, description="Extra: speculation counters of this request.")
+
+
+class ChatCompletionChunk(_Answer):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "nasd-serve"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

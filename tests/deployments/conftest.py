@@ -1,0 +1,99 @@
+"""A real Ray Serve instance on loopback for the service tests: one per test module.
+
+Starting Ray and Serve costs ~15 s on 2 cores and every application ~10 s more, so each
+module starts the applications it needs once (``serve_apps``) and shares them.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+import ray
+from ray import serve
+
+from deployments import build_app
+from tests.redis_server import free_port
+
+
+@dataclass
+class RawResponse:
+    status: int
+    body: Any  # parsed JSON, or the text when it is not JSON
+
+
+@dataclass
+class ServedApp:
+    """One application's base URL and an OpenAI client for it."""
+
+    base_url: str  # http://127.0.0.1:PORT/prefix
+    metrics_url: str | None = None  # the local Ray node's Prometheus endpoint
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def client(self) -> openai.OpenAI:
+        # No retries: a retried request would hide exactly the failures these tests look for.
+        return openai.OpenAI(base_url=self.api_url, api_key="unused", max_retries=0, timeout=120)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.api_url, api_key="unused", max_retries=0, timeout=300)
+
+    def request(self, method: str, path: str, body: bytes | dict | list | None = None) -> RawResponse:
+        """A raw HTTP call (bodies the OpenAI client would refuse to send, such as broken JSON)."""
+        host_port, _, prefix = self.base_url.removeprefix("http://").partition("/")
+        host, port = host_port.split(":")
+        payload = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        connection = http.client.HTTPConnection(host, int(port), timeout=120)
+        try:
+            headers = {"Content-Type": "application/json"} if payload is not None else {}
+            connection.request(method, f"/{prefix}{path}".replace("//", "/"), body=payload, headers=headers)
+            response = connection.getresponse()
+            text = response.read().decode()
+        finally:
+            connection.close()
+        try:
+            return RawResponse(response.status, json.loads(text))
+        except json.JSONDecodeError:
+            return RawResponse(response.status, text)
+
+
+@contextmanager
+def serve_apps(apps: dict[str, dict[str, Any]], num_cpus: int = 2) -> Iterator[dict[str, ServedApp]]:
+    """Start a local Ray with ``num_cpus`` logical CPUs, Serve on a free loopback port, and one
+    application per ``name: build_app args`` (a single app at "/", several at "/name"),
+    deployed in parallel; shut everything down afterwards."""
+    metrics_port = free_port()
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _metrics_export_port=metrics_port,
+        # Ray pushes metrics to its exporter every 10 s by default; tests wait for them.
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        prefixes = {name: "/" if len(apps) == 1 else f"/{name}" for name in apps}
+        serve.run_many(
+            [
+                serve.RunTarget(build_app(args), name=name, route_prefix=prefixes[name])
+                for name, args in apps.items()
+            ]
+        )
+        yield {
+            name: ServedApp(
+                f"http://127.0.0.1:{port}{prefix.rstrip('/')}", f"http://127.0.0.1:{metrics_port}/metrics"
+            )
+            for name, prefix in prefixes.items()
+        }
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -1,0 +1,104 @@
+"""build_app and its arguments: what `serve run deployments:build_app k=v ...`, a Serve config
+file and the NASD_* environment variables turn into. Binding the graph loads no model."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+from ray.serve import Application
+
+from deployments.builder import (
+    ENV_VARS,
+    INGRESS_DEPLOYMENT,
+    REPLICA_DEPLOYMENT,
+    AppArgs,
+    args_from_env,
+    build_app,
+)
+from deployments.replica import ReplicaConfig
+from nasd_core.config import EMBEDDED_MODEL
+
+
+def replica_of(app: Application) -> tuple[object, ReplicaConfig]:
+    """The replica deployment bound under the ingress, and the ReplicaConfig it gets."""
+    ingress = app._bound_deployment
+    assert ingress.name == INGRESS_DEPLOYMENT
+    replica = ingress.init_args[0]._bound_deployment
+    assert replica.name == REPLICA_DEPLOYMENT
+    return replica, replica.init_args[0]
+
+
+def test_defaults_serve_the_embedded_model_on_cpu_with_an_in_memory_pool():
+    replica, config = replica_of(build_app({}))
+    assert config.model.name is None and config.model.device == "cpu"
+    assert config.served_model_name == EMBEDDED_MODEL
+    assert config.pool.redis_url is None
+    assert config.num_threads == 1
+    assert replica.num_replicas == 1
+    assert "num_gpus" not in replica.ray_actor_options
+    # Serve routes at most what the engine can hold (running rows + queue) to a replica.
+    assert replica.max_ongoing_requests == config.engine.max_batch_rows + config.engine.max_waiting
+
+
+def test_string_arguments_from_the_cli_are_coerced():
+    args = {
+        "model": "Qwen/Qwen2.5-1.5B-Instruct",
+        "dtype": "bfloat16",
+        "redis_url": "redis://nasd-redis:6379",
+        "num_replicas": "3",
+        "num_gpus_per_replica": "1",
+        "num_cpus_per_replica": "4",
+        "speculation": "off",
+        "num_draft_tokens": "5",
+        "max_batch_rows": "8",
+        "max_waiting": "16",
+        "tenant_isolation": "true",
+        "pool_namespace": "",
+    }
+    replica, config = replica_of(build_app(args))
+    assert config.model.device == "cuda" and config.model.dtype == "bfloat16"
+    assert config.num_threads is None  # torch's own choice on a GPU replica
+    assert config.served_model_name == "Qwen/Qwen2.5-1.5B-Instruct"
+    assert config.pool.redis_url == "redis://nasd-redis:6379" and config.pool.tenant_isolation
+    assert config.pool_namespace is None  # empty means unset
+    assert (config.engine.spec.mode, config.engine.spec.num_draft_tokens) == ("off", 5)
+    assert (config.engine.max_batch_rows, config.engine.max_waiting) == (8, 16)
+    assert replica.num_replicas == 3
+    assert replica.ray_actor_options == {"num_cpus": 4.0, "num_gpus": 1.0}
+    assert replica.max_ongoing_requests == 24
+
+
+def test_autoscaling_json_replaces_the_fixed_replica_count():
+    replica, _ = replica_of(build_app({"autoscaling": '{"min_replicas": 1, "max_replicas": 4}'}))
+    autoscaling = replica._deployment_config.autoscaling_config
+    assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 4)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"num_replica": "2"},  # a typo is an error, not an ignored setting
+        {"num_replicas": "0"},
+        {"num_replicas": "two"},
+        {"speculation": "sometimes"},
+        {"num_draft_tokens": "-1"},
+        {"num_gpus_per_replica": "-1"},
+        {"autoscaling": "{not json"},
+    ],
+)
+def test_bad_arguments_are_validation_errors(args):
+    with pytest.raises((pydantic.ValidationError, ValueError)):
+        build_app(args)
+
+
+def test_environment_variables_name_every_argument():
+    assert set(ENV_VARS) == set(AppArgs.model_fields)
+    environ = {
+        "NASD_MODEL": "HuggingFaceTB/SmolLM2-360M",
+        "NASD_NUM_REPLICAS": "2",
+        "NASD_REDIS_URL": "",
+        "HOME": "/x",
+    }
+    assert args_from_env(environ) == {"model": "HuggingFaceTB/SmolLM2-360M", "num_replicas": "2"}
+    _, config = replica_of(build_app(args_from_env(environ)))
+    assert config.model.name == "HuggingFaceTB/SmolLM2-360M"

@@ -1,0 +1,376 @@
+"""The OpenAI API over real HTTP: one Serve application (ingress + one replica on the real
+model), the official OpenAI client, outputs compared token for token with the library."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import time
+import urllib.request
+
+import pytest
+
+from nasd_core import SamplingParams, generate
+from nasd_core.config import EMBEDDED_MODEL
+from tests.deployments.conftest import serve_apps
+
+MODEL = EMBEDDED_MODEL
+PROMPTS = [
+    "one, two, three, four, five,",
+    "The cat sat on the mat. The dog sat on the log. The bird sat on the",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n",
+    "Monday, Tuesday,",
+    '{"name": "Ada", "age": 36}\n{"name": "Alan", "age":',
+    "To be, or not to be,",
+    "SELECT name FROM users WHERE age > 30;\nSELECT name FROM users WHERE",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+CHAT = [{"role": "user", "content": "List the first five days of the week, comma separated."}]
+MAX_TOKENS = 16
+# Per-request speculation settings: every one must give the same greedy text.
+EXTRA_VARIANTS = [
+    {},
+    {"speculation": "off"},
+    {"speculation": "on", "num_draft_tokens": 2},
+    {"speculation": "auto", "num_draft_tokens": 4},
+]
+
+
+@pytest.fixture(scope="module")
+def app():
+    # One replica on both cores (the ingress takes none): torch runs 2 threads, as in the
+    # test process computing the reference outputs.
+    with serve_apps({"default": {"num_cpus_per_replica": 2}}, num_cpus=2) as apps:
+        yield apps["default"]
+
+
+@pytest.fixture(scope="module")
+def reference(model, tokenizer):
+    """The library's greedy result for a prompt, computed once per (prompt, max_tokens, stop)."""
+    cache = {}
+
+    def run(prompt: str | list[int], max_tokens: int = MAX_TOKENS, stop: tuple[str, ...] = ()):
+        key = (prompt if isinstance(prompt, str) else tuple(prompt), max_tokens, stop)
+        if key not in cache:
+            cache[key] = generate(
+                model, tokenizer, prompt, SamplingParams(max_tokens=max_tokens, stop=list(stop))
+            )
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def chat_prompt(tokenizer) -> str:
+    return tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+
+
+@pytest.fixture(scope="module")
+def replica_ids(app) -> set[str]:
+    """The replica(s) serving at the start of the module: bad input must never replace one."""
+    return {replica["replica_id"] for replica in app.request("GET", "/v1/nasd/stats").body["replicas"]}
+
+
+# ------------------------------------------------------------------------- basics
+def test_models_and_health(app):
+    models = app.client().models.list()
+    assert [model.id for model in models.data] == [MODEL]
+    assert models.data[0].model_extra["max_model_len"] == 8192
+    assert app.request("GET", "/health").status == 200
+
+
+def test_completion_equals_library_greedy(app, reference):
+    expected = reference(PROMPTS[0])
+    response = app.client().completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert response.choices[0].text == expected.text
+    assert response.choices[0].finish_reason == expected.finish_reason
+    assert response.usage.prompt_tokens == len(expected.prompt_ids)
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.usage.total_tokens == len(expected.prompt_ids) + len(expected.token_ids)
+    # The same prompt as token ids (and as a one-element batch) gives the same text.
+    by_ids = app.client().completions.create(
+        model=MODEL, prompt=expected.prompt_ids, max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert by_ids.choices[0].text == expected.text
+    as_batch = app.request(
+        "POST", "/v1/completions", {"prompt": [PROMPTS[0]], "max_tokens": MAX_TOKENS, "temperature": 0}
+    )
+    assert as_batch.status == 200 and as_batch.body["choices"][0]["text"] == expected.text
+
+
+def test_completion_stream_equals_library_greedy_and_reports_usage_last(app, reference):
+    expected = reference(PROMPTS[1])
+    chunks = list(
+        app.client().completions.create(
+            model=MODEL,
+            prompt=PROMPTS[1],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = [chunk.choices[0].text for chunk in chunks if chunk.choices]
+    assert "".join(texts) == expected.text
+    assert len(texts) > 1, "the answer was not streamed"
+    assert [chunk.usage for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    assert chunks[-2].choices[0].finish_reason == expected.finish_reason
+
+
+def test_chat_equals_library_greedy_on_the_chat_template(app, reference, chat_prompt):
+    expected = reference(chat_prompt, max_tokens=24)
+    response = app.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.text
+    assert response.usage.prompt_tokens == len(expected.prompt_ids)
+    assert response.usage.completion_tokens == len(expected.token_ids)
+
+    stream = app.client().chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == expected.text
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+    # Text parts are joined into the same message.
+    parts = [{"role": "user", "content": [{"type": "text", "text": CHAT[0]["content"]}]}]
+    by_parts = app.client().chat.completions.create(model=MODEL, messages=parts, max_tokens=24, temperature=0)
+    assert by_parts.choices[0].message.content == expected.text
+
+
+def test_stop_string_cuts_streamed_and_whole_text_alike(app, reference):
+    expected = reference(PROMPTS[0], stop=(" eight",))
+    assert expected.finish_reason == "stop" and " eight" not in expected.text  # the case is exercised
+    client = app.client()
+    whole = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stop=" eight"
+    )
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, stop=[" eight"], stream=True
+    )
+    assert whole.choices[0].text == expected.text
+    assert whole.choices[0].finish_reason == "stop"
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected.text
+
+
+def test_seeded_sampling_repeats_and_unknown_fields_are_ignored(app):
+    body = {
+        "prompt": PROMPTS[5],
+        "max_tokens": 12,
+        "temperature": 0.9,
+        "seed": 7,
+        "logit_bias": {},
+        "frobnicate": 1,
+    }
+    first, second = (app.request("POST", "/v1/completions", body) for _ in range(2))
+    assert first.status == second.status == 200
+    assert first.body["choices"][0]["text"] == second.body["choices"][0]["text"]
+
+
+def test_speculation_is_used_and_reported(app):
+    prompt = "red green blue red green blue red green blue red green blue red green blue"
+    response = app.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=24, temperature=0, extra_body={"speculation": "on"}
+    )
+    nasd = response.model_extra["nasd"]
+    assert nasd["num_accepted"] > 0 and nasd["tokens_per_step"] > 1.0
+    stats = app.request("GET", "/v1/nasd/stats").body
+    (replica,) = stats["replicas"]
+    assert replica["spec"]["num_accepted"] >= nasd["num_accepted"]
+    assert any(int(width) > 0 for width in replica["width_histogram"])
+    assert stats["total"]["num_requests"] == replica["num_requests"] >= 1
+    assert stats["total"]["tokens_per_step"] > 1.0
+    assert replica["pool"]["backend"] == "memory"
+    assert replica["pool"]["namespaces"][0]["state"] == "connected"
+
+
+# ---------------------------------------------------------------------- bad input
+CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+BAD_INPUT = {
+    # id: (path, body, status, param, code)
+    "invalid_json": (COMPLETIONS_PATH, b'{"prompt": "hi", ', 400, None, None),
+    "body_not_an_object": (COMPLETIONS_PATH, [1, 2], 400, None, None),
+    "missing_prompt": (COMPLETIONS_PATH, {"max_tokens": 4}, 400, "prompt", None),
+    "max_tokens_wrong_type": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "max_tokens": "many"},
+        400,
+        "max_tokens",
+        None,
+    ),
+    "temperature_wrong_type": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "temperature": "hot"},
+        400,
+        "temperature",
+        None,
+    ),
+    "seed_wrong_type": (COMPLETIONS_PATH, {"prompt": "hi", "seed": "abc"}, 400, "seed", None),
+    "unknown_model": (COMPLETIONS_PATH, {"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
+    "unknown_model_chat": (CHAT_PATH, {"model": "gpt-4", "messages": HI}, 404, "model", "model_not_found"),
+    "empty_messages": (CHAT_PATH, {"messages": []}, 400, "messages", None),
+    "missing_messages": (CHAT_PATH, {"max_tokens": 4}, 400, "messages", None),
+    "unknown_role": (CHAT_PATH, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", None),
+    "image_content": (
+        CHAT_PATH,
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        400,
+        "messages",
+        None,
+    ),
+    "max_tokens_zero": (COMPLETIONS_PATH, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    "max_tokens_negative": (CHAT_PATH, {"messages": HI, "max_tokens": -3}, 400, "max_tokens", None),
+    "max_tokens_beyond_context": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "max_tokens": 10**6},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    "prompt_beyond_context": (
+        COMPLETIONS_PATH,
+        {"prompt": [1] * 9000, "max_tokens": 4},
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
+    "temperature_negative": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "temperature": -0.5},
+        400,
+        "temperature",
+        None,
+    ),
+    "top_p_zero": (COMPLETIONS_PATH, {"prompt": "hi", "top_p": 0}, 400, "top_p", None),
+    "top_p_above_one": (CHAT_PATH, {"messages": HI, "top_p": 1.5}, 400, "top_p", None),
+    "n_above_one": (COMPLETIONS_PATH, {"prompt": "hi", "n": 2}, 400, "n", None),
+    "batched_prompts": (COMPLETIONS_PATH, {"prompt": ["a", "b"]}, 400, "prompt", None),
+    "empty_prompt": (COMPLETIONS_PATH, {"prompt": ""}, 400, "prompt", None),
+    "empty_token_prompt": (COMPLETIONS_PATH, {"prompt": []}, 400, "prompt", None),
+    "token_id_beyond_vocab": (COMPLETIONS_PATH, {"prompt": [49152]}, 400, "prompt", None),
+    "token_id_negative": (COMPLETIONS_PATH, {"prompt": [5, -1]}, 400, "prompt", None),
+    "stop_not_str_or_list": (COMPLETIONS_PATH, {"prompt": "hi", "stop": 5}, 400, "stop", None),
+    "stop_empty_string": (COMPLETIONS_PATH, {"prompt": "hi", "stop": [""]}, 400, "stop", None),
+    "speculation_bad_value": (
+        CHAT_PATH,
+        {"messages": HI, "speculation": "sometimes"},
+        400,
+        "speculation",
+        None,
+    ),
+    "draft_length_negative": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "num_draft_tokens": -1},
+        400,
+        "num_draft_tokens",
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param", "code"), BAD_INPUT.values(), ids=BAD_INPUT.keys()
+)
+def test_bad_input_gets_openai_error_and_the_replica_keeps_serving(
+    app, replica_ids, path, body, status, param, code
+):
+    response = app.request("POST", path, body)
+    assert response.status == status, response.body
+    error = response.body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert (error["param"], error["code"]) == (param, code)
+    normal = app.request("POST", COMPLETIONS_PATH, {"prompt": "hi", "max_tokens": 2})
+    assert normal.status == 200
+    stats = app.request("GET", "/v1/nasd/stats").body
+    assert {replica["replica_id"] for replica in stats["replicas"]} == replica_ids, "a replica was replaced"
+
+
+def test_unknown_route_is_an_openai_error(app):
+    response = app.request("GET", "/v1/nope")
+    assert response.status == 404
+    assert response.body["error"]["type"] == "invalid_request_error"
+
+
+# ------------------------------------------------------------------- concurrency
+def test_64_concurrent_requests_each_equal_their_single_request_output(app, reference):
+    requests = [
+        (prompt, extra) for prompt, extra in itertools.product(PROMPTS, EXTRA_VARIANTS + EXTRA_VARIANTS)
+    ]
+    assert len(requests) == 64
+    expected = {prompt: reference(prompt).text for prompt in PROMPTS}
+
+    async def run_all() -> list[str]:
+        client = app.async_client()
+
+        async def one(prompt: str, extra: dict) -> str:
+            response = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
+            )
+            return response.choices[0].text
+
+        try:
+            return await asyncio.gather(*(one(prompt, extra) for prompt, extra in requests))
+        finally:
+            await client.close()
+
+    outputs = asyncio.run(run_all())
+    mismatches = [
+        (prompt, extra) for (prompt, extra), text in zip(requests, outputs) if text != expected[prompt]
+    ]
+    assert not mismatches, (
+        f"{len(mismatches)} outputs differ from their single-request runs: {mismatches[:4]}"
+    )
+
+
+# ------------------------------------------------------------------------ metrics
+METRICS_WAIT_S = 45
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus samples summed by metric name and the tags that matter here."""
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    totals: dict[str, float] = {}
+    for line in body.splitlines():
+        if not line.startswith("ray_nasd_"):
+            continue
+        name_and_labels, _, value = line.rpartition(" ")
+        name, _, labels = name_and_labels.partition("{")
+        width = re.search(r'width="(\d+)"', labels)
+        key = f"{name}[width={width.group(1)}]" if width else name
+        totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def test_prometheus_metrics_match_the_stats_endpoint(app):
+    # Last in the module: no request runs while the exporter catches up with the stats.
+    app.client().completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0)
+    total = app.request("GET", "/v1/nasd/stats").body["total"]
+    expected = {
+        "ray_nasd_generated_tokens_total": total["num_emitted"],
+        "ray_nasd_target_forwards_total": total["num_steps"],
+        "ray_nasd_requests_total": total["num_requests"],
+        "ray_nasd_accepted_tokens_total": total["num_accepted"],
+        "ray_nasd_pool_connected": 1.0,
+        **{f"ray_nasd_policy_rows_total[width={w}]": count for w, count in total["width_histogram"].items()},
+    }
+    deadline = time.monotonic() + METRICS_WAIT_S
+    while True:
+        samples = scrape(app.metrics_url)
+        seen = {name: samples.get(name) for name in expected}
+        if seen == expected:
+            break
+        assert time.monotonic() < deadline, f"metrics {seen} never matched the stats {expected}"
+        time.sleep(1)
+    assert samples["ray_nasd_request_tokens_per_step_count"] == total["num_requests"]

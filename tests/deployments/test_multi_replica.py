@@ -1,0 +1,121 @@
+"""Two replicas sharing the machine's Redis pool, each behind its own application so requests
+go to a known replica: what one learns, the other drafts from; a killed replica is replaced."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+import redis
+from ray import serve
+
+from deployments.builder import REPLICA_DEPLOYMENT
+from nasd_core.config import EMBEDDED_MODEL
+from tests.deployments.conftest import ServedApp, serve_apps
+from tests.redis_server import MACHINE_REDIS_URL, is_up, require
+
+TURN_1 = [
+    {"role": "user", "content": "Write a Python function that returns the sum of the squares of a list."}
+]
+TURN_TOKENS = 32
+POOL_WAIT_S = 15
+REPLACE_WAIT_S = 120
+
+
+@pytest.fixture(scope="module")
+def apps():
+    require(is_up(MACHINE_REDIS_URL), f"no Redis at {MACHINE_REDIS_URL}")
+    namespace = f"test-deployments-{time.time_ns()}"
+    args = {"redis_url": MACHINE_REDIS_URL, "pool_namespace": namespace, "num_cpus_per_replica": 1}
+    try:
+        # Two replicas of one CPU each on two logical CPUs: the ingresses take none.
+        with serve_apps({"a": args, "b": args}, num_cpus=2) as served:
+            yield served
+    finally:
+        client = redis.Redis.from_url(MACHINE_REDIS_URL)
+        for key in client.scan_iter(match=f"nasd:{{{namespace}*"):
+            client.delete(key)
+
+
+def replica_stats(app: ServedApp) -> dict:
+    """The latest stats of the app's replica (a killed one's last report stays listed)."""
+    return max(app.request("GET", "/v1/nasd/stats").body["replicas"], key=lambda stats: stats["updated_at"])
+
+
+def chat(app: ServedApp, messages: list[dict]) -> dict:
+    response = app.request(
+        "POST", "/v1/chat/completions", {"messages": messages, "max_tokens": TURN_TOKENS, "temperature": 0}
+    )
+    assert response.status == 200, response.body
+    return response.body
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
+
+
+def test_what_replica_a_finished_replica_b_drafts_from_the_pool(apps):
+    a, b = apps["a"], apps["b"]
+    on_a = chat(a, TURN_1)
+    assert replica_stats(a)["pool"]["backend"] == "redis"
+    wait_for(
+        lambda: replica_stats(b)["pool"]["namespaces"][0]["index_entries"] > 0,
+        POOL_WAIT_S,
+        "replica B to learn replica A's answer from the pool",
+    )
+    # The same turn again (a retry or "regenerate" landing on the other replica): the answer
+    # is in no prompt, only in what replica A published. (A next turn would quote the answer in
+    # its prompt, and the request's own tokens are drafted from before any shared source.)
+    on_b = chat(b, TURN_1)
+    assert on_b["choices"][0]["message"]["content"] == on_a["choices"][0]["message"]["content"]
+    assert on_b["nasd"]["accepted_by_source"].get("pool", 0) > 0, on_b["nasd"]
+    assert on_b["nasd"]["tokens_per_step"] > on_a["nasd"]["tokens_per_step"]
+    stats = replica_stats(b)
+    assert stats["spec"]["accepted_by_source"]["pool"] >= on_b["nasd"]["accepted_by_source"]["pool"]
+
+
+def test_killed_replica_is_replaced_and_later_requests_succeed(apps):
+    a = apps["a"]
+    old_id = replica_stats(a)["replica_id"]
+    # Serve names a replica's actor after its app, deployment and replica id.
+    (actor,) = [
+        actor
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].endswith(old_id) and f"{REPLICA_DEPLOYMENT}" in actor["name"]
+    ]
+    in_flight: dict = {}
+
+    def long_request() -> None:
+        in_flight["response"] = a.request(
+            "POST", "/v1/completions", {"prompt": "Count: 1, 2, 3,", "max_tokens": 400}
+        )
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    wait_for(lambda: replica_stats(a)["num_running"] == 1, 30, "the long request to run")
+    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    thread.join(60)
+    failed = in_flight["response"]
+    assert failed.status == 503 and failed.body["error"]["type"] == "server_error", failed.body
+
+    def replaced_and_serving() -> bool:
+        status = serve.status().applications["a"].deployments[REPLICA_DEPLOYMENT].status
+        if status != "HEALTHY":
+            return False
+        response = a.request(
+            "POST", "/v1/completions", {"model": EMBEDDED_MODEL, "prompt": "Hi", "max_tokens": 4}
+        )
+        return response.status == 200
+
+    wait_for(replaced_and_serving, REPLACE_WAIT_S, "Serve to replace the killed replica")
+    new = replica_stats(a)
+    assert new["replica_id"] != old_id
+    # The newcomer replayed the pool at start: it begins warm with what the others finished.
+    assert new["pool"]["namespaces"][0]["index_entries"] > 0

@@ -1,0 +1,79 @@
+"""`serve run` of ``deployments.app`` (what `make serve` runs) in a subprocess: it answers the
+OpenAI API with no arguments and stops cleanly on Ctrl-C (SIGINT).
+
+`serve run IMPORT_PATH` always binds port 8000 (Ray 2.60's CLI has no port option), so the
+test runs the same import path through a Serve config file that only moves the port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deployments.builder import ENV_VARS
+from nasd_core.config import EMBEDDED_MODEL
+from tests.deployments.conftest import ServedApp
+from tests.redis_server import free_port
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 180
+STOP_TIMEOUT_S = 60
+
+
+def is_listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_serve_run_answers_with_defaults_and_stops_on_sigint(tmp_path):
+    port = free_port()
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "default", "route_prefix": "/", "import_path": "deployments.app"}],
+    }
+    config_path = tmp_path / "serve.yaml"
+    config_path.write_text(json.dumps(config))  # JSON is YAML
+    # A fresh local Ray, and the defaults: no NASD_* setting, no cluster address.
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key != "RAY_ADDRESS" and key not in ENV_VARS.values()
+    }
+    log_path = tmp_path / "serve.log"
+    serve_bin = Path(sys.executable).parent / "serve"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [str(serve_bin), "run", str(config_path)],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    app = ServedApp(f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not (is_listening(port) and app.request("GET", "/v1/models").status == 200):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(
+                    f"serve run did not come up (exit {process.poll()}):\n{log_path.read_text()[-3000:]}"
+                )
+            time.sleep(1)
+        assert [model["id"] for model in app.request("GET", "/v1/models").body["data"]] == [EMBEDDED_MODEL]
+        completion = app.client().completions.create(model=EMBEDDED_MODEL, prompt="Hello", max_tokens=4)
+        assert completion.usage.completion_tokens >= 1
+
+        process.send_signal(signal.SIGINT)
+        assert process.wait(STOP_TIMEOUT_S) == 0, log_path.read_text()[-3000:]
+        assert not is_listening(port), "the HTTP proxy outlived serve run"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
