@@ -10,6 +10,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -68,6 +69,11 @@ def counting_forwards(model):
         yield counter
     finally:
         counter.close()
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile, 0 for no values (a cell that produced none)."""
+    return float(np.percentile(values, q)) if values else 0.0
 
 
 def write_result(name: str, payload: dict[str, object]) -> Path:

@@ -14,10 +14,9 @@ import argparse
 import time
 from itertools import cycle, islice
 
-import numpy as np
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS_DIR, run_metadata, write_result
+from benchmarks.common import RESULTS_DIR, percentile, run_metadata, write_result
 from benchmarks.workloads import make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine import Engine
@@ -29,10 +28,6 @@ MIXES = {
     "non_repetitive": ("creative",),
 }
 MODES = ("off", "on", "auto")
-
-
-def percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else 0.0
 
 
 def run_cell(

@@ -30,6 +30,7 @@ from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidR
 from nasd_core.generate import encode_prompt
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
+from nasd_core.stopping import first_stop_at
 from pool_service import PoolConfig, SharedPools, namespace_for
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,8 @@ class TextStream:
         self.output_ids.extend(token_ids)
         text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
         if finished:
-            hits = [at for at in (text.find(stop) for stop in self.stop) if at >= 0]
-            end = min(hits, default=len(text))
+            stop_at = first_stop_at(text, self.stop)
+            end = len(text) if stop_at is None else stop_at
         else:
             end = len(text) - self.holdback
             while end > self.num_sent and text[end - 1] == "\ufffd":  # a character still arriving

@@ -61,7 +61,11 @@ class StopChecker:
         # Only the new text (plus a stop string's length of overlap) can hold a new match.
         search_from = max(0, self._text_checked - longest)
         self._text_checked = len(text)
-        hits = [at for at in (text.find(stop, search_from) for stop in self.params.stop) if at >= 0]
-        if hits:
-            self.stop_text_at = min(hits)
-        return bool(hits)
+        self.stop_text_at = first_stop_at(text, self.params.stop, search_from)
+        return self.stop_text_at is not None
+
+
+def first_stop_at(text: str, stop: Sequence[str], start: int = 0) -> int | None:
+    """Where the earliest stop string in ``text[start:]`` begins, None if there is none."""
+    hits = [at for at in (text.find(string, start) for string in stop) if at >= 0]
+    return min(hits, default=None)

@@ -39,3 +39,21 @@ def test_workloads_are_deterministic_and_distinct():
         assert first == again
         assert all(conv[-1]["role"] == "user" and conv[-1]["content"] for conv in first)
     assert make_workload("code_edit", 3, seed=1) != make_workload("code_edit", 3, seed=2)
+
+
+def test_http_cell_summary_and_table():
+    from benchmarks import http
+
+    results = [
+        {"text": "a", "tokens": 10, "ttft_s": 0.1, "itl_s": 0.02},
+        {"text": "b", "tokens": 30, "ttft_s": 0.3, "itl_s": 0.04},
+        {"text": "c", "tokens": 1, "ttft_s": 0.2, "itl_s": None},  # one token: no inter-token gap
+    ]
+    cell = http.summarise(results, elapsed=2.0)
+    assert (cell["requests"], cell["tokens"], cell["tokens_per_s"]) == (3, 41, 20.5)
+    assert cell["ttft_p50_ms"] == 200.0
+    assert cell["itl_p50_ms"] == 30.0  # the None is left out, not counted as 0
+    faster = {**cell, "tokens_per_s": 41.0, "ratio_to_off": 2.0}
+    payload = {"results": {"1": {"repetitive": {"4": {"off": cell, "auto": faster, "identical": False}}}}}
+    (row,) = http.markdown_table(payload).splitlines()[2:]
+    assert row.startswith("| 1 | repetitive | 4 | 20.5 | 41.0 | 2.00x ≠ |")

@@ -1,0 +1,204 @@
+"""The service end to end: tokens/s, TTFT and inter-token latency through real HTTP.
+
+A local Ray Serve runs ``deployments.build_app`` with 1 and then 2 replicas on this machine;
+the official OpenAI client streams greedy chat completions at each concurrency C (``2*C``
+requests, at least 6, C at a time) with speculation ``off`` and ``auto`` set per request, so
+both modes hit the same server in the same run. Each mode's texts must equal the other's.
+
+    python -m benchmarks.http             # 1 and 2 replicas, C = 1, 4, 16, 64 tokens
+    python -m benchmarks.http --quick     # 1 replica, C = 1, 4, 16, 32 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from itertools import cycle, islice
+
+import openai
+import ray
+from ray import serve
+from tqdm import tqdm
+
+from benchmarks.common import percentile, run_metadata, write_result
+from benchmarks.concurrency import MIXES
+from benchmarks.workloads import Messages, make_workload
+from deployments import build_app
+from nasd_core.config import EMBEDDED_MODEL
+from nasd_core.models import load_model
+from pool_service.local_redis import free_port
+
+MODES = ("off", "auto")
+
+
+async def stream_one(client: openai.AsyncOpenAI, messages: Messages, mode: str, max_tokens: int) -> dict:
+    """One streamed request: its text, token count, time to first token and mean ITL."""
+    started = time.perf_counter()
+    arrivals: list[float] = []
+    parts: list[str] = []
+    usage = None
+    stream = await client.chat.completions.create(
+        model=EMBEDDED_MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"speculation": mode},
+    )
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.perf_counter())
+            parts.append(chunk.choices[0].delta.content)
+    finished = time.perf_counter()
+    tokens = usage.completion_tokens if usage else 0
+    # Speculation delivers several tokens per chunk: ITL is the decode time per token after the
+    # first, as a user reading the stream sees it.
+    itl = (arrivals[-1] - arrivals[0]) / (tokens - 1) if len(arrivals) > 1 and tokens > 1 else None
+    return {
+        "text": "".join(parts),
+        "tokens": tokens,
+        "ttft_s": (arrivals[0] if arrivals else finished) - started,
+        "itl_s": itl,
+    }
+
+
+async def run_cell(
+    base_url: str, conversations: list[Messages], concurrency: int, mode: str, max_tokens: int
+):
+    """All ``conversations``, ``concurrency`` at a time, through one client."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(messages: Messages) -> dict:
+        async with gate:
+            return await stream_one(client, messages, mode, max_tokens)
+
+    started = time.perf_counter()
+    try:
+        results = await asyncio.gather(*(gated(messages) for messages in conversations))
+    finally:
+        await client.close()
+    elapsed = time.perf_counter() - started
+    return summarise(results, elapsed), [result["text"] for result in results]
+
+
+def summarise(results: list[dict], elapsed: float) -> dict:
+    """One cell's throughput and latency percentiles from its requests' ``stream_one`` results."""
+    tokens = sum(result["tokens"] for result in results)
+    ttfts = [result["ttft_s"] for result in results]
+    itls = [result["itl_s"] for result in results if result["itl_s"] is not None]
+    return {
+        "requests": len(results),
+        "tokens": tokens,
+        "seconds": round(elapsed, 3),
+        "tokens_per_s": round(tokens / elapsed, 2),
+        "ttft_p50_ms": round(1000 * percentile(ttfts, 50), 1),
+        "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
+        "itl_p50_ms": round(1000 * percentile(itls, 50), 1),
+        "itl_p99_ms": round(1000 * percentile(itls, 99), 1),
+    }
+
+
+def serve_app(num_replicas: int, num_cpus: int) -> str:
+    """Start Serve with ``num_replicas`` replicas sharing ``num_cpus`` CPUs; the API's URL."""
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    cpus_per_replica = max(1, num_cpus // num_replicas)
+    serve.run(
+        build_app({"num_replicas": num_replicas, "num_cpus_per_replica": cpus_per_replica}),
+        name=f"bench-{num_replicas}",
+        route_prefix="/",
+    )
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def run_replicas(
+    num_replicas: int, levels: list[int], max_tokens: int, num_cpus: int, progress: tqdm
+) -> dict:
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        base_url = serve_app(num_replicas, num_cpus)
+        warmup = make_workload("creative", 2 * num_replicas, seed=11)
+        asyncio.run(run_cell(base_url, warmup, 2 * num_replicas, "auto", 8))  # load paths, calibrate
+        table: dict[str, dict] = {}
+        for mix, names in MIXES.items():
+            conversations = [conv for name in names for conv in make_workload(name, 8, seed=3)]
+            for index, level in enumerate(levels):
+                prompts = list(islice(cycle(conversations), max(2 * level, 6)))
+                row, texts = {}, {}
+                # Alternate which mode goes first, so slow drift does not favour one of them.
+                for mode in MODES if index % 2 == 0 else MODES[::-1]:
+                    row[mode], texts[mode] = asyncio.run(run_cell(base_url, prompts, level, mode, max_tokens))
+                    progress.update()
+                row["auto"]["ratio_to_off"] = round(
+                    row["auto"]["tokens_per_s"] / row["off"]["tokens_per_s"], 3
+                )
+                row["identical"] = texts["auto"] == texts["off"]
+                table.setdefault(mix, {})[str(level)] = row
+        return table
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def markdown_table(payload: dict) -> str:
+    lines = [
+        "| replicas | mix | C | off tok/s | auto tok/s | auto / off | TTFT p50 off / auto ms "
+        "| ITL p50 off / auto ms | ITL p99 off / auto ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for replicas, mixes in payload["results"].items():
+        for mix, levels in mixes.items():
+            for level, row in levels.items():
+                off, auto = row["off"], row["auto"]
+                flag = "" if row["identical"] else " ≠"
+                pairs = " | ".join(
+                    f"{off[name]:.0f} / {auto[name]:.0f}"
+                    for name in ("ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")
+                )
+                lines.append(
+                    f"| {replicas} | {mix} | {level} | {off['tokens_per_s']:.1f} "
+                    f"| {auto['tokens_per_s']:.1f} | {auto['ratio_to_off']:.2f}x{flag} | {pairs} |"
+                )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--replicas", type=int, nargs="+", help="replica counts (default: 1 2; --quick: 1)")
+    args = parser.parse_args()
+    replica_counts = args.replicas or ([1] if args.quick else [1, 2])
+    levels = [1, 4, 16]
+    max_tokens = 32 if args.quick else 64
+    num_cpus = os.cpu_count() or 2
+    progress = tqdm(
+        total=len(replica_counts) * len(MIXES) * len(levels) * len(MODES), desc="http", unit="cell"
+    )
+    results = {
+        str(count): run_replicas(count, levels, max_tokens, num_cpus, progress) for count in replica_counts
+    }
+    progress.close()
+    model, _ = load_model()  # for the metadata only (the replicas load their own copy)
+    payload = {
+        "benchmark": "http",
+        "meta": {
+            **run_metadata(model, "float32", "benchmarks.http"),
+            "max_tokens": max_tokens,
+            "ray_cpus": num_cpus,
+        },
+        "results": results,
+    }
+    write_result(f"http_float32{'_quick' if args.quick else ''}", payload)
+    print(markdown_table(payload))
+
+
+if __name__ == "__main__":
+    main()
