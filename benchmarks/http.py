@@ -1,9 +1,10 @@
 """The service end to end: tokens/s, TTFT and inter-token latency through real HTTP.
 
-A local Ray Serve runs ``deployments.build_app`` with 1 and then 2 replicas on this machine;
-the official OpenAI client streams greedy chat completions at each concurrency C (``2*C``
-requests, at least 6, C at a time) with speculation ``off`` and ``auto`` set per request, so
-both modes hit the same server in the same run. Each mode's texts must equal the other's.
+A local Ray Serve runs ``deployments.build_app`` twice, speculation ``off`` and ``auto``, with 1
+and then 2 replicas each; the official OpenAI client streams greedy chat completions at each
+concurrency C (``2*C`` requests, at least 6, C at a time) to one and then the other (the
+order alternates by cell), in the same run on the same prompts. Each application sees every
+prompt once, and both must give the same texts.
 
     python -m benchmarks.http             # 1 and 2 replicas, C = 1, 4, 16, 64 tokens
     python -m benchmarks.http --quick     # 1 replica, C = 1, 4, 16, 32 tokens
@@ -15,7 +16,6 @@ import argparse
 import asyncio
 import os
 import time
-from itertools import cycle, islice
 
 import openai
 import ray
@@ -24,13 +24,15 @@ from tqdm import tqdm
 
 from benchmarks.common import percentile, run_metadata, write_result
 from benchmarks.concurrency import MIXES
-from benchmarks.workloads import Messages, make_workload
+from benchmarks.workloads import Messages, distinct_prompts
 from deployments import build_app
 from nasd_core.config import EMBEDDED_MODEL
 from nasd_core.models import load_model
 from pool_service.local_redis import free_port
 
 MODES = ("off", "auto")
+# Warm-up requests, unlike any benchmark prompt.
+WARMUP = [[{"role": "user", "content": "Count from one to ten in words."}]]
 
 
 async def stream_one(client: openai.AsyncOpenAI, messages: Messages, mode: str, max_tokens: int) -> dict:
@@ -104,40 +106,46 @@ def summarise(results: list[dict], elapsed: float) -> dict:
     }
 
 
-def serve_app(num_replicas: int, num_cpus: int) -> str:
-    """Start Serve with ``num_replicas`` replicas sharing ``num_cpus`` CPUs; the API's URL."""
+def serve_apps(num_replicas: int, num_cpus: int) -> dict[str, str]:
+    """One application per mode (``/off``, ``/auto``), each ``num_replicas`` replicas over
+    ``num_cpus`` CPUs; their API URLs. Only one of them is ever busy."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cpus_per_replica = max(1, num_cpus // num_replicas)
-    serve.run(
-        build_app({"num_replicas": num_replicas, "num_cpus_per_replica": cpus_per_replica}),
-        name=f"bench-{num_replicas}",
-        route_prefix="/",
+    args = {"num_replicas": num_replicas, "num_cpus_per_replica": cpus_per_replica}
+    serve.run_many(
+        [
+            serve.RunTarget(build_app({**args, "speculation": mode}), name=mode, route_prefix=f"/{mode}")
+            for mode in MODES
+        ]
     )
-    return f"http://127.0.0.1:{port}/v1"
+    return {mode: f"http://127.0.0.1:{port}/{mode}/v1" for mode in MODES}
 
 
 def run_replicas(
     num_replicas: int, levels: list[int], max_tokens: int, num_cpus: int, progress: tqdm
 ) -> dict:
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    # Each mode's application reserves the machine's CPUs; they take turns using them.
+    ray.init(address="local", num_cpus=num_cpus * len(MODES), include_dashboard=False, log_to_driver=False)
     try:
-        base_url = serve_app(num_replicas, num_cpus)
-        warmup = make_workload("creative", 2 * num_replicas, seed=11)
-        asyncio.run(run_cell(base_url, warmup, 2 * num_replicas, "auto", 8))  # load paths, calibrate
+        urls = serve_apps(num_replicas, num_cpus)
+        for url in urls.values():  # load code paths and calibrate the step-time model
+            asyncio.run(run_cell(url, WARMUP * num_replicas, len(WARMUP) * num_replicas, "auto", 8))
         table: dict[str, dict] = {}
+        sizes = [max(2 * level, 6) for level in levels]
         for mix, names in MIXES.items():
-            conversations = [conv for name in names for conv in make_workload(name, 8, seed=3)]
+            # Every prompt goes once to each application: a server learns the answers it gives,
+            # and a repeated greedy prompt would measure that memory instead of the workload.
+            prompts = distinct_prompts(names, sum(sizes), seed=3)
             for index, level in enumerate(levels):
-                prompts = list(islice(cycle(conversations), max(2 * level, 6)))
+                batch = prompts[sum(sizes[:index]) : sum(sizes[: index + 1])]
                 row, texts = {}, {}
                 # Alternate which mode goes first, so slow drift does not favour one of them.
                 for mode in MODES if index % 2 == 0 else MODES[::-1]:
-                    row[mode], texts[mode] = asyncio.run(run_cell(base_url, prompts, level, mode, max_tokens))
+                    row[mode], texts[mode] = asyncio.run(run_cell(urls[mode], batch, level, mode, max_tokens))
                     progress.update()
-                row["auto"]["ratio_to_off"] = round(
-                    row["auto"]["tokens_per_s"] / row["off"]["tokens_per_s"], 3
-                )
+                ratio = row["auto"]["tokens_per_s"] / row["off"]["tokens_per_s"]
+                row["auto"]["ratio_to_off"] = round(ratio, 3)
                 row["identical"] = texts["auto"] == texts["off"]
                 table.setdefault(mix, {})[str(level)] = row
         return table

@@ -24,7 +24,7 @@ import time
 from tqdm import tqdm
 
 from benchmarks.common import run_metadata, write_result
-from benchmarks.workloads import make_workload
+from benchmarks.workloads import Messages, make_workload
 from nasd_core.async_engine import AsyncEngine
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams
 from nasd_core.engine import Engine
@@ -34,7 +34,6 @@ from nasd_core.models import load_model
 from pool_service import PoolConfig, SharedPools, namespace_for
 from pool_service.local_redis import LocalRedis
 
-Messages = list[dict[str, str]]
 CONCURRENCY = 4
 
 

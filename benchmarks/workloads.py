@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 
 Messages = list[dict[str, str]]
 
@@ -30,6 +31,16 @@ _TOPICS = [
     "a dragon who hates fire",
     "a library that moves",
     "twin astronauts",
+]
+_SETTINGS = [
+    "in a snowed-in mountain village",
+    "on the last night of a festival",
+    "during a total eclipse",
+    "in a city with no clocks",
+    "aboard a slow river barge",
+    "after the power goes out",
+    "on an island that appears once a year",
+    "at the bottom of an old well",
 ]
 
 _FUNCTIONS = [
@@ -190,7 +201,8 @@ def translation(rng: random.Random) -> Messages:
 
 
 def creative(rng: random.Random) -> Messages:
-    return [{"role": "user", "content": f"Write a short, original story about {rng.choice(_TOPICS)}."}]
+    topic, setting = rng.choice(_TOPICS), rng.choice(_SETTINGS)
+    return [{"role": "user", "content": f"Write a short, original story about {topic} {setting}."}]
 
 
 WORKLOADS = {
@@ -209,3 +221,29 @@ def make_workload(name: str, num_prompts: int, seed: int = 0) -> list[Messages]:
     """``num_prompts`` conversations of workload ``name``, the same for the same seed."""
     rng = random.Random(f"{name}:{seed}")
     return [WORKLOADS[name](rng) for _ in range(num_prompts)]
+
+
+def distinct_prompts(names: Sequence[str], num_prompts: int, seed: int = 0) -> list[Messages]:
+    """``num_prompts`` pairwise different conversations, taking the workloads ``names`` in turn.
+
+    A server learns every answer it gives (greedy answers to a repeated prompt repeat exactly),
+    so a benchmark that sends a prompt twice would measure that memory, not the workload.
+
+    Raises:
+        ValueError: the workloads cannot make that many different conversations.
+    """
+    rngs = [random.Random(f"{name}:{seed}:distinct") for name in names]
+    seen: set[str] = set()
+    prompts: list[Messages] = []
+    for attempt in range(50 * num_prompts):
+        if len(prompts) == num_prompts:
+            break
+        turn = attempt % len(names)
+        conversation = WORKLOADS[names[turn]](rngs[turn])
+        key = repr(conversation)
+        if key not in seen:
+            seen.add(key)
+            prompts.append(conversation)
+    if len(prompts) < num_prompts:
+        raise ValueError(f"{names} give only {len(prompts)} different conversations, not {num_prompts}")
+    return prompts

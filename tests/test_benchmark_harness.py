@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.single_stream import SYSTEMS, Totals, markdown_table
 from benchmarks.workloads import WORKLOADS, make_workload
 from nasd_core.metrics import SpecStats
@@ -57,3 +59,13 @@ def test_http_cell_summary_and_table():
     payload = {"results": {"1": {"repetitive": {"4": {"off": cell, "auto": faster, "identical": False}}}}}
     (row,) = http.markdown_table(payload).splitlines()[2:]
     assert row.startswith("| 1 | repetitive | 4 | 20.5 | 41.0 | 2.00x ≠ |")
+
+
+def test_distinct_prompts_never_repeat_and_say_when_they_run_out():
+    from benchmarks.workloads import distinct_prompts
+
+    prompts = distinct_prompts(("creative", "code_edit"), 40, seed=1)
+    assert len({repr(prompt) for prompt in prompts}) == 40
+    assert prompts == distinct_prompts(("creative", "code_edit"), 40, seed=1)
+    with pytest.raises(ValueError, match="different conversations"):
+        distinct_prompts(("code_edit",), 1000)
