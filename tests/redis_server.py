@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 
 import pytest
@@ -44,3 +45,28 @@ async def until(condition, timeout_s: float) -> bool:
 
 
 __all__ = ["MACHINE_REDIS_URL", "free_port", "is_up", "own_redis_server", "require", "until"]
+
+
+CLEANUP_TIMEOUT_S = 10.0
+
+
+def run_async(coroutine):
+    """``asyncio.run`` whose clean-up cannot hang the suite.
+
+    Once in CI a test's body had finished and ``asyncio.run`` then waited forever for a
+    cancelled task (the pool sync worker's, which task is not yet known); here the clean-up
+    waits at most ``CLEANUP_TIMEOUT_S`` and names the tasks that ignored cancellation.
+    """
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coroutine)
+    finally:
+        pending = asyncio.all_tasks(loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            _, stuck = loop.run_until_complete(asyncio.wait(pending, timeout=CLEANUP_TIMEOUT_S))
+            if stuck:
+                print(f"run_async: {len(stuck)} task(s) ignored cancellation: {stuck}", file=sys.stderr)
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()

@@ -16,7 +16,7 @@ from pool_service import PoolConfig, SharedPools
 from pool_service.codec import encode_entry, pack_tokens
 from pool_service.redis_pool import RedisPool, pool_keys
 from pool_service.shared import tenant_namespace
-from tests.redis_server import until
+from tests.redis_server import run_async, until
 
 VOCAB = 1000
 
@@ -104,7 +104,7 @@ def test_malformed_and_foreign_entries_are_skipped_by_the_worker(redis_url, name
         await writer.close()
         await pools.stop()
 
-    asyncio.run(run())
+    run_async(run())
 
 
 def test_tenant_a_sequences_never_reach_tenant_b(redis_url, namespace):
@@ -132,7 +132,7 @@ def test_tenant_a_sequences_never_reach_tenant_b(redis_url, namespace):
         await x.stop()
         await y.stop()
 
-    asyncio.run(run())
+    run_async(run())
 
 
 def test_local_memory_bounded_under_a_flood(own_redis, namespace):
@@ -160,4 +160,4 @@ def test_local_memory_bounded_under_a_flood(own_redis, namespace):
         assert reader.stats()["replica_index_entries"] <= 5000
         await reader.stop()
 
-    asyncio.run(run())
+    run_async(run())
