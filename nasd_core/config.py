@@ -133,7 +133,9 @@ class EngineConfig(_Config):
         256, ge=0, description="Most queued requests; beyond this add_request is refused."
     )
     prefill_chunk_tokens: int = Field(
-        256, ge=1, description="Prompt tokens prefilled per engine step, so running rows keep decoding."
+        256,
+        ge=1,
+        description="Prompt tokens prefilled per step, over all new requests (running rows keep decoding).",
     )
     compact_waste_ratio: float = Field(
         0.5, gt=0.0, lt=1.0, description="Compact the batch KV-cache when this share of columns are holes."

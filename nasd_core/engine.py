@@ -5,8 +5,8 @@
     while not engine.is_finished():
         engine.step()
 
-``step()`` admits waiting requests, prefills one chunk of a new prompt (so running rows
-keep decoding while long prompts come in), runs one batched forward that verifies every
+``step()`` admits waiting requests, prefills new prompts up to a per-step token budget (so
+running rows keep decoding while long prompts come in), runs one batched forward that verifies every
 running row's draft (each row its own draft length), and retires finished rows.
 """
 
@@ -183,9 +183,9 @@ class Engine:
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Admit, prefill one chunk, verify one batched step, retire; returns the finished requests."""
+        """Admit, prefill within the token budget, verify one batched step, retire; returns the finished."""
         self._admit()
-        self._prefill_chunk()
+        self._prefill()
         if self.running:
             self._decode()
         return self._retire()
@@ -198,22 +198,33 @@ class Engine:
             self.prefilling.append(request)
             capacity -= 1
 
-    def _prefill_chunk(self) -> None:
-        """Feed the next prompt chunk of the oldest prefilling request; join the batch when done."""
-        if not self.prefilling:
-            return
-        request = self.prefilling[0]
-        target = len(request.prompt_ids) - 1  # the last prompt token is fed by the first step
-        if request.prefill_cache is None:
-            request.prefill_cache = DynamicCache()
-        if request.num_prefilled < target:
-            end = min(target, request.num_prefilled + self.config.prefill_chunk_tokens)
-            chunk = torch.tensor([request.prompt_ids[request.num_prefilled : end]], dtype=torch.long)
-            started = time.perf_counter()
-            self.model(input_ids=chunk, past_key_values=request.prefill_cache, use_cache=True)
-            request.stats.prefill_time_s += time.perf_counter() - started
-            request.num_prefilled = end
-        if request.num_prefilled >= target:
+    def _prefill(self) -> None:
+        """Feed up to ``prefill_chunk_tokens`` prompt tokens, oldest prefilling request first;
+        each request whose prompt is in joins the batch.
+
+        The budget is per step, not per request: short prompts arriving together all join
+        within a step or two (one request per step made the last of C arrivals wait C steps,
+        and speculative steps are longer), while a long prompt is still cut into chunks so
+        the running rows' inter-token latency stays bounded.
+        """
+        budget = self.config.prefill_chunk_tokens
+        while self.prefilling:
+            request = self.prefilling[0]
+            target = len(request.prompt_ids) - 1  # the last prompt token is fed by the first step
+            if request.prefill_cache is None:
+                request.prefill_cache = DynamicCache()
+            if request.num_prefilled < target:
+                if budget == 0:
+                    return
+                end = min(target, request.num_prefilled + budget)
+                chunk = torch.tensor([request.prompt_ids[request.num_prefilled : end]], dtype=torch.long)
+                started = time.perf_counter()
+                self.model(input_ids=chunk, past_key_values=request.prefill_cache, use_cache=True)
+                request.stats.prefill_time_s += time.perf_counter() - started
+                budget -= end - request.num_prefilled
+                request.num_prefilled = end
+            if request.num_prefilled < target:
+                return
             self.prefilling.popleft()
             self.batch.add_row(self._row_cache(request), target)
             request.prefill_cache = None

@@ -72,6 +72,34 @@ def test_batched_greedy_equals_single_sequence_runs(model, tokenizer, single_run
     assert engine.batch.num_rows == 0 and not engine.requests
 
 
+def test_prefill_budget_is_shared_by_the_requests_of_a_step(model, tokenizer, single_runs):
+    """Short prompts arriving together join in the same step while the budget lasts; the next
+    one waits for the next step, and a prompt longer than the budget is fed in chunks."""
+    lengths = [len(tokenizer(PROMPTS[index]).input_ids) - 1 for index in (1, 2, 11)]
+    budget = lengths[0] + lengths[1]  # exactly the first two prompts
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=8, prefill_chunk_tokens=budget))
+    ids = [
+        engine.add_request(PROMPTS[index], SamplingParams(max_tokens=MAX_TOKENS[index]))
+        for index in (1, 2, 11)
+    ]
+    engine.step()
+    assert [request.request_id for request in engine.running] == ids[:2]
+    assert engine.prefilling[0].num_prefilled == 0, "the budget was spent; the third prompt must wait"
+    small = Engine(model, tokenizer, EngineConfig(max_batch_rows=8, prefill_chunk_tokens=7))
+    long_id = small.add_request(PROMPTS[11], SamplingParams(max_tokens=MAX_TOKENS[11]))
+    steps_to_join = 0
+    while not small.running:
+        small.step()
+        steps_to_join += 1
+    assert steps_to_join == -(-lengths[2] // 7)
+    while not (engine.is_finished() and small.is_finished()):
+        engine.step() if not engine.is_finished() else small.step()
+    assert [engine.pop_result(request_id).token_ids for request_id in ids] == [
+        single_runs[i] for i in (1, 2, 11)
+    ]
+    assert small.pop_result(long_id).token_ids == single_runs[11]
+
+
 def test_sampled_requests_keep_their_seed_whatever_the_batch(model, tokenizer):
     params = SamplingParams(max_tokens=16, temperature=0.9, top_k=40, seed=1234)
     alone = Engine(model, tokenizer).generate([PROMPTS[1]], params)[0].token_ids
