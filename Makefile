@@ -36,11 +36,13 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Every suite (single stream, engine sweep, shared pool, HTTP), then the README's tables and plots.
 bench: install
-	$(PY) -m benchmarks.single_stream
+	$(PY) -m benchmarks
 
+# The short version of every suite, its ratios printed beside the committed full run's.
 bench-quick: install
-	$(PY) -m benchmarks.single_stream --quick
+	$(PY) -m benchmarks --quick
 
 # Container image for k8s/ (docker/Dockerfile; CUDA torch by default). Needs Docker, not the venv.
 IMAGE ?= nasd-serve:0.1.0

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PLOTS_DIR = Path(__file__).resolve().parent / "plots"
 
 
 def run_metadata(model, dtype: str, module: str) -> dict[str, object]:
@@ -81,3 +82,49 @@ def write_result(name: str, payload: dict[str, object]) -> Path:
     path = RESULTS_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def new_figure(num_panels: int, width: float = 6.0, height: float = 4.0):
+    """A row of ``num_panels`` axes on a headless (Agg) figure; (figure, axes list)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, num_panels, figsize=(width * num_panels, height), squeeze=False)
+    return figure, list(axes[0])
+
+
+def save_figure(figure, name: str) -> Path:
+    """Write ``benchmarks/plots/<name>.png`` and release the figure."""
+    import matplotlib.pyplot as plt
+
+    PLOTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = PLOTS_DIR / f"{name}.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def grouped_bars(axis, groups: list[str], series: dict[str, list[float]], ylabel: str) -> None:
+    """Bars for each group (x) side by side, one colour per series."""
+    width = 0.8 / max(1, len(series))
+    for offset, (label, values) in enumerate(series.items()):
+        positions = [index + (offset - (len(series) - 1) / 2) * width for index in range(len(groups))]
+        axis.bar(positions, values, width, label=label)
+    axis.set_xticks(range(len(groups)), groups, rotation=20, ha="right")
+    axis.set_ylabel(ylabel)
+    axis.legend(fontsize="small")
+
+
+def concurrency_lines(axis, levels: dict[str, dict], series: dict[str, str], metric: str, title: str) -> None:
+    """``metric`` against concurrency (log-2 x axis), one line per ``series`` label → row key."""
+    concurrency = sorted(int(level) for level in levels)
+    for label, key in series.items():
+        axis.plot(concurrency, [levels[str(c)][key][metric] for c in concurrency], marker="o", label=label)
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(concurrency, [str(c) for c in concurrency])
+    axis.set_xlabel("concurrent requests")
+    axis.set_title(title)
+    axis.legend(fontsize="small")

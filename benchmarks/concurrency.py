@@ -1,11 +1,12 @@
 """Engine concurrency sweep: throughput and per-token latency for speculation off / on / auto.
 
 For each mix and concurrency C, the engine runs with ``max_batch_rows=C`` and is handed
-``max(2*C, 6)`` requests at once, so continuous batching keeps C of them in flight. All modes run
-in the same process on the same prompts; the report gives ratios to ``off``.
+``2*C`` requests at once (``C`` with ``--quick``), so continuous batching keeps C of them in
+flight. All modes run in the same process on the same prompts; the report gives ratios to
+``off``.
 
-    python -m benchmarks.concurrency            # C = 1, 4, 16, 32; 64 tokens per request
-    python -m benchmarks.concurrency --quick    # C = 1, 4, 16; 48 tokens per request
+    python -m benchmarks.concurrency            # C = 1, 4, 16, 32; 2C requests of 64 tokens
+    python -m benchmarks.concurrency --quick    # C = 1, 4, 8; C requests of 32 tokens
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ from itertools import cycle, islice
 
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS_DIR, percentile, run_metadata, write_result
+from benchmarks.common import (
+    concurrency_lines,
+    new_figure,
+    percentile,
+    run_metadata,
+    save_figure,
+    write_result,
+)
 from benchmarks.workloads import make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine import Engine
@@ -78,7 +86,7 @@ def run_cell(
     }
 
 
-def run_sweep(levels: list[int], max_tokens: int, dtype: str) -> dict:
+def run_sweep(levels: list[int], max_tokens: int, dtype: str, requests_per_level: int = 2) -> dict:
     model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
     # Calibrate the step-time model over the token counts a sweep feeds (rows x width).
     measure_step_times(
@@ -90,7 +98,7 @@ def run_sweep(levels: list[int], max_tokens: int, dtype: str) -> dict:
         conversations = [conv for name in MIXES[mix] for conv in make_workload(name, 8, seed=3)]
         prompts = [
             tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
-            for conv in islice(cycle(conversations), 2 * level)
+            for conv in islice(cycle(conversations), requests_per_level * level)
         ]
         row = {mode: run_cell(model, tokenizer, prompts, level, mode, max_tokens) for mode in MODES}
         # Greedy: every mode must produce the same tokens; a mismatch is reported, not hidden.
@@ -101,7 +109,11 @@ def run_sweep(levels: list[int], max_tokens: int, dtype: str) -> dict:
         sweep.setdefault(mix, {})[str(level)] = row
     return {
         "benchmark": "concurrency",
-        "meta": {**run_metadata(model, dtype, "benchmarks.concurrency"), "max_tokens": max_tokens},
+        "meta": {
+            **run_metadata(model, dtype, "benchmarks.concurrency"),
+            "max_tokens": max_tokens,
+            "requests_per_level": requests_per_level,
+        },
         "sweep": sweep,
     }
 
@@ -122,34 +134,24 @@ def markdown_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(payload: dict, name: str) -> None:
-    import matplotlib
+def ratios(payload: dict) -> dict[str, float]:
+    """tokens/s over ``off`` at the same concurrency, keyed for comparing two runs."""
+    return {
+        f"{mix}/C={level}/{mode}": row[mode]["ratio_to_off"]
+        for mix, levels in payload["sweep"].items()
+        for level, row in levels.items()
+        for mode in MODES
+        if mode != "off"
+    }
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(
-        1, len(payload["sweep"]), figsize=(6 * len(payload["sweep"]), 4), squeeze=False
-    )
-    for axis, (mix, levels) in zip(axes[0], payload["sweep"].items()):
-        concurrency = [int(level) for level in levels]
-        for mode in MODES:
-            axis.plot(
-                concurrency,
-                [levels[str(c)][mode]["tokens_per_s"] for c in concurrency],
-                marker="o",
-                label=mode,
-            )
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(concurrency, [str(c) for c in concurrency])
-        axis.set_xlabel("concurrent requests")
+def plot(payload: dict):
+    """Tokens/s against concurrency, one panel per mix, one line per mode."""
+    figure, axes = new_figure(len(payload["sweep"]))
+    for axis, (mix, levels) in zip(axes, payload["sweep"].items()):
+        concurrency_lines(axis, levels, {mode: mode for mode in MODES}, "tokens_per_s", f"engine, {mix} mix")
         axis.set_ylabel("output tokens/s")
-        axis.set_title(f"{mix} mix")
-        axis.legend()
-    figure.tight_layout()
-    plots = RESULTS_DIR.parent / "plots"
-    plots.mkdir(exist_ok=True)
-    figure.savefig(plots / f"{name}.png", dpi=110)
+    return figure
 
 
 def main() -> None:
@@ -159,11 +161,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    levels = [1, 4, 16] if args.quick else [1, 4, 16, 32]
-    payload = run_sweep(levels, 48 if args.quick else 64, args.dtype)
+    levels = [1, 4, 8] if args.quick else [1, 4, 16, 32]
+    payload = run_sweep(levels, 32 if args.quick else 64, args.dtype, 1 if args.quick else 2)
     name = f"concurrency_{args.dtype}{'_quick' if args.quick else ''}"
     write_result(name, payload)
-    plot(payload, name)
+    save_figure(plot(payload), name)
     print(markdown_table(payload))
 
 

@@ -1,13 +1,14 @@
 """The service end to end: tokens/s, TTFT and inter-token latency through real HTTP.
 
-A local Ray Serve runs ``deployments.build_app`` twice, speculation ``off`` and ``auto``, with 1
-and then 2 replicas each; the official OpenAI client streams greedy chat completions at each
-concurrency C (``2*C`` requests, at least 6, C at a time) to one and then the other (the
-order alternates by cell), in the same run on the same prompts. Each application sees every
-prompt once, and both must give the same texts.
+A local Ray Serve runs ``deployments.build_app`` three times, speculation ``off``, ``on`` and
+``auto`` (the same replica count each); the official OpenAI client streams greedy chat
+completions at each concurrency C (``2*C`` requests, at least 6, C at a time) to each
+application in turn (the order rotates by cell), in the same run on the same prompts. Each
+application sees every prompt once, and all must give the same texts.
 
-    python -m benchmarks.http             # 1 and 2 replicas, C = 1, 4, 16, 64 tokens
-    python -m benchmarks.http --quick     # 1 replica, C = 1, 4, 16, 32 tokens
+    python -m benchmarks.http                  # 1 replica, C = 1, 4, 16, 32, 64 tokens
+    python -m benchmarks.http --replicas 1 2   # the same, then again with 2 replicas
+    python -m benchmarks.http --quick          # 1 replica, C = 1, 4, 8, max(C, 4) requests of 32 tokens
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ import ray
 from ray import serve
 from tqdm import tqdm
 
-from benchmarks.common import percentile, run_metadata, write_result
+from benchmarks.common import (
+    concurrency_lines,
+    new_figure,
+    percentile,
+    run_metadata,
+    save_figure,
+    write_result,
+)
 from benchmarks.concurrency import MIXES
 from benchmarks.workloads import Messages, distinct_prompts
 from deployments import build_app
@@ -30,7 +38,7 @@ from nasd_core.config import EMBEDDED_MODEL
 from nasd_core.models import load_model
 from pool_service.local_redis import free_port
 
-MODES = ("off", "auto")
+MODES = ("off", "on", "auto")
 # Warm-up requests, unlike any benchmark prompt.
 WARMUP = [[{"role": "user", "content": "Count from one to ten in words."}]]
 
@@ -122,8 +130,13 @@ def serve_apps(num_replicas: int, num_cpus: int) -> dict[str, str]:
     return {mode: f"http://127.0.0.1:{port}/{mode}/v1" for mode in MODES}
 
 
+def cell_sizes(levels: list[int], quick: bool) -> list[int]:
+    """Requests per cell: two waves of C (at least 6), or one wave (at least 4) when quick."""
+    return [max(level, 4) if quick else max(2 * level, 6) for level in levels]
+
+
 def run_replicas(
-    num_replicas: int, levels: list[int], max_tokens: int, num_cpus: int, progress: tqdm
+    num_replicas: int, levels: list[int], sizes: list[int], max_tokens: int, num_cpus: int, progress: tqdm
 ) -> dict:
     # Each mode's application reserves the machine's CPUs; they take turns using them.
     ray.init(address="local", num_cpus=num_cpus * len(MODES), include_dashboard=False, log_to_driver=False)
@@ -132,7 +145,6 @@ def run_replicas(
         for url in urls.values():  # load code paths and calibrate the step-time model
             asyncio.run(run_cell(url, WARMUP * num_replicas, len(WARMUP) * num_replicas, "auto", 8))
         table: dict[str, dict] = {}
-        sizes = [max(2 * level, 6) for level in levels]
         for mix, names in MIXES.items():
             # Every prompt goes once to each application: a server learns the answers it gives,
             # and a repeated greedy prompt would measure that memory instead of the workload.
@@ -140,13 +152,16 @@ def run_replicas(
             for index, level in enumerate(levels):
                 batch = prompts[sum(sizes[:index]) : sum(sizes[: index + 1])]
                 row, texts = {}, {}
-                # Alternate which mode goes first, so slow drift does not favour one of them.
-                for mode in MODES if index % 2 == 0 else MODES[::-1]:
+                # Rotate which mode goes first, so slow drift does not favour one of them.
+                shift = index % len(MODES)
+                for mode in (*MODES[shift:], *MODES[:shift]):
                     row[mode], texts[mode] = asyncio.run(run_cell(urls[mode], batch, level, mode, max_tokens))
                     progress.update()
-                ratio = row["auto"]["tokens_per_s"] / row["off"]["tokens_per_s"]
-                row["auto"]["ratio_to_off"] = round(ratio, 3)
-                row["identical"] = texts["auto"] == texts["off"]
+                for mode in MODES:
+                    row[mode]["ratio_to_off"] = round(
+                        row[mode]["tokens_per_s"] / row["off"]["tokens_per_s"], 3
+                    )
+                row["identical"] = all(texts[mode] == texts["off"] for mode in MODES)
                 table.setdefault(mix, {})[str(level)] = row
         return table
     finally:
@@ -156,24 +171,54 @@ def run_replicas(
 
 def markdown_table(payload: dict) -> str:
     lines = [
-        "| replicas | mix | C | off tok/s | auto tok/s | auto / off | TTFT p50 off / auto ms "
-        "| ITL p50 off / auto ms | ITL p99 off / auto ms |",
+        "| replicas | mix | C | off tok/s | on / off | auto / off | TTFT p50 ms off / on / auto "
+        "| ITL p50 ms off / on / auto | ITL p99 ms off / on / auto |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for replicas, mixes in payload["results"].items():
         for mix, levels in mixes.items():
             for level, row in levels.items():
-                off, auto = row["off"], row["auto"]
                 flag = "" if row["identical"] else " ≠"
-                pairs = " | ".join(
-                    f"{off[name]:.0f} / {auto[name]:.0f}"
+                triples = " | ".join(
+                    " / ".join(f"{row[mode][name]:.0f}" for mode in MODES)
                     for name in ("ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")
                 )
+                on, auto = row["on"]["ratio_to_off"], row["auto"]["ratio_to_off"]
                 lines.append(
-                    f"| {replicas} | {mix} | {level} | {off['tokens_per_s']:.1f} "
-                    f"| {auto['tokens_per_s']:.1f} | {auto['ratio_to_off']:.2f}x{flag} | {pairs} |"
+                    f"| {replicas} | {mix} | {level} | {row['off']['tokens_per_s']:.1f} "
+                    f"| {on:.2f}x | {auto:.2f}x{flag} | {triples} |"
                 )
     return "\n".join(lines)
+
+
+def ratios(payload: dict) -> dict[str, float]:
+    """tokens/s over ``off`` in the same cell, keyed for comparing two runs."""
+    return {
+        f"{replicas} replica(s)/{mix}/C={level}/{mode}": row[mode]["ratio_to_off"]
+        for replicas, mixes in payload["results"].items()
+        for mix, levels in mixes.items()
+        for level, row in levels.items()
+        for mode in MODES
+        if mode != "off"
+    }
+
+
+def plot(payload: dict):
+    """Per mix: tokens/s and TTFT p50 against concurrency, one line per mode (and replica count)."""
+    mixes = list(next(iter(payload["results"].values())))
+    figure, axes = new_figure(2 * len(mixes), width=5.0)
+    for panel, mix in enumerate(mixes):
+        for axis, metric, label in (
+            (axes[2 * panel], "tokens_per_s", "output tokens/s"),
+            (axes[2 * panel + 1], "ttft_p50_ms", "TTFT p50 (ms)"),
+        ):
+            for replicas, results in payload["results"].items():
+                suffix = f", {replicas} replica{'s' if replicas != '1' else ''}"
+                concurrency_lines(
+                    axis, results[mix], {mode + suffix: mode for mode in MODES}, metric, f"HTTP, {mix} mix"
+                )
+            axis.set_ylabel(label)
+    return figure
 
 
 def main() -> None:
@@ -181,17 +226,19 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--replicas", type=int, nargs="+", help="replica counts (default: 1 2; --quick: 1)")
+    parser.add_argument("--replicas", type=int, nargs="+", help="replica counts (default: 1)")
     args = parser.parse_args()
-    replica_counts = args.replicas or ([1] if args.quick else [1, 2])
-    levels = [1, 4, 16]
+    replica_counts = args.replicas or [1]
+    levels = [1, 4, 8] if args.quick else [1, 4, 16, 32]
+    sizes = cell_sizes(levels, args.quick)
     max_tokens = 32 if args.quick else 64
     num_cpus = os.cpu_count() or 2
     progress = tqdm(
         total=len(replica_counts) * len(MIXES) * len(levels) * len(MODES), desc="http", unit="cell"
     )
     results = {
-        str(count): run_replicas(count, levels, max_tokens, num_cpus, progress) for count in replica_counts
+        str(count): run_replicas(count, levels, sizes, max_tokens, num_cpus, progress)
+        for count in replica_counts
     }
     progress.close()
     model, _ = load_model()  # for the metadata only (the replicas load their own copy)
@@ -200,11 +247,14 @@ def main() -> None:
         "meta": {
             **run_metadata(model, "float32", "benchmarks.http"),
             "max_tokens": max_tokens,
+            "requests_per_cell": dict(zip(map(str, levels), sizes)),
             "ray_cpus": num_cpus,
         },
         "results": results,
     }
-    write_result(f"http_float32{'_quick' if args.quick else ''}", payload)
+    name = f"http_float32{'_quick' if args.quick else ''}"
+    write_result(name, payload)
+    save_figure(plot(payload), name)
     print(markdown_table(payload))
 
 

@@ -4,7 +4,9 @@ Two replicas (each an engine on its own thread with its own pool worker) share o
 redis-server that this benchmark starts, so every Redis command is counted. Replica A serves
 phase 1; replica B then serves phase 2 twice, in the same run on the same prompts: once
 cold (its requests see only their own tokens) and once warm (they also see what the pool
-brought from A). Workloads, one line each:
+brought from A). Then the sync protocol alone runs at higher generation rates than this CPU
+reaches (``sync_load``: replicas finishing synthetic sequences, no model). Workloads, one
+line each:
 
 * repeat_question  - other users ask the same questions A answered (popular question, retry).
 * paraphrase       - other users ask A's questions in other words (answers overlap, not equal).
@@ -12,18 +14,19 @@ brought from A). Workloads, one line each:
 * unrelated        - A writes stories, B summarises reports: the control, the pool cannot help.
 
     python -m benchmarks.pool            # 8 conversations per workload, 96 new tokens
-    python -m benchmarks.pool --quick    # 4 conversations, 64 new tokens
+    python -m benchmarks.pool --quick    # 3 conversations, 48 new tokens
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import time
 
 from tqdm import tqdm
 
-from benchmarks.common import run_metadata, write_result
+from benchmarks.common import grouped_bars, new_figure, run_metadata, save_figure, write_result
 from benchmarks.workloads import Messages, make_workload
 from nasd_core.async_engine import AsyncEngine
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams
@@ -35,6 +38,10 @@ from pool_service import PoolConfig, SharedPools, namespace_for
 from pool_service.local_redis import LocalRedis
 
 CONCURRENCY = 4
+# Sync load: new tokens per finished sequence, and generation rates per replica (this CPU
+# makes 30-90 tokens/s; a GPU replica batching many requests makes thousands).
+LOAD_OUTPUT_TOKENS = 128
+LOAD_RATES = (50, 500, 5000)
 
 
 def _questions(num: int) -> list[Messages]:
@@ -153,6 +160,7 @@ async def run_workload(model, tokenizer, redis: LocalRedis, name: str, phases, m
     await replica_b.stop()
     # The first INFO call of our own is in the count.
     num_commands = redis.commands_processed() - commands_before - 1
+    num_round_trips = sum(round_trips(replica.pools) for replica in (replica_a, replica_b))
     num_tokens = served_a["tokens"] + cold["tokens"] + warm["tokens"]
     identical = warm.pop("outputs") == cold.pop("outputs")
     served_a.pop("outputs")
@@ -165,16 +173,75 @@ async def run_workload(model, tokenizer, redis: LocalRedis, name: str, phases, m
         "tokens_per_s_ratio": round(warm["tokens_per_s"] / cold["tokens_per_s"], 3),
         "redis_commands": num_commands,
         "redis_commands_per_token": round(num_commands / num_tokens, 5),
+        "redis_round_trips": num_round_trips,
+        "redis_round_trips_per_token": round(num_round_trips / num_tokens, 5),
         "sync_lag_ms_p50": b_sync["lag_ms_p50"],
         "sync_lag_ms_p99": b_sync["lag_ms_p99"],
         "sequences_received_by_b": b_sync["received"],
     }
 
 
+def round_trips(pools: SharedPools) -> int:
+    """Calls a replica's pool worker made to Redis (connect, publish scripts, reads). Redis's own
+    command count is higher: it also counts the calls a publish script makes inside Redis."""
+    return sum(namespace["store_calls"] for namespace in pools.stats()["namespaces"])
+
+
+async def sync_load(
+    redis: LocalRedis, vocab_size: int, tokens_per_s: float, seconds: float, num_replicas: int = 2
+) -> dict:
+    """The sync protocol alone at a given generation rate: ``num_replicas`` replicas (real
+    ``SharedPools`` on the real Redis, no model) each finish sequences of
+    ``LOAD_OUTPUT_TOKENS`` new tokens (published with a prompt of as many) at Poisson times
+    adding up to ``tokens_per_s`` per replica. Measures Redis commands per generated token and
+    sync lag at rates this CPU cannot generate, such as a GPU replica's."""
+    namespace = f"bench-load-{time.time_ns()}"
+    config = PoolConfig(redis_url=redis.url)
+    replicas = [
+        SharedPools(config, namespace, origin=f"R{index}", vocab_size=vocab_size)
+        for index in range(num_replicas)
+    ]
+    for replica in replicas:
+        await replica.start()
+    rng = random.Random(int(tokens_per_s))
+    commands_before = redis.commands_processed()
+    num_sequences = 0
+
+    async def finish_sequences(replica: SharedPools) -> None:
+        nonlocal num_sequences
+        deadline = time.monotonic() + seconds
+        while (wait := rng.expovariate(tokens_per_s / LOAD_OUTPUT_TOKENS)) < deadline - time.monotonic():
+            await asyncio.sleep(wait)
+            replica.publish(None, [rng.randrange(vocab_size) for _ in range(2 * LOAD_OUTPUT_TOKENS)])
+            num_sequences += 1
+
+    await asyncio.gather(*(finish_sequences(replica) for replica in replicas))
+    for replica in replicas:
+        await replica.stop()
+    num_commands = redis.commands_processed() - commands_before - 1  # our INFO call
+    num_round_trips = sum(round_trips(replica) for replica in replicas)
+    stats = [replica.stats()["namespaces"][0] for replica in replicas]
+    lags = [lag for stat in stats for lag in (stat["lag_ms_p50"], stat["lag_ms_p99"]) if lag is not None]
+    num_tokens = num_sequences * LOAD_OUTPUT_TOKENS
+    return {
+        "replicas": num_replicas,
+        "tokens_per_s_per_replica": tokens_per_s,
+        "seconds": seconds,
+        "sequences": num_sequences,
+        "received": sum(stat["received"] for stat in stats),
+        "redis_commands": num_commands,
+        "redis_commands_per_token": round(num_commands / max(1, num_tokens), 5),
+        "redis_round_trips": num_round_trips,
+        "redis_round_trips_per_token": round(num_round_trips / max(1, num_tokens), 5),
+        "sync_lag_ms_p50": max(stat["lag_ms_p50"] or 0 for stat in stats),
+        "sync_lag_ms_p99": max(lags) if lags else None,
+    }
+
+
 def markdown_table(payload: dict) -> str:
     lines = [
         "| workload | cold tokens/step | warm tokens/step | ratio | cold tok/s | warm tok/s | ratio "
-        "| Redis cmds/token | sync lag p50 / p99 ms |",
+        "| Redis calls/token | sync lag p50 / p99 ms |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in payload["workloads"].items():
@@ -183,26 +250,83 @@ def markdown_table(payload: dict) -> str:
             f"| {name}{mark} | {row['cold']['tokens_per_step']:.2f} | {row['warm']['tokens_per_step']:.2f} "
             f"| {row['tokens_per_step_ratio']:.2f}x | {row['cold']['tokens_per_s']:.1f} "
             f"| {row['warm']['tokens_per_s']:.1f} | {row['tokens_per_s_ratio']:.2f}x "
-            f"| {row['redis_commands_per_token']:.4f} | {row['sync_lag_ms_p50']} / {row['sync_lag_ms_p99']} |"
+            f"| {_calls(row)} | {_lags(row)} |"
+        )
+    lines += [
+        "",
+        "| sync load: replicas | tok/s per replica | sequences | Redis calls/token | sync lag p50 / p99 ms |",
+        "|---|---|---|---|---|",
+    ]
+    for row in payload.get("sync_load", []):
+        lines.append(
+            f"| {row['replicas']} | {row['tokens_per_s_per_replica']:.0f} | {row['sequences']} "
+            f"| {_calls(row)} | {_lags(row)} |"
         )
     return "\n".join(lines)
 
 
+def _calls(row: dict) -> str:
+    """Client round trips per generated token (and, in brackets, every command Redis ran,
+    those inside publish scripts included)."""
+    if "redis_round_trips_per_token" not in row:  # results from before round trips were counted
+        return f"({row['redis_commands_per_token']:.4f})"
+    return f"{row['redis_round_trips_per_token']:.4f} ({row['redis_commands_per_token']:.4f})"
+
+
+def _lags(row: dict) -> str:
+    return " / ".join(
+        "-" if row[key] is None else f"{row[key]:.0f}" for key in ("sync_lag_ms_p50", "sync_lag_ms_p99")
+    )
+
+
+def ratios(payload: dict) -> dict[str, float]:
+    """Warm over cold replica B, keyed for comparing two runs."""
+    return {
+        f"{name}/{metric}": row[f"{metric}_ratio"]
+        for name, row in payload["workloads"].items()
+        for metric in ("tokens_per_step", "tokens_per_s")
+    }
+
+
+def plot(payload: dict):
+    """Cold vs warm replica B, by workload: tokens per target forward and tokens/s."""
+    figure, axes = new_figure(2)
+    names = list(payload["workloads"])
+    for axis, metric, label in zip(
+        axes, ("tokens_per_step", "tokens_per_s"), ("tokens per target forward", "tokens/s")
+    ):
+        grouped_bars(
+            axis,
+            names,
+            {
+                phase: [payload["workloads"][name][phase][metric] for name in names]
+                for phase in ("cold", "warm")
+            },
+            label,
+        )
+        axis.set_title(f"shared pool: {label}, cold vs warmed through Redis")
+    return figure
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="4 conversations, 64 tokens")
+    parser.add_argument("--quick", action="store_true", help="3 conversations, 48 tokens")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    num, max_tokens = (4, 64) if args.quick else (8, 96)
+    num, max_tokens = (3, 48) if args.quick else (8, 96)
     model, tokenizer = load_model(config=ModelConfig(dtype=args.dtype))
     measure_step_times(
         model, sorted({*range(1, 18), *(CONCURRENCY * w for w in (1, 2, 4, 6, 11, 17))}), repeats=2
     )
     redis = LocalRedis().start()
     results: dict[str, dict] = {}
+    load: list[dict] = []
+    load_seconds = 3.0 if args.quick else 15.0
     try:
         for name, phases in tqdm(workloads(num).items(), desc="pool", unit="workload"):
             results[name] = asyncio.run(run_workload(model, tokenizer, redis, name, phases, max_tokens))
+        for rate in tqdm(LOAD_RATES, desc="pool sync load", unit="rate"):
+            load.append(asyncio.run(sync_load(redis, model.config.vocab_size, rate, load_seconds)))
     finally:
         redis.stop()
     payload = {
@@ -214,9 +338,11 @@ def main() -> None:
             "concurrency": CONCURRENCY,
         },
         "workloads": results,
+        "sync_load": load,
     }
     suffix = "_quick" if args.quick else ""
     path = write_result(f"pool_{args.dtype}{suffix}", payload)
+    save_figure(plot(payload), f"pool_{args.dtype}{suffix}")
     print(markdown_table(payload))
     print(f"results: {path}")
 

@@ -6,7 +6,7 @@ Systems: transformers greedy (``hf_greedy``), transformers prompt lookup
 system must emit exactly ``hf_greedy``'s tokens; the run records whether each did.
 
     python -m benchmarks.single_stream            # full: 5 prompts x 7 workloads, 128 tokens
-    python -m benchmarks.single_stream --quick    # 2 prompts x 7 workloads, 96 tokens
+    python -m benchmarks.single_stream --quick    # 1 prompt x 7 workloads, 64 tokens
 """
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.baselines.seed_nasd import seed_nasd_generate
-from benchmarks.common import counting_forwards, run_metadata, write_result
+from benchmarks.common import (
+    counting_forwards,
+    grouped_bars,
+    new_figure,
+    run_metadata,
+    save_figure,
+    write_result,
+)
 from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
 from nasd_core.config import ModelConfig, SamplingParams, SpecConfig
 from nasd_core.generate import eos_ids, generate, measure_step_times
@@ -183,22 +190,61 @@ def markdown_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def ratios(payload: dict) -> dict[str, float]:
+    """The run's headline ratios (tokens/s over plain greedy), keyed for comparing two runs."""
+    return {
+        f"{name}/{system}": rows[system]["speedup_vs_hf_greedy"]
+        for name, rows in payload["workloads"].items()
+        for system in SYSTEMS
+        if system != BASELINE
+    }
+
+
+def plot(payload: dict):
+    """Left: tokens/s over plain greedy by workload and system. Right: how often ``nasd_auto``'s
+    drafted token at each position was accepted, by workload."""
+    figure, (speedups, acceptance) = new_figure(2, width=7.0)
+    workloads = list(payload["workloads"])
+    grouped_bars(
+        speedups,
+        workloads,
+        {
+            system: [payload["workloads"][name][system]["speedup_vs_hf_greedy"] for name in workloads]
+            for system in SYSTEMS
+        },
+        "tokens/s ÷ hf_greedy",
+    )
+    speedups.axhline(1.0, color="grey", linewidth=0.8)
+    speedups.set_title("single stream: speed-up over transformers greedy")
+    for name in workloads:
+        rates = payload["workloads"][name]["nasd_auto"].get("acceptance_by_position", [])
+        if rates:
+            acceptance.plot(range(1, len(rates) + 1), rates, marker=".", label=name)
+    acceptance.set_xlabel("draft position")
+    acceptance.set_ylabel("acceptance rate")
+    acceptance.set_ylim(0, 1.05)
+    acceptance.set_title("nasd_auto: acceptance by draft position")
+    acceptance.legend(fontsize="small")
+    return figure
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="2 prompts per workload, 96 tokens")
+    parser.add_argument("--quick", action="store_true", help="1 prompt per workload, 64 tokens")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0, help="workload generator seed")
     args = parser.parse_args()
-    num_prompts = args.prompts or (2 if args.quick else 5)
-    max_tokens = args.max_tokens or (96 if args.quick else 128)
+    num_prompts = args.prompts or (1 if args.quick else 5)
+    max_tokens = args.max_tokens or (64 if args.quick else 128)
     payload = run_benchmark(num_prompts, max_tokens, args.workloads, args.dtype, args.seed)
     suffix = "_quick" if args.quick else ""
     path = write_result(f"single_stream_{args.dtype}{suffix}", payload)
+    save_figure(plot(payload), f"single_stream_{args.dtype}{suffix}")
     print(markdown_table(payload))
     print(f"\nwritten: {path}")
 

@@ -35,13 +35,13 @@ logger = logging.getLogger(__name__)
 KEY_PREFIX = "nasd"
 
 # KEYS: stream, seen. ARGV: maxlen, seen_cap, namespace, origin, then (digest, tokens, ts) triples.
+# ZADD NX both tests and records a digest: two calls inside Redis per new sequence.
 _PUBLISH_SCRIPT = """
 local added = 0
 for i = 5, #ARGV, 3 do
-  if not redis.call('ZSCORE', KEYS[2], ARGV[i]) then
+  if redis.call('ZADD', KEYS[2], 'NX', ARGV[i + 2], ARGV[i]) == 1 then
     redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*',
                'n', ARGV[3], 'o', ARGV[4], 't', ARGV[i + 1], 'ts', ARGV[i + 2])
-    redis.call('ZADD', KEYS[2], ARGV[i + 2], ARGV[i])
     added = added + 1
   end
 end

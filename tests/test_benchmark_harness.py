@@ -55,10 +55,17 @@ def test_http_cell_summary_and_table():
     assert (cell["requests"], cell["tokens"], cell["tokens_per_s"]) == (3, 41, 20.5)
     assert cell["ttft_p50_ms"] == 200.0
     assert cell["itl_p50_ms"] == 30.0  # the None is left out, not counted as 0
-    faster = {**cell, "tokens_per_s": 41.0, "ratio_to_off": 2.0}
-    payload = {"results": {"1": {"repetitive": {"4": {"off": cell, "auto": faster, "identical": False}}}}}
-    (row,) = http.markdown_table(payload).splitlines()[2:]
-    assert row.startswith("| 1 | repetitive | 4 | 20.5 | 41.0 | 2.00x ≠ |")
+    off = {**cell, "ratio_to_off": 1.0}
+    on = {**cell, "tokens_per_s": 10.25, "ratio_to_off": 0.5}
+    auto = {**cell, "tokens_per_s": 41.0, "ratio_to_off": 2.0, "ttft_p50_ms": 100.0}
+    row = {"off": off, "on": on, "auto": auto, "identical": False}
+    payload = {"results": {"1": {"repetitive": {"4": row}}}}
+    (line,) = http.markdown_table(payload).splitlines()[2:]
+    assert line.startswith("| 1 | repetitive | 4 | 20.5 | 0.50x | 2.00x ≠ | 200 / 200 / 100 |")
+    assert http.ratios(payload) == {
+        "1 replica(s)/repetitive/C=4/on": 0.5,
+        "1 replica(s)/repetitive/C=4/auto": 2.0,
+    }
 
 
 def test_distinct_prompts_never_repeat_and_say_when_they_run_out():
@@ -69,3 +76,69 @@ def test_distinct_prompts_never_repeat_and_say_when_they_run_out():
     assert prompts == distinct_prompts(("creative", "code_edit"), 40, seed=1)
     with pytest.raises(ValueError, match="different conversations"):
         distinct_prompts(("code_edit",), 1000)
+
+
+def test_readme_results_are_rendered_from_the_committed_result_files():
+    """A table in the README is exactly what benchmarks.report makes of the committed JSON, so
+    no number there can drift from (or be typed without) the run that produced it."""
+    from benchmarks import report
+
+    readme = report.README.read_text()
+    tables = report.readme_tables()
+    assert set(tables) == set(report.SUITES), "every suite has committed full results"
+    assert report.render_readme(readme, tables) == readme, "run: python -m benchmarks.report"
+
+
+def test_render_readme_replaces_only_the_marked_blocks_and_refuses_a_missing_one():
+    from benchmarks.report import render_readme
+
+    readme = "intro\n<!-- results:pool -->\nold | table\n<!-- /results:pool -->\noutro\n"
+    assert (
+        render_readme(readme, {"pool": "new"})
+        == "intro\n<!-- results:pool -->\nnew\n<!-- /results:pool -->\noutro\n"
+    )
+    with pytest.raises(ValueError, match="results:http"):
+        render_readme(readme, {"http": "table"})
+
+
+def test_compare_flags_ratios_outside_the_noise_band():
+    from benchmarks.report import NOISE, compare
+
+    full = {"a": 2.0, "b": 1.0, "only_full": 3.0}
+    quick = {"a": 2.0 * (1 + NOISE / 2), "b": 1.0 * (1 + 2 * NOISE), "only_quick": 1.0}
+    lines, num_outside = compare(full, quick)
+    assert num_outside == 1
+    assert len(lines) == 2 and "outside" in lines[1] and "outside" not in lines[0]
+
+
+@pytest.mark.parametrize("suite", ["single_stream", "concurrency", "pool", "http"])
+def test_committed_results_carry_provenance_and_plot(suite):
+    from benchmarks import report
+
+    payload = report.load(suite)
+    assert payload is not None, f"benchmarks/results/{report.result_path(suite).name} is missing"
+    assert payload["benchmark"] == suite
+    for key in (
+        "command",
+        "commit",
+        "date_utc",
+        "machine",
+        "processor",
+        "cpu_threads",
+        "torch",
+        "model",
+        "dtype",
+    ):
+        assert payload["meta"].get(key), f"{suite} result has no {key}"
+    assert payload["meta"]["command"].startswith(f"python -m benchmarks.{suite}")
+    module = report.suite_module(suite)
+    ratios = module.ratios(payload)
+    assert ratios and all(value > 0 for value in ratios.values())
+    assert report.compare(ratios, ratios)[1] == 0
+    figure = module.plot(payload)
+    try:
+        assert figure.axes and all(axis.lines or axis.patches for axis in figure.axes)
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)

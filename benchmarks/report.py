@@ -1,0 +1,130 @@
+"""Benchmark results into the README and plots; a quick run held against the full one.
+
+Each suite (``benchmarks/<suite>.py``) writes ``results/<suite>_float32.json`` and knows how
+to show it (``markdown_table``, ``plot``, ``ratios``). The README's tables sit between
+``<!-- results:<suite> -->`` and ``<!-- /results:<suite> -->`` and are only ever written
+from those files, so a number in the README is always one a committed run produced.
+
+    python -m benchmarks.report             # rewrite the README tables and the plots
+    python -m benchmarks.report --check     # exit 1 where the README differs from the results
+    python -m benchmarks.report --compare   # each *_quick.json ratio beside its full run's
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+from benchmarks.common import RESULTS_DIR, save_figure
+
+SUITES = ("single_stream", "concurrency", "pool", "http")
+README = Path(__file__).resolve().parent.parent / "README.md"
+DTYPE = "float32"
+# A quick run uses fewer prompts and tokens: a ratio within this factor of the full run's is
+# taken as reproduced (cells of the full run alone vary by about ±15% on a 2-core VM).
+NOISE = 0.25
+
+
+def result_path(suite: str, quick: bool = False) -> Path:
+    return RESULTS_DIR / f"{suite}_{DTYPE}{'_quick' if quick else ''}.json"
+
+
+def load(suite: str, quick: bool = False) -> dict | None:
+    path = result_path(suite, quick)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def suite_module(suite: str):
+    return importlib.import_module(f"benchmarks.{suite}")
+
+
+def render_readme(readme: str, tables: dict[str, str]) -> str:
+    """``readme`` with each suite's marked block replaced by its table (and the command that
+    produced it); a suite whose markers are missing is an error, not a silent skip."""
+    for suite, table in tables.items():
+        pattern = re.compile(rf"(<!-- results:{suite} -->\n).*?(<!-- /results:{suite} -->)", re.DOTALL)
+        if not pattern.search(readme):
+            raise ValueError(f"README has no <!-- results:{suite} --> ... <!-- /results:{suite} --> block")
+        readme = pattern.sub(
+            lambda match, table=table: match.group(1) + table + "\n" + match.group(2), readme
+        )
+    return readme
+
+
+def block(suite: str, payload: dict) -> str:
+    """The README block of one suite: its table and where it came from."""
+    meta = payload["meta"]
+    return (
+        suite_module(suite).markdown_table(payload)
+        + f"\n\n<sub>`{meta['command']}` at commit {meta['commit']}, {meta['date_utc']} UTC, "
+        f"{meta['processor']} ({meta['cpu_threads']} threads), torch {meta['torch']}, {meta['dtype']}; "
+        f"data: `benchmarks/results/{result_path(suite).name}`</sub>"
+    )
+
+
+def readme_tables() -> dict[str, str]:
+    return {suite: block(suite, payload) for suite in SUITES if (payload := load(suite)) is not None}
+
+
+def compare(full: dict[str, float], quick: dict[str, float]) -> tuple[list[str], int]:
+    """Lines of a quick-vs-full table over the keys both runs have; and how many ratios fall
+    outside ``NOISE``."""
+    lines, num_outside = [], 0
+    for key in sorted(full.keys() & quick.keys()):
+        factor = quick[key] / full[key] if full[key] else float("inf")
+        outside = abs(factor - 1) > NOISE
+        num_outside += outside
+        lines.append(
+            f"  {key:<48} full {full[key]:6.2f}x  quick {quick[key]:6.2f}x"
+            + ("  <-- outside" if outside else "")
+        )
+    return lines, num_outside
+
+
+def print_comparison() -> int:
+    """Print every suite's quick ratios beside the full run's; the number outside the noise."""
+    total_outside = 0
+    for suite in SUITES:
+        full, quick = load(suite), load(suite, quick=True)
+        if full is None or quick is None:
+            print(f"{suite}: {'full' if full is None else 'quick'} results missing, nothing to compare")
+            continue
+        ratios = suite_module(suite).ratios
+        lines, num_outside = compare(ratios(full), ratios(quick))
+        total_outside += num_outside
+        print(f"{suite}: {len(lines) - num_outside}/{len(lines)} ratios within ±{NOISE:.0%} of the full run")
+        print("\n".join(lines))
+    return total_outside
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="exit 1 if the README's tables are stale")
+    mode.add_argument("--compare", action="store_true", help="quick-run ratios beside the full run's")
+    args = parser.parse_args()
+    if args.compare:
+        print_comparison()
+        return
+    current = README.read_text()
+    updated = render_readme(current, readme_tables())
+    if args.check:
+        if updated != current:
+            sys.exit("README tables differ from benchmarks/results: run python -m benchmarks.report")
+        print("README tables match benchmarks/results")
+        return
+    README.write_text(updated)
+    for suite in SUITES:
+        if (payload := load(suite)) is not None:
+            print(f"plot: {save_figure(suite_module(suite).plot(payload), result_path(suite).stem)}")
+    print(f"README tables rewritten from {RESULTS_DIR}")
+
+
+if __name__ == "__main__":
+    main()
