@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 Apply = Callable[[Callable[[], None]], object]
 _LAG_SAMPLES = 2048
 _RECENT_DIGESTS = 4096
+_CANCEL_TIMEOUT_S = 5.0
+_RECANCEL_S = 0.2
 
 
 def apply_now(function: Callable[[], None]) -> None:
@@ -110,11 +112,11 @@ class PoolSync:
         self._wake_up()
         while self._pending and self.state == "connected" and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self._task = None
-        await self.store.close()
+        task, self._task = self._task, None
+        if not await cancel_and_wait([task], flush_timeout_s):
+            logger.warning("pool %s: sync worker ignored cancellation; left behind", self.store.namespace)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.store.close(), flush_timeout_s)
         self._set_state("stopped")
 
     def publish(self, token_ids: Sequence[int]) -> None:
@@ -247,9 +249,29 @@ async def _first_failure(*coroutines) -> None:
         for task in done:
             task.result()
     finally:
-        for task in tasks:
+        await cancel_and_wait(tasks, _CANCEL_TIMEOUT_S)
+
+
+async def cancel_and_wait(tasks: Sequence[asyncio.Task], timeout_s: float) -> bool:
+    """Cancel ``tasks`` and wait up to ``timeout_s`` for them to end; whether they all did.
+
+    One ``cancel()`` is not always enough: a cancellation that lands while a redis-py call's
+    own timeout fires can be swallowed (``asyncio.timeout`` in Python 3.11), and the loop then
+    carries on with its next blocking read. So the cancel is repeated until the task ends, and
+    the wait is bounded: a replica's shutdown must never hang on the pool (a CI run once did).
+    """
+    pending = {task for task in tasks if not task.done()}
+    deadline = time.monotonic() + timeout_s
+    while pending and time.monotonic() < deadline:
+        for task in pending:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        _, pending = await asyncio.wait(
+            pending, timeout=min(_RECANCEL_S, max(0.0, deadline - time.monotonic()))
+        )
+    for task in tasks:  # mark failures as retrieved: they were reported where they happened
+        if task.done() and not task.cancelled():
+            task.exception()
+    return not pending
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -1,0 +1,81 @@
+"""Stopping a sync worker is bounded even when a cancellation is swallowed.
+
+A cancellation that lands while redis-py's own timeout fires can be lost inside
+``asyncio.timeout`` (Python 3.11); the worker's read loop then simply goes on. A real Redis
+cannot be made to lose a cancellation on demand, so the store here swallows the first one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from nasd_core.ngram import NGramIndex
+from pool_service import PoolConfig
+from pool_service.store import InMemoryPool, ReadBatch
+from pool_service.sync import PoolSync, cancel_and_wait
+
+
+class CancelSwallowingPool(InMemoryPool):
+    """The in-process pool, except that a blocking read swallows the first cancellation."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(namespace)
+        self.num_swallowed = 0
+
+    async def read(self, cursor: str, count: int, block_ms: int) -> ReadBatch:
+        if block_ms == 0:
+            return await super().read(cursor, count, block_ms)
+        try:
+            await asyncio.sleep(block_ms / 1000)
+        except asyncio.CancelledError:
+            if self.num_swallowed == 0:
+                self.num_swallowed += 1
+                return ReadBatch(cursor=cursor)
+            raise
+        return ReadBatch(cursor=cursor)
+
+
+async def _ignores(num_cancels: int) -> None:
+    """Sleeps, shrugging off the first ``num_cancels`` cancellations."""
+    for _ in range(num_cancels):
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(60)
+    await asyncio.sleep(60)
+
+
+def test_cancel_and_wait_repeats_the_cancel_and_gives_up_in_bounded_time():
+    async def scenario() -> tuple[bool, bool, float]:
+        once, stubborn = asyncio.ensure_future(_ignores(1)), asyncio.ensure_future(_ignores(100))
+        await asyncio.sleep(0)  # both inside their sleep: a task cancelled before it starts just ends
+        ended = await cancel_and_wait([once], timeout_s=5)
+        started = time.monotonic()
+        gave_up = not await cancel_and_wait([stubborn], timeout_s=0.5)
+        waited = time.monotonic() - started
+        while not stubborn.done():  # leave nothing behind for asyncio.run to wait on
+            stubborn.cancel()
+            await asyncio.sleep(0)
+        return ended, gave_up, waited
+
+    ended, gave_up, waited = asyncio.run(scenario())
+    assert ended, "a task that ignores one cancel must end on the next"
+    assert gave_up and 0.4 < waited < 2.0
+
+
+def test_worker_stops_although_its_read_swallowed_a_cancellation():
+    async def scenario() -> tuple[float, int, str]:
+        store = CancelSwallowingPool(f"shutdown-{time.time_ns()}")
+        config = PoolConfig(read_block_ms=30_000, warm_start_timeout_s=1)
+        sync = PoolSync(store, NGramIndex(), config, origin="A")
+        await sync.start()
+        sync.publish([1, 2, 3, 4])
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await sync.stop(flush_timeout_s=5)
+        return time.monotonic() - started, store.num_swallowed, sync.state
+
+    elapsed, num_swallowed, state = asyncio.run(scenario())
+    assert num_swallowed == 1, "the fault was not injected"
+    assert elapsed < 3, f"stop took {elapsed:.1f} s"
+    assert state == "stopped"
