@@ -54,7 +54,7 @@ def run_async(coroutine):
     """``asyncio.run`` whose clean-up cannot hang the suite.
 
     Once in CI a test's body had finished and ``asyncio.run`` then waited forever for a
-    cancelled task: the pool sync worker's read loop, whose cancellation redis-py's timeout
+    cancelled task: the pool sync worker's read loop, whose cancellation (most likely) redis-py's timeout
     had swallowed (``PoolSync.stop`` now re-cancels, bounded: see
     ``pool_service.sync.cancel_and_wait``). As a second line, the clean-up here waits at most
     ``CLEANUP_TIMEOUT_S`` and names any task that still ignores cancellation.
