@@ -88,6 +88,7 @@ class PoolSync:
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
+        self._loops: list[asyncio.Task] = []  # the read and write loops of the current connection
 
     # ------------------------------------------------------------------ control
     async def start(self) -> None:
@@ -112,8 +113,10 @@ class PoolSync:
         self._wake_up()
         while self._pending and self.state == "connected" and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
-        task, self._task = self._task, None
-        if not await cancel_and_wait([task], flush_timeout_s):
+        # The loops are waited for directly: a re-cancel of the worker task interrupts its own
+        # clean-up, which would otherwise leave a loop running on a store about to close.
+        tasks, self._task = [self._task, *self._loops], None
+        if not await cancel_and_wait(tasks, flush_timeout_s):
             logger.warning("pool %s: sync worker ignored cancellation; left behind", self.store.namespace)
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.store.close(), flush_timeout_s)
@@ -163,7 +166,11 @@ class PoolSync:
                     self._epoch, self._cursor = epoch, START_CURSOR
                 self._set_state("connected")
                 backoff_s = self.config.backoff_initial_s
-                await _first_failure(self._read_loop(), self._write_loop())
+                self._loops = [
+                    asyncio.ensure_future(self._read_loop()),
+                    asyncio.ensure_future(self._write_loop()),
+                ]
+                await _first_failure(self._loops)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # any pool failure: serve on, retry later
@@ -241,9 +248,8 @@ class PoolSync:
         }
 
 
-async def _first_failure(*coroutines) -> None:
-    """Run the loops together; the first one to fail cancels the others and raises."""
-    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+async def _first_failure(tasks: Sequence[asyncio.Task]) -> None:
+    """Wait for the loops; the first one to fail cancels the others and raises."""
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
