@@ -2,7 +2,7 @@
 comparison with the full run (quick).
 
     python -m benchmarks              # make bench: full runs (about 70 minutes on 2 cores)
-    python -m benchmarks --quick      # make bench-quick: fewer prompts and tokens (under 10 minutes)
+    python -m benchmarks --quick      # make bench-quick: fewer prompts and tokens (about 11 minutes)
     python -m benchmarks --suites pool http
 
 Each suite runs in its own process (the HTTP one starts Ray) and compares its systems inside
