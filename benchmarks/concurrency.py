@@ -105,7 +105,7 @@ def run_sweep(levels: list[int], max_tokens: int, dtype: str, requests_per_level
         reference = row["off"]["outputs"]
         for mode in MODES:
             row[mode]["identical_to_off"] = row[mode].pop("outputs") == reference
-            row[mode]["ratio_to_off"] = round(row[mode]["tokens_per_s"] / row["off"]["tokens_per_s"], 3)
+        add_ratios_to_off(row)
         sweep.setdefault(mix, {})[str(level)] = row
     return {
         "benchmark": "concurrency",
@@ -134,15 +134,27 @@ def markdown_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def ratios(payload: dict) -> dict[str, float]:
-    """tokens/s over ``off`` at the same concurrency, keyed for comparing two runs."""
+def add_ratios_to_off(row: dict[str, dict]) -> None:
+    """Give each mode's cell of one (mix, concurrency) row its tokens/s over ``off``'s."""
+    for mode in MODES:
+        row[mode]["ratio_to_off"] = round(row[mode]["tokens_per_s"] / row["off"]["tokens_per_s"], 3)
+
+
+def sweep_ratios(sweep: dict[str, dict], prefix: str = "") -> dict[str, float]:
+    """Every speculating mode's ratio to ``off`` in a {mix: {C: row}} sweep, keyed for
+    comparing two runs (this suite's and the HTTP one's)."""
     return {
-        f"{mix}/C={level}/{mode}": row[mode]["ratio_to_off"]
-        for mix, levels in payload["sweep"].items()
+        f"{prefix}{mix}/C={level}/{mode}": row[mode]["ratio_to_off"]
+        for mix, levels in sweep.items()
         for level, row in levels.items()
         for mode in MODES
         if mode != "off"
     }
+
+
+def ratios(payload: dict) -> dict[str, float]:
+    """tokens/s over ``off`` at the same concurrency, keyed for comparing two runs."""
+    return sweep_ratios(payload["sweep"])
 
 
 def plot(payload: dict):

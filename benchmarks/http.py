@@ -34,14 +34,13 @@ from benchmarks.common import (
     save_figure,
     write_result,
 )
-from benchmarks.concurrency import MIXES
+from benchmarks.concurrency import MIXES, MODES, add_ratios_to_off, sweep_ratios
 from benchmarks.workloads import Messages, distinct_prompts
 from deployments import build_app
 from nasd_core.config import EMBEDDED_MODEL
 from nasd_core.models import load_model
 from pool_service.local_redis import free_port
 
-MODES = ("off", "on", "auto")
 # Warm-up requests, unlike any benchmark prompt.
 WARMUP = [[{"role": "user", "content": "Count from one to ten in words."}]]
 
@@ -160,10 +159,7 @@ def run_replicas(
                 for mode in (*MODES[shift:], *MODES[:shift]):
                     row[mode], texts[mode] = asyncio.run(run_cell(urls[mode], batch, level, mode, max_tokens))
                     progress.update()
-                for mode in MODES:
-                    row[mode]["ratio_to_off"] = round(
-                        row[mode]["tokens_per_s"] / row["off"]["tokens_per_s"], 3
-                    )
+                add_ratios_to_off(row)
                 row["identical"] = all(texts[mode] == texts["off"] for mode in MODES)
                 table.setdefault(mix, {})[str(level)] = row
         return table
@@ -196,14 +192,10 @@ def markdown_table(payload: dict) -> str:
 
 def ratios(payload: dict) -> dict[str, float]:
     """tokens/s over ``off`` in the same cell, keyed for comparing two runs."""
-    return {
-        f"{replicas} replica(s)/{mix}/C={level}/{mode}": row[mode]["ratio_to_off"]
-        for replicas, mixes in payload["results"].items()
-        for mix, levels in mixes.items()
-        for level, row in levels.items()
-        for mode in MODES
-        if mode != "off"
-    }
+    ratios: dict[str, float] = {}
+    for replicas, mixes in payload["results"].items():
+        ratios.update(sweep_ratios(mixes, prefix=f"{replicas} replica(s)/"))
+    return ratios
 
 
 def plot(payload: dict):
