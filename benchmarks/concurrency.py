@@ -3,16 +3,19 @@
 For each mix and concurrency C, the engine runs with ``max_batch_rows=C`` and is handed
 ``2*C`` requests at once (``C`` with ``--quick``), so continuous batching keeps C of them in
 flight. All modes run in the same process on the same prompts; the report gives ratios to
-``off``.
+``off``. ``off`` and ``auto`` run twice per cell, interleaved (``run_order``), and their
+figures pool both runs.
 
     python -m benchmarks.concurrency            # C = 1, 4, 16, 32; 2C requests of 64 tokens
-    python -m benchmarks.concurrency --quick    # C = 1, 4, 8; C requests of 32 tokens
+    python -m benchmarks.concurrency --quick    # the full run's C = 1, 4 cells, each mode once
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 from itertools import cycle, islice
 
 from tqdm import tqdm
@@ -29,6 +32,7 @@ from benchmarks.workloads import make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine import Engine
 from nasd_core.generate import measure_step_times
+from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 
 MIXES = {
@@ -38,14 +42,41 @@ MIXES = {
 MODES = ("off", "on", "auto")
 
 
+@dataclass
+class CellRun:
+    """Raw measurements of one or more runs of one (concurrency, mode) cell."""
+
+    num_requests: int = 0
+    num_tokens: int = 0
+    seconds: float = 0.0
+    first_token_s: list[float] = field(default_factory=list)
+    per_token_s: list[float] = field(default_factory=list)
+    stats: SpecStats = field(default_factory=SpecStats)
+    width_histogram: Counter = field(default_factory=Counter)
+    outputs: list[list[int]] | None = None
+    runs_agree: bool = True
+
+    def summary(self) -> dict:
+        return {
+            "requests": self.num_requests,
+            "tokens": self.num_tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.num_tokens / self.seconds, 2),
+            "tokens_per_step": round(self.stats.tokens_per_step, 3),
+            "ttft_p50_ms": round(1000 * percentile(self.first_token_s, 50), 1),
+            "ttft_p99_ms": round(1000 * percentile(self.first_token_s, 99), 1),
+            "itl_p50_ms": round(1000 * percentile(self.per_token_s, 50), 1),
+            "itl_p99_ms": round(1000 * percentile(self.per_token_s, 99), 1),
+            "draft_width_histogram": dict(sorted(self.width_histogram.items())),
+        }
+
+
 def run_cell(
-    model, tokenizer, prompts: list[list[int]], concurrency: int, mode: str, max_tokens: int
-) -> dict:
-    """One (concurrency, mode) measurement over ``prompts``."""
+    model, tokenizer, prompts: list[list[int]], concurrency: int, mode: str, max_tokens: int, into: CellRun
+) -> None:
+    """One run of (concurrency, mode) over ``prompts``, added to ``into``."""
     engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=concurrency, max_waiting=len(prompts)))
     last_emit: dict[str, float] = {}
-    per_token_s: list[float] = []
-    first_token_s: list[float] = []
 
     def on_tokens(request, token_ids) -> None:
         now = time.perf_counter()
@@ -53,10 +84,10 @@ def run_cell(
             return
         previous = last_emit.get(request.request_id)
         if previous is None:
-            first_token_s.append(now - request.arrival_time)
+            into.first_token_s.append(now - request.arrival_time)
         else:
             # A step that emits k tokens spreads its wait over them: per-token latency.
-            per_token_s.extend([(now - previous) / len(token_ids)] * len(token_ids))
+            into.per_token_s.extend([(now - previous) / len(token_ids)] * len(token_ids))
         last_emit[request.request_id] = now
 
     started = time.perf_counter()
@@ -68,25 +99,30 @@ def run_cell(
     ]
     while not engine.is_finished():
         engine.step()
-    elapsed = time.perf_counter() - started
-    results = [engine.pop_result(request_id) for request_id in ids]
-    num_tokens = sum(len(result.token_ids) for result in results)
-    return {
-        "requests": len(prompts),
-        "tokens": num_tokens,
-        "seconds": round(elapsed, 3),
-        "tokens_per_s": round(num_tokens / elapsed, 2),
-        "tokens_per_step": round(engine.stats.tokens_per_step, 3),
-        "ttft_p50_ms": round(1000 * percentile(first_token_s, 50), 1),
-        "ttft_p99_ms": round(1000 * percentile(first_token_s, 99), 1),
-        "itl_p50_ms": round(1000 * percentile(per_token_s, 50), 1),
-        "itl_p99_ms": round(1000 * percentile(per_token_s, 99), 1),
-        "draft_width_histogram": dict(sorted(engine.width_histogram.items())),
-        "outputs": [result.token_ids for result in results],
-    }
+    into.seconds += time.perf_counter() - started
+    outputs = [engine.pop_result(request_id).token_ids for request_id in ids]
+    into.num_requests += len(prompts)
+    into.num_tokens += sum(len(output) for output in outputs)
+    into.stats.merge(engine.stats)
+    into.width_histogram.update(engine.width_histogram)
+    # Greedy: every run of a cell must give the same tokens.
+    if into.outputs is None:
+        into.outputs = outputs
+    elif outputs != into.outputs:
+        into.runs_agree = False
 
 
-def run_sweep(levels: list[int], max_tokens: int, dtype: str, requests_per_level: int = 2) -> dict:
+def run_order(repeats: int) -> list[str]:
+    """Modes in the order one cell runs them: every mode once, then ``off`` and ``auto``
+    again in reverse for each further repeat (the two compared most closely; on this
+    machine back-to-back runs of one mode differ by up to 10%, so one run each cannot
+    show a 5% difference; ``on`` is far from both or slower than auto and runs once)."""
+    return [*MODES, *(["auto", "off"] * (repeats - 1))]
+
+
+def run_sweep(
+    levels: list[int], max_tokens: int, dtype: str, requests_per_level: int = 2, repeats: int = 2
+) -> dict:
     model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
     # Calibrate the step-time model over the token counts a sweep feeds (rows x width).
     measure_step_times(
@@ -100,11 +136,15 @@ def run_sweep(levels: list[int], max_tokens: int, dtype: str, requests_per_level
             tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
             for conv in islice(cycle(conversations), requests_per_level * level)
         ]
-        row = {mode: run_cell(model, tokenizer, prompts, level, mode, max_tokens) for mode in MODES}
+        runs = {mode: CellRun() for mode in MODES}
+        for mode in run_order(repeats):
+            run_cell(model, tokenizer, prompts, level, mode, max_tokens, runs[mode])
+        row = {mode: {**runs[mode].summary(), "runs": run_order(repeats).count(mode)} for mode in MODES}
         # Greedy: every mode must produce the same tokens; a mismatch is reported, not hidden.
-        reference = row["off"]["outputs"]
         for mode in MODES:
-            row[mode]["identical_to_off"] = row[mode].pop("outputs") == reference
+            row[mode]["identical_to_off"] = (
+                runs[mode].runs_agree and runs["off"].runs_agree and runs[mode].outputs == runs["off"].outputs
+            )
         add_ratios_to_off(row)
         sweep.setdefault(mix, {})[str(level)] = row
     return {
@@ -113,6 +153,7 @@ def run_sweep(levels: list[int], max_tokens: int, dtype: str, requests_per_level
             **run_metadata(model, dtype, "benchmarks.concurrency"),
             "max_tokens": max_tokens,
             "requests_per_level": requests_per_level,
+            "run_order": run_order(repeats),
         },
         "sweep": sweep,
     }
@@ -152,8 +193,9 @@ def sweep_ratios(sweep: dict[str, dict], prefix: str = "") -> dict[str, float]:
     }
 
 
-def ratios(payload: dict) -> dict[str, float]:
-    """tokens/s over ``off`` at the same concurrency, keyed for comparing two runs."""
+def ratios(payload: dict, like: dict | None = None) -> dict[str, float]:
+    """tokens/s over ``off`` at the same concurrency, keyed for comparing two runs (a quick
+    run's cells are some of the full run's, defined alike, so ``like`` changes nothing)."""
     return sweep_ratios(payload["sweep"])
 
 
@@ -173,8 +215,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
-    levels = [1, 4, 8] if args.quick else [1, 4, 16, 32]
-    payload = run_sweep(levels, 32 if args.quick else 64, args.dtype, 1 if args.quick else 2)
+    if args.quick:
+        # The full run's C = 1 and 4 cells, as defined there, each mode run once.
+        payload = run_sweep([1, 4], 64, args.dtype, requests_per_level=2, repeats=1)
+    else:
+        payload = run_sweep([1, 4, 16, 32], 64, args.dtype, requests_per_level=2, repeats=2)
     name = f"concurrency_{args.dtype}{'_quick' if args.quick else ''}"
     write_result(name, payload)
     save_figure(plot(payload), name)

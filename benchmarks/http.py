@@ -8,7 +8,7 @@ application sees every prompt once, and all must give the same texts.
 
     python -m benchmarks.http                  # 1 replica, C = 1, 4, 16, 64 tokens
     python -m benchmarks.http --replicas 1 2   # the same, then again with 2 replicas
-    python -m benchmarks.http --quick          # 1 replica, C = 1, 4, 8, max(C, 4) requests of 32 tokens
+    python -m benchmarks.http --quick          # the full run's C = 4 cell alone (same prompts)
 
 No C=32 here (the engine sweep has it): every prompt must be new to each application, and the
 creative generator makes 64 different prompts, which C = 1, 4, 16 already nearly use up.
@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import os
 import time
+from collections.abc import Sequence
 
 import openai
 import ray
@@ -132,14 +133,24 @@ def serve_apps(num_replicas: int, num_cpus: int) -> dict[str, str]:
     return {mode: f"http://127.0.0.1:{port}/{mode}/v1" for mode in MODES}
 
 
-def cell_sizes(levels: list[int], quick: bool) -> list[int]:
-    """Requests per cell: two waves of C (at least 6), or one wave (at least 4) when quick."""
-    return [max(level, 4) if quick else max(2 * level, 6) for level in levels]
+LEVELS = (1, 4, 16)
+QUICK_LEVELS = (4,)
+
+
+def cell_sizes(levels: Sequence[int]) -> list[int]:
+    """Requests per cell: two waves of C, at least 6."""
+    return [max(2 * level, 6) for level in levels]
 
 
 def run_replicas(
-    num_replicas: int, levels: list[int], sizes: list[int], max_tokens: int, num_cpus: int, progress: tqdm
+    num_replicas: int, levels: Sequence[int], max_tokens: int, num_cpus: int, progress: tqdm
 ) -> dict:
+    """Every cell of ``levels`` (some of ``LEVELS``) on ``num_replicas`` replicas per mode.
+
+    A cell's prompts and mode order are the full run's for that C whichever cells run, so a
+    quick run repeats some full-run cells exactly.
+    """
+    sizes = cell_sizes(LEVELS)
     # Each mode's application reserves the machine's CPUs; they take turns using them.
     ray.init(address="local", num_cpus=num_cpus * len(MODES), include_dashboard=False, log_to_driver=False)
     try:
@@ -151,7 +162,8 @@ def run_replicas(
             # Every prompt goes once to each application: a server learns the answers it gives,
             # and a repeated greedy prompt would measure that memory instead of the workload.
             prompts = distinct_prompts(names, sum(sizes), seed=3)
-            for index, level in enumerate(levels):
+            for level in levels:
+                index = LEVELS.index(level)
                 batch = prompts[sum(sizes[:index]) : sum(sizes[: index + 1])]
                 row, texts = {}, {}
                 # Rotate which mode goes first, so slow drift does not favour one of them.
@@ -190,8 +202,9 @@ def markdown_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def ratios(payload: dict) -> dict[str, float]:
-    """tokens/s over ``off`` in the same cell, keyed for comparing two runs."""
+def ratios(payload: dict, like: dict | None = None) -> dict[str, float]:
+    """tokens/s over ``off`` in the same cell, keyed for comparing two runs (a quick run's
+    cells are some of the full run's, on the same prompts, so ``like`` changes nothing)."""
     ratios: dict[str, float] = {}
     for replicas, mixes in payload["results"].items():
         ratios.update(sweep_ratios(mixes, prefix=f"{replicas} replica(s)/"))
@@ -224,16 +237,14 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", help="replica counts (default: 1)")
     args = parser.parse_args()
     replica_counts = args.replicas or [1]
-    levels = [1, 4, 8] if args.quick else [1, 4, 16]
-    sizes = cell_sizes(levels, args.quick)
-    max_tokens = 32 if args.quick else 64
+    levels = QUICK_LEVELS if args.quick else LEVELS
+    max_tokens = 64
     num_cpus = os.cpu_count() or 2
     progress = tqdm(
         total=len(replica_counts) * len(MIXES) * len(levels) * len(MODES), desc="http", unit="cell"
     )
     results = {
-        str(count): run_replicas(count, levels, sizes, max_tokens, num_cpus, progress)
-        for count in replica_counts
+        str(count): run_replicas(count, levels, max_tokens, num_cpus, progress) for count in replica_counts
     }
     progress.close()
     model, _ = load_model()  # for the metadata only (the replicas load their own copy)
@@ -242,7 +253,7 @@ def main() -> None:
         "meta": {
             **run_metadata(model, "float32", "benchmarks.http"),
             "max_tokens": max_tokens,
-            "requests_per_cell": dict(zip(map(str, levels), sizes)),
+            "requests_per_cell": dict(zip(map(str, levels), cell_sizes(levels))),
             "ray_cpus": num_cpus,
         },
         "results": results,

@@ -279,8 +279,9 @@ def _lags(row: dict) -> str:
     )
 
 
-def ratios(payload: dict) -> dict[str, float]:
-    """Warm over cold replica B, keyed for comparing two runs."""
+def ratios(payload: dict, like: dict | None = None) -> dict[str, float]:
+    """Warm over cold replica B, keyed for comparing two runs (``like`` changes nothing: the
+    quick run has fewer and shorter conversations; the band is wider there)."""
     return {
         f"{name}/{metric}": row[f"{metric}_ratio"]
         for name, row in payload["workloads"].items()

@@ -94,7 +94,7 @@ def print_comparison() -> int:
             print(f"{suite}: {'full' if full is None else 'quick'} results missing, nothing to compare")
             continue
         ratios = suite_module(suite).ratios
-        lines, num_outside = compare(ratios(full), ratios(quick))
+        lines, num_outside = compare(ratios(full, like=quick), ratios(quick))
         total_outside += num_outside
         print(f"{suite}: {len(lines) - num_outside}/{len(lines)} ratios within ±{NOISE:.0%} of the full run")
         print("\n".join(lines))

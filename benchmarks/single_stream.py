@@ -6,7 +6,10 @@ Systems: transformers greedy (``hf_greedy``), transformers prompt lookup
 system must emit exactly ``hf_greedy``'s tokens; the run records whether each did.
 
     python -m benchmarks.single_stream            # full: 5 prompts x 7 workloads, 128 tokens
-    python -m benchmarks.single_stream --quick    # 1 prompt x 7 workloads, 64 tokens
+    python -m benchmarks.single_stream --quick    # the full run's first prompt of 4 workloads, 3 systems
+
+The full run keeps each prompt's tokens and seconds, so a quick run is held against the
+full run's figures for the very prompts it measured (``ratios(full, like=quick)``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ from nasd_core.policy import StepTimeModel
 
 SYSTEMS = ("hf_greedy", "hf_prompt_lookup", "seed_nasd", "nasd_off", "nasd_on", "nasd_auto")
 BASELINE = "hf_greedy"
+# The quick run: the headline comparison on one repetitive-copy, one reasoning-over-history
+# and one control workload, at the full run's prompt length and token count.
+QUICK_SYSTEMS = ("hf_greedy", "hf_prompt_lookup", "nasd_auto")
+QUICK_WORKLOADS = ("code_edit", "rag_quote", "multi_turn", "creative")
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Totals:
     num_forwards: int = 0
     num_identical: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
+    per_prompt: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds)
 
     def summary(self, baseline_tokens_per_s: float) -> dict[str, object]:
         tokens_per_s = self.num_tokens / self.seconds if self.seconds else 0.0
@@ -62,6 +70,7 @@ class Totals:
             # Every forward counts, prefill included, for every system alike (hf_greedy = 1.0).
             "tokens_per_forward": round(self.num_tokens / self.num_forwards, 3) if self.num_forwards else 0.0,
             "identical_to_hf_greedy": self.num_identical == self.num_prompts,
+            "per_prompt": [[tokens, round(seconds, 3)] for tokens, seconds in self.per_prompt],
         }
         if self.stats.num_steps:
             row["acceptance_by_position"] = [round(rate, 3) for rate in self.stats.acceptance_by_position]
@@ -112,7 +121,14 @@ def make_runners(model, tokenizer, max_tokens: int, step_time: StepTimeModel) ->
     }
 
 
-def run_benchmark(num_prompts: int, max_tokens: int, workloads: list[str], dtype: str, seed: int) -> dict:
+def run_benchmark(
+    num_prompts: int,
+    max_tokens: int,
+    workloads: list[str],
+    dtype: str,
+    seed: int,
+    systems: tuple[str, ...] = SYSTEMS,
+) -> dict:
     model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
     step_time = measure_step_times(model, SpecConfig().num_draft_tokens + 1)
     runners = make_runners(model, tokenizer, max_tokens, step_time)
@@ -123,17 +139,17 @@ def run_benchmark(num_prompts: int, max_tokens: int, workloads: list[str], dtype
         ]
         for name in workloads
     }
-    for system in SYSTEMS:  # warm-up: first calls pay one-off allocation costs
+    for system in systems:  # warm-up: first calls pay one-off allocation costs
         runners[system](prompts[workloads[0]][0][:32])
 
-    totals = {name: {system: Totals() for system in SYSTEMS} for name in workloads}
+    totals = {name: {system: Totals() for system in systems} for name in workloads}
     jobs = [(name, index) for name in workloads for index in range(num_prompts)]
     for job_number, (name, index) in enumerate(tqdm(jobs, desc="single-stream", unit="prompt")):
         prompt_ids = list(prompts[name][index])
         reference: list[int] | None = None
         # Rotate the order per prompt so no system always runs first (cache/thermal effects).
-        shift = job_number % len(SYSTEMS)
-        order = [*SYSTEMS[shift:], *SYSTEMS[:shift]]
+        shift = job_number % len(systems)
+        order = [*systems[shift:], *systems[:shift]]
         outputs = {}
         for system in order:
             with counting_forwards(model) as forwards:
@@ -145,18 +161,19 @@ def run_benchmark(num_prompts: int, max_tokens: int, workloads: list[str], dtype
             cell.num_tokens += len(output)
             cell.seconds += elapsed
             cell.num_forwards += forwards.count
+            cell.per_prompt.append((len(output), elapsed))
             if stats is not None:
                 cell.stats.merge(stats)
             outputs[system] = output
         reference = outputs[BASELINE]
-        for system in SYSTEMS:
+        for system in systems:
             totals[name][system].num_identical += outputs[system] == reference
 
     results: dict[str, object] = {}
     for name in workloads:
         baseline = totals[name][BASELINE]
         baseline_rate = baseline.num_tokens / baseline.seconds if baseline.seconds else 0.0
-        results[name] = {system: totals[name][system].summary(baseline_rate) for system in SYSTEMS}
+        results[name] = {system: totals[name][system].summary(baseline_rate) for system in systems}
     return {
         "benchmark": "single_stream",
         "meta": {
@@ -172,14 +189,21 @@ def run_benchmark(num_prompts: int, max_tokens: int, workloads: list[str], dtype
     }
 
 
+def systems_of(payload: dict) -> list[str]:
+    """The systems a run measured, in the usual order (a quick run measures fewer)."""
+    measured = next(iter(payload["workloads"].values()))
+    return [system for system in SYSTEMS if system in measured]
+
+
 def markdown_table(payload: dict) -> str:
     """README table: tokens/s ratio to plain greedy by workload and system."""
-    header = "| workload | " + " | ".join(SYSTEMS) + " | nasd_auto tokens/forward | drafting share |"
-    lines = [header, "|" + "---|" * (len(SYSTEMS) + 3)]
+    systems = systems_of(payload)
+    header = "| workload | " + " | ".join(systems) + " | nasd_auto tokens/forward | drafting share |"
+    lines = [header, "|" + "---|" * (len(systems) + 3)]
     for name, rows in payload["workloads"].items():
         ratios = [
             f"{rows[s]['speedup_vs_hf_greedy']:.2f}x" + ("" if rows[s]["identical_to_hf_greedy"] else " ≠")
-            for s in SYSTEMS
+            for s in systems
         ]
         auto = rows["nasd_auto"]
         lines.append(
@@ -190,12 +214,25 @@ def markdown_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
-def ratios(payload: dict) -> dict[str, float]:
-    """The run's headline ratios (tokens/s over plain greedy), keyed for comparing two runs."""
+def ratios(payload: dict, like: dict | None = None) -> dict[str, float]:
+    """The run's headline ratios (tokens/s over plain greedy), keyed for comparing two runs.
+
+    With ``like`` (a quick run's payload), the ratios are taken over the prompts that run
+    measured (the first ``num_prompts_per_workload`` of each workload), so the two runs
+    compare the same prompts and only the noise differs.
+    """
+    num_prompts = like["meta"]["num_prompts_per_workload"] if like is not None else None
+
+    def tokens_per_s(row: dict) -> float:
+        if num_prompts is None or "per_prompt" not in row:
+            return row["tokens_per_s"]
+        measured = row["per_prompt"][:num_prompts]
+        return sum(tokens for tokens, _ in measured) / sum(seconds for _, seconds in measured)
+
     return {
-        f"{name}/{system}": rows[system]["speedup_vs_hf_greedy"]
+        f"{name}/{system}": round(tokens_per_s(rows[system]) / tokens_per_s(rows[BASELINE]), 3)
         for name, rows in payload["workloads"].items()
-        for system in SYSTEMS
+        for system in rows
         if system != BASELINE
     }
 
@@ -210,7 +247,7 @@ def plot(payload: dict):
         workloads,
         {
             system: [payload["workloads"][name][system]["speedup_vs_hf_greedy"] for name in workloads]
-            for system in SYSTEMS
+            for system in systems_of(payload)
         },
         "tokens/s ÷ hf_greedy",
     )
@@ -232,16 +269,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="1 prompt per workload, 64 tokens")
+    parser.add_argument(
+        "--quick", action="store_true", help="first prompt of 4 workloads, 3 systems, full length"
+    )
     parser.add_argument("--prompts", type=int, default=None, help="prompts per workload")
-    parser.add_argument("--max-tokens", type=int, default=None)
-    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--workloads", nargs="*", default=None, choices=list(WORKLOADS))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0, help="workload generator seed")
     args = parser.parse_args()
     num_prompts = args.prompts or (1 if args.quick else 5)
-    max_tokens = args.max_tokens or (64 if args.quick else 128)
-    payload = run_benchmark(num_prompts, max_tokens, args.workloads, args.dtype, args.seed)
+    workloads = args.workloads or list(QUICK_WORKLOADS if args.quick else WORKLOADS)
+    systems = QUICK_SYSTEMS if args.quick else SYSTEMS
+    payload = run_benchmark(num_prompts, args.max_tokens, workloads, args.dtype, args.seed, systems)
     suffix = "_quick" if args.quick else ""
     path = write_result(f"single_stream_{args.dtype}{suffix}", payload)
     save_figure(plot(payload), f"single_stream_{args.dtype}{suffix}")

@@ -24,7 +24,14 @@ from nasd_core.batch_kv import BatchKV
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
 from nasd_core.drafter import RequestDrafter
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
-from nasd_core.generate import GenerationResult, check_context, encode_prompt, eos_ids, model_step_time
+from nasd_core.generate import (
+    GenerationResult,
+    check_context,
+    encode_prompt,
+    eos_ids,
+    model_step_time,
+    prefill,
+)
 from nasd_core.metrics import SpecStats
 from nasd_core.ngram import NGramIndex
 from nasd_core.policy import RowDraft, choose_batch_draft_lengths
@@ -217,9 +224,8 @@ class Engine:
                 if budget == 0:
                     return
                 end = min(target, request.num_prefilled + budget)
-                chunk = torch.tensor([request.prompt_ids[request.num_prefilled : end]], dtype=torch.long)
                 started = time.perf_counter()
-                self.model(input_ids=chunk, past_key_values=request.prefill_cache, use_cache=True)
+                prefill(self.model, request.prompt_ids[request.num_prefilled : end], request.prefill_cache)
                 request.stats.prefill_time_s += time.perf_counter() - started
                 budget -= end - request.num_prefilled
                 request.num_prefilled = end

@@ -35,6 +35,47 @@ def test_markdown_table_has_one_row_per_workload_and_flags_mismatches():
     assert "2.00x ≠" in table[2]  # nasd_on's mismatch is flagged, not hidden
 
 
+def test_quick_run_is_held_against_the_full_runs_figures_for_the_same_prompts():
+    from benchmarks.single_stream import ratios
+
+    def row(per_prompt: list[list[float]]) -> dict:
+        tokens, seconds = sum(t for t, _ in per_prompt), sum(s for _, s in per_prompt)
+        return {"tokens_per_s": tokens / seconds, "per_prompt": per_prompt}
+
+    # Over five prompts auto is 2x greedy; on the first prompt alone it is 4x.
+    full = {
+        "meta": {"num_prompts_per_workload": 5},
+        "workloads": {
+            "code_edit": {
+                "hf_greedy": row([[100, 10.0]] * 5),
+                "nasd_auto": row([[100, 2.5]] + [[100, 5.625]] * 4),
+            }
+        },
+    }
+    quick = {"meta": {"num_prompts_per_workload": 1}, "workloads": {}}
+    assert ratios(full) == {"code_edit/nasd_auto": 2.0}
+    assert ratios(full, like=quick) == {"code_edit/nasd_auto": 4.0}
+
+
+def test_concurrency_cell_pools_its_runs():
+    from benchmarks.concurrency import MODES, CellRun, run_order
+
+    assert run_order(1) == list(MODES)
+    assert run_order(2).count("off") == run_order(2).count("auto") == 2 and run_order(2).count("on") == 1
+    cell = CellRun(num_requests=4, num_tokens=100, seconds=4.0, first_token_s=[0.1, 0.3])
+    cell.per_token_s = [0.02] * 99 + [0.5]
+    summary = cell.summary()
+    assert (summary["tokens_per_s"], summary["ttft_p50_ms"], summary["itl_p50_ms"]) == (25.0, 200.0, 20.0)
+    assert summary["itl_p99_ms"] > 20.0
+
+
+def test_http_quick_cells_are_the_full_runs_cells():
+    from benchmarks import http
+
+    assert set(http.QUICK_LEVELS) <= set(http.LEVELS)
+    assert http.cell_sizes(http.LEVELS) == [6, 8, 32]
+
+
 def test_workloads_are_deterministic_and_distinct():
     for name in WORKLOADS:
         first, again = make_workload(name, 3, seed=5), make_workload(name, 3, seed=5)
