@@ -1,8 +1,8 @@
 """Every benchmark suite, one after the other, then the README tables (full) or the
 comparison with the full run (quick).
 
-    python -m benchmarks              # make bench: full runs (about 70 minutes on 2 cores)
-    python -m benchmarks --quick      # make bench-quick: fewer prompts and tokens (about 11 minutes)
+    python -m benchmarks              # make bench: full runs (about 56 minutes on 2 cores)
+    python -m benchmarks --quick      # make bench-quick: some of the full run's cells again
     python -m benchmarks --suites pool http
 
 Each suite runs in its own process (the HTTP one starts Ray) and compares its systems inside
