@@ -1,10 +1,9 @@
 """Engine concurrency sweep: throughput and per-token latency for speculation off / on / auto.
 
 For each mix and concurrency C, the engine runs with ``max_batch_rows=C`` and is handed
-``2*C`` requests at once (``C`` with ``--quick``), so continuous batching keeps C of them in
-flight. All modes run in the same process on the same prompts; the report gives ratios to
-``off``. ``off`` and ``auto`` run twice per cell, interleaved (``run_order``), and their
-figures pool both runs.
+``2*C`` requests at once, so continuous batching keeps C of them in flight. All modes run in
+the same process on the same prompts; the report gives ratios to ``off``. ``off`` and
+``auto`` run twice per cell, interleaved (``run_order``), and their figures pool both runs.
 
     python -m benchmarks.concurrency            # C = 1, 4, 16, 32; 2C requests of 64 tokens
     python -m benchmarks.concurrency --quick    # the full run's C = 1, 4 cells, each mode once
@@ -129,6 +128,7 @@ def run_sweep(
         model, sorted({*range(1, 18), *(c * w for c in levels for w in (1, 2, 4, 6, 11, 17))}), repeats=2
     )
     sweep: dict[str, dict] = {}
+    order = run_order(repeats)
     cells = [(mix, level) for mix in MIXES for level in levels]
     for mix, level in tqdm(cells, desc="concurrency", unit="cell"):
         conversations = [conv for name in MIXES[mix] for conv in make_workload(name, 8, seed=3)]
@@ -137,9 +137,9 @@ def run_sweep(
             for conv in islice(cycle(conversations), requests_per_level * level)
         ]
         runs = {mode: CellRun() for mode in MODES}
-        for mode in run_order(repeats):
+        for mode in order:
             run_cell(model, tokenizer, prompts, level, mode, max_tokens, runs[mode])
-        row = {mode: {**runs[mode].summary(), "runs": run_order(repeats).count(mode)} for mode in MODES}
+        row = {mode: {**runs[mode].summary(), "runs": order.count(mode)} for mode in MODES}
         # Greedy: every mode must produce the same tokens; a mismatch is reported, not hidden.
         for mode in MODES:
             row[mode]["identical_to_off"] = (
@@ -153,7 +153,7 @@ def run_sweep(
             **run_metadata(model, dtype, "benchmarks.concurrency"),
             "max_tokens": max_tokens,
             "requests_per_level": requests_per_level,
-            "run_order": run_order(repeats),
+            "run_order": order,
         },
         "sweep": sweep,
     }
