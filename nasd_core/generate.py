@@ -62,7 +62,7 @@ class GenerationResult:
 
 def prefill(model, token_ids: Sequence[int], cache: DynamicCache) -> None:
     """Feed prompt tokens into ``cache`` without their logits: nobody reads them, and the
-    vocabulary projection of a long prompt is a tenth of its prefill on the embedded model."""
+    vocabulary projection was 14-26% of a 123-133 token prompt's prefill on the embedded model."""
     inputs = torch.tensor([list(token_ids)], dtype=torch.long, device=model.device)
     model(input_ids=inputs, past_key_values=cache, use_cache=True, **_last_logits_only(model))
 
