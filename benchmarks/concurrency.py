@@ -20,6 +20,7 @@ from itertools import cycle, islice
 from tqdm import tqdm
 
 from benchmarks.common import (
+    calibrate,
     concurrency_lines,
     new_figure,
     percentile,
@@ -30,7 +31,6 @@ from benchmarks.common import (
 from benchmarks.workloads import make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine import Engine
-from nasd_core.generate import measure_step_times
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 
@@ -123,10 +123,7 @@ def run_sweep(
     levels: list[int], max_tokens: int, dtype: str, requests_per_level: int = 2, repeats: int = 2
 ) -> dict:
     model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
-    # Calibrate the step-time model over the token counts a sweep feeds (rows x width).
-    measure_step_times(
-        model, sorted({*range(1, 18), *(c * w for c in levels for w in (1, 2, 4, 6, 11, 17))}), repeats=2
-    )
+    calibrate(model, max(levels))
     sweep: dict[str, dict] = {}
     order = run_order(repeats)
     cells = [(mix, level) for mix in MIXES for level in levels]

@@ -26,12 +26,11 @@ import time
 
 from tqdm import tqdm
 
-from benchmarks.common import grouped_bars, new_figure, run_metadata, save_figure, write_result
+from benchmarks.common import calibrate, grouped_bars, new_figure, run_metadata, save_figure, write_result
 from benchmarks.workloads import Messages, make_workload
 from nasd_core.async_engine import AsyncEngine
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams
 from nasd_core.engine import Engine
-from nasd_core.generate import measure_step_times
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 from pool_service import PoolConfig, SharedPools, namespace_for
@@ -316,9 +315,7 @@ def main() -> None:
     args = parser.parse_args()
     num, max_tokens = (3, 48) if args.quick else (8, 96)
     model, tokenizer = load_model(config=ModelConfig(dtype=args.dtype))
-    measure_step_times(
-        model, sorted({*range(1, 18), *(CONCURRENCY * w for w in (1, 2, 4, 6, 11, 17))}), repeats=2
-    )
+    calibrate(model, CONCURRENCY)
     redis = LocalRedis().start()
     results: dict[str, dict] = {}
     load: list[dict] = []

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from benchmarks.baselines.seed_nasd import seed_nasd_generate
 from benchmarks.common import (
+    calibrate,
     counting_forwards,
     grouped_bars,
     new_figure,
@@ -33,7 +34,7 @@ from benchmarks.common import (
 )
 from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
 from nasd_core.config import ModelConfig, SamplingParams, SpecConfig
-from nasd_core.generate import eos_ids, generate, measure_step_times
+from nasd_core.generate import eos_ids, generate
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 from nasd_core.policy import StepTimeModel
@@ -130,7 +131,7 @@ def run_benchmark(
     systems: tuple[str, ...] = SYSTEMS,
 ) -> dict:
     model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
-    step_time = measure_step_times(model, SpecConfig().num_draft_tokens + 1)
+    step_time = calibrate(model, 1)
     runners = make_runners(model, tokenizer, max_tokens, step_time)
     prompts = {
         name: [
@@ -182,7 +183,8 @@ def run_benchmark(
             "max_tokens": max_tokens,
             "workload_seed": seed,
             "step_time_probe_ms": {
-                n: round(step_time.estimate(n) * 1000, 1) for n in range(1, SpecConfig().num_draft_tokens + 2)
+                n: round(step_time.estimate(1, n) * 1000, 1)
+                for n in range(1, SpecConfig().num_draft_tokens + 2)
             },
         },
         "workloads": results,

@@ -47,6 +47,19 @@ class BatchKV:
         return self.mask.sum(dim=1)
 
     # ----------------------------------------------------------------- rows
+    @classmethod
+    def replicated(cls, row_cache: DynamicCache, num_tokens: int, num_rows: int) -> BatchKV:
+        """A batch of ``num_rows`` copies of one prefilled row (the step-time probe's batch)."""
+        batch = cls()
+        batch.cache = DynamicCache(
+            ddp_cache_data=[
+                (keys.repeat(num_rows, 1, 1, 1), values.repeat(num_rows, 1, 1, 1))
+                for keys, values, *_ in row_cache
+            ]
+        )
+        batch.mask = torch.ones((num_rows, num_tokens), dtype=torch.long)
+        return batch
+
     def add_row(self, row_cache: DynamicCache, num_tokens: int) -> None:
         """Append a prefilled sequence (a 1-row cache of ``num_tokens`` columns) as the last row."""
         row_layers = [(keys, values) for keys, values, *_ in row_cache]

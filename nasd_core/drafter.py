@@ -88,6 +88,23 @@ class RequestDrafter:
             return draft
         return self._fill_unknown(tokens, draft, max_tokens)
 
+    def match_length(self, tokens: Sequence[int]) -> int:
+        """The longest context the next draft can match, from dictionary lookups alone.
+
+        Cheaper than ``propose`` (no prompt-lookup scan, no draft built), so the engine can
+        skip drafting a step that would not speculate even with the best drafts possible.
+        Never less than the draft's ``match_length``: prompt lookup only matches a context
+        the request's own index holds too, except beyond the index's longest context.
+        """
+        longest = 0
+        for _, index in self._indexes():
+            match = index.lookup(tokens)
+            if match is not None:
+                longest = max(longest, match.context_length)
+        if self.use_lookup and (self.local_index is None or longest >= self.local_index.max_ngram):
+            longest = max(longest, self.spec.lookup_max_ngram)
+        return longest
+
     def _best_draft(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         spec = self.spec
         best = EMPTY_DRAFT
@@ -97,14 +114,17 @@ class RequestDrafter:
             if candidate:
                 # A latest-occurrence copy carries no frequency; count it once.
                 best, best_key = Draft(candidate, LOCAL_SOURCE, length), (length, 1)
-        sources = (
-            self.shared if self.local_index is None else [(LOCAL_SOURCE, self.local_index), *self.shared]
-        )
-        for name, index in sources:
+        for name, index in self._indexes():
             candidate, length, count = index.propose(tokens, max_tokens)
             if candidate and (length, count) > best_key:
                 best, best_key = Draft(candidate, name, length), (length, count)
         return best
+
+    def _indexes(self) -> list[tuple[str, NGramIndex]]:
+        """Every index to read, request-local first."""
+        if self.local_index is None:
+            return self.shared
+        return [(LOCAL_SOURCE, self.local_index), *self.shared]
 
     def _fill_unknown(self, tokens: Sequence[int], draft: Draft, max_tokens: int) -> Draft:
         # The seeds' stop_if_unknown=False: guess a random token and keep drafting after it.

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from nasd_core.batch_kv import BatchKV
 from nasd_core.config import SamplingParams, SpecConfig, build
 from nasd_core.drafter import RequestDrafter
 from nasd_core.errors import ContextLengthError, InvalidRequestError
@@ -243,7 +244,7 @@ def generate(
         proposal = draft.tokens[:num_drafted]
         logits = decoder.forward([request.tokens[-1], *proposal])
         emitted = verify(logits, proposal, params, request.generator)
-        step_time.observe(1 + num_drafted, time.perf_counter() - forward_started)
+        step_time.observe(1, 1 + num_drafted, time.perf_counter() - forward_started)
         decoder.discard(num_drafted - (len(emitted) - 1))
 
         learn_started = time.perf_counter()
@@ -270,25 +271,36 @@ def generate(
 @torch.inference_mode()
 def measure_step_times(
     model,
-    token_counts: int | Sequence[int],
+    positions: int | Sequence[int],
+    rows: Sequence[int] = (1,),
     context_length: int = 256,
     repeats: int = 3,
     step_time: StepTimeModel | None = None,
 ) -> StepTimeModel:
-    """Warm-up probe: time forward steps of the given token counts on a dummy context.
+    """Warm-up probe: time verification steps of every batch shape ``rows`` x ``positions``
+    (an int means 1..positions).
 
-    Gives the ``auto`` policy a calibrated cost curve before the first request (on CPU the
-    curve is far from flat: matrix kernels change algorithm with the row count). An int
-    means every count from 1 to it.
+    Gives the ``auto`` policy a calibrated cost surface before the first request. Every
+    probe row holds ``context_length`` dummy tokens, so attention costs what a real row's
+    does; batches are built like the engine's (2-D mask, explicit positions).
     """
-    counts = range(1, token_counts + 1) if isinstance(token_counts, int) else token_counts
     step_time = step_time if step_time is not None else model_step_time(model)
-    decoder = KVDecoder(model)
-    decoder.prefill([i % model.config.vocab_size for i in range(context_length)])
-    for _ in range(repeats):
-        for num_tokens in counts:
-            started = time.perf_counter()
-            decoder.forward([0] * num_tokens)
-            step_time.observe(num_tokens, time.perf_counter() - started)
-            decoder.discard(num_tokens)
+    positions = range(1, positions + 1) if isinstance(positions, int) else positions
+    row_cache = DynamicCache()
+    prefill(model, [i % model.config.vocab_size for i in range(context_length)], row_cache)
+    for num_rows in rows:
+        batch = BatchKV.replicated(row_cache, context_length, num_rows)
+        for _ in range(repeats):
+            for num_positions in positions:
+                attention_mask, position_ids = batch.step_inputs([num_positions] * num_rows, num_positions)
+                started = time.perf_counter()
+                model(
+                    input_ids=torch.zeros((num_rows, num_positions), dtype=torch.long, device=model.device),
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    past_key_values=batch.cache,
+                    use_cache=True,
+                )
+                step_time.observe(num_rows, num_positions, time.perf_counter() - started)
+                batch.cache.crop(-num_positions)
     return step_time

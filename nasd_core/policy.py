@@ -8,7 +8,7 @@ whenever no draft is likely enough to repay the extra verification cost.
 
 Acceptance is estimated by the length of the context the draft matched (a one-token
 match is a weak guess, a six-token match usually a copy), Beta-smoothed towards priors.
-The step time t(n) is measured online (EWMA per token count) on top of a prior shape.
+The step time t(rows, positions) is measured online (EWMA per batch shape) on top of a prior shape.
 """
 
 from __future__ import annotations
@@ -65,36 +65,75 @@ class AcceptanceEstimator:
 
 
 class StepTimeModel:
-    """Online model of a verification step's time by the number of tokens fed (EWMA per count).
+    """Online model of a verification step's time by batch shape: rows x positions per row.
 
-    For a batch the count is rows x width: on the matrix multiplies that dominate a step,
-    the cost follows the total number of token rows fed.
+    Keyed by shape, not by the total token count: rows each bring their own cache and
+    attention, so a batch widens very differently from one row (measured on the embedded
+    model, 256-token contexts: 6 positions cost 3.7x the 1-position step at 16 rows, 1.2x
+    at 4 rows). Unmeasured shapes are interpolated linearly along rows at each measured
+    width, then along positions between widths; wider than any measurement continues the
+    last measured slope.
     """
 
     def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
+        self._seconds: dict[tuple[int, int], float] = {}
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        previous = self._seconds.get(num_tokens)
-        self._seconds[num_tokens] = (
-            seconds if previous is None else ((1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * seconds)
+    def observe(self, num_rows: int, num_positions: int, seconds: float) -> None:
+        key = (num_rows, num_positions)
+        previous = self._seconds.get(key)
+        self._seconds[key] = (
+            seconds if previous is None else (1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * seconds
         )
 
-    def covers(self, num_tokens: int) -> bool:
-        """Whether a step of at least ``num_tokens`` tokens has been measured."""
-        return any(measured >= num_tokens for measured in self._seconds)
+    def covers(self, num_rows: int, num_positions: int) -> bool:
+        """Whether a shape at least this wide has been measured for at least this many rows."""
+        return any(rows >= num_rows and positions >= num_positions for rows, positions in self._seconds)
 
-    def estimate(self, num_tokens: int) -> float:
-        """Seconds for a step of ``num_tokens``; unmeasured counts scale the nearest measured one."""
-        if num_tokens in self._seconds:
-            return self._seconds[num_tokens]
+    def estimate(self, num_rows: int, num_positions: int) -> float:
+        """Seconds for a step feeding ``num_positions`` tokens to each of ``num_rows`` rows."""
+        if (num_rows, num_positions) in self._seconds:
+            return self._seconds[num_rows, num_positions]
         if not self._seconds:
-            return 1.0 + PRIOR_EXTRA_TOKEN_COST * (num_tokens - 1)
-        nearest = min(self._seconds, key=lambda measured: abs(measured - num_tokens))
-        shape = (1.0 + PRIOR_EXTRA_TOKEN_COST * (num_tokens - 1)) / (
-            1.0 + PRIOR_EXTRA_TOKEN_COST * (nearest - 1)
-        )
-        return self._seconds[nearest] * shape
+            return num_rows * _prior_shape(num_positions)
+        # Interpolate along rows at every measured width, then along positions between them.
+        by_positions = {
+            positions: self._along_rows(num_rows, positions) for positions in {p for _, p in self._seconds}
+        }
+        below = sorted(p for p in by_positions if p <= num_positions)
+        above = sorted(p for p in by_positions if p >= num_positions)
+        if below and above:
+            low, high = below[-1], above[0]
+            if low == high:
+                return by_positions[low]
+            share = (num_positions - low) / (high - low)
+            return by_positions[low] + share * (by_positions[high] - by_positions[low])
+        if len(below) >= 2:
+            # Wider than any measurement: continue the last measured slope (never cheaper).
+            low, high = below[-2], below[-1]
+            slope = max(0.0, (by_positions[high] - by_positions[low]) / (high - low))
+            return by_positions[high] + slope * (num_positions - high)
+        nearest = below[-1] if below else above[0]
+        return by_positions[nearest] * _prior_shape(num_positions) / _prior_shape(nearest)
+
+    def _along_rows(self, num_rows: int, num_positions: int) -> float:
+        """Linear interpolation in rows between measured shapes of ``num_positions`` (some exist)."""
+        measured = sorted((rows, s) for (rows, p), s in self._seconds.items() if p == num_positions)
+        below = [(rows, s) for rows, s in measured if rows <= num_rows]
+        above = [(rows, s) for rows, s in measured if rows >= num_rows]
+        if not below:
+            return above[0][1]  # fewer rows than any measured: no cheaper than the smallest
+        if not above:
+            rows, seconds = below[-1]
+            return seconds * num_rows / rows  # more rows than measured: cost grows with rows
+        (low_rows, low_s), (high_rows, high_s) = below[-1], above[0]
+        if high_rows == low_rows:
+            return low_s
+        return low_s + (high_s - low_s) * (num_rows - low_rows) / (high_rows - low_rows)
+
+
+def _prior_shape(num_positions: int) -> float:
+    """Cost of a step of ``num_positions`` positions per row relative to a plain step."""
+    return 1.0 + PRIOR_EXTRA_TOKEN_COST * (num_positions - 1)
 
 
 def expected_tokens(a_first: float, a_next: float, num_draft: int) -> float:
@@ -144,7 +183,7 @@ def choose_batch_draft_lengths(rows: list[RowDraft], step_time: StepTimeModel, c
     Every row feeds ``1 + width`` positions (shorter rows are padded), so a row drafting up
     to the width costs nothing extra: the choice is the width, and it is the one with the
     most expected tokens per second over the whole batch, ``sum_i E_i(min(width, g_i)) /
-    t(rows * (1 + width))``. ``on`` rows always verify their whole draft, ``off`` rows none.
+    t(rows, 1 + width)``. ``on`` rows always verify their whole draft, ``off`` rows none.
     Until step times are ``calibrated`` the width is capped by the cold-start table.
     """
     if not rows:
@@ -161,7 +200,7 @@ def choose_batch_draft_lengths(rows: list[RowDraft], step_time: StepTimeModel, c
                 expected += 1.0
             else:
                 expected += expected_tokens(a_first, a_next, min(width, row.num_available))
-        rate = expected / step_time.estimate(len(rows) * (1 + width))
+        rate = expected / step_time.estimate(len(rows), 1 + width)
         if rate > best_rate:
             best_width, best_rate = width, rate
     return [0 if row.mode == "off" else min(best_width, row.num_available) for row in rows]

@@ -11,7 +11,7 @@ import numpy as np
 from nasd_core.config import SamplingParams, SpecConfig
 from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
 from nasd_core.metrics import SpecStats
-from nasd_core.policy import AcceptanceEstimator
+from nasd_core.policy import AcceptanceEstimator, RowDraft
 from nasd_core.stopping import StopChecker
 
 
@@ -65,14 +65,35 @@ class Request:
     def finish_reason(self) -> str | None:
         return "cancelled" if self.cancelled else self.stopper.finish_reason
 
-    def propose(self) -> Draft:
-        """This step's draft: up to the draft cap, never past ``max_tokens`` (the step's own
-        token always comes on top), nothing when the request does not speculate."""
+    @property
+    def draft_cap(self) -> int:
+        """Most tokens this step may draft: the spec's cap, never past ``max_tokens`` (the
+        step's own token always comes on top), none when the request does not speculate."""
         if not self.spec.is_speculating:
-            return EMPTY_DRAFT
-        return self.drafter.propose(
-            self.tokens, min(self.spec.num_draft_tokens, self.stopper.num_remaining - 1)
-        )
+            return 0
+        return max(0, min(self.spec.num_draft_tokens, self.stopper.num_remaining - 1))
+
+    def propose(self) -> Draft:
+        """This step's draft, up to ``draft_cap`` tokens."""
+        cap = self.draft_cap
+        return self.drafter.propose(self.tokens, cap) if cap else EMPTY_DRAFT
+
+    def best_case(self) -> RowDraft:
+        """What the batch policy would see if this step's draft were as long and as well
+        matched as it can be (dictionary lookups only: no draft is built)."""
+        match_length = self.drafter.match_length(self.tokens) if self.draft_cap else 0
+        # Without a match there is no draft, unless unknown contexts are filled with guesses.
+        available = self.draft_cap if match_length or not self.spec.stop_if_unknown else 0
+        return RowDraft(self.mode, available, match_length, self.acceptance)
+
+    @property
+    def mode(self) -> str:
+        """The speculation mode this request runs in ("off" when it cannot speculate)."""
+        return self.spec.mode if self.spec.is_speculating else "off"
+
+    def row_draft(self, draft: Draft) -> RowDraft:
+        """What the batch policy knows about this row given this step's ``draft``."""
+        return RowDraft(self.mode, len(draft.tokens), draft.match_length, self.acceptance)
 
     def advance(self, draft: Draft, num_drafted: int, emitted: list[int]) -> list[int]:
         """Take one verified step: ``num_drafted`` tokens of ``draft`` were verified and

@@ -9,8 +9,10 @@ import pytest
 from nasd_core import SamplingParams, SpecConfig, generate
 from nasd_core.async_engine import AsyncEngine
 from nasd_core.config import EngineConfig
+from nasd_core.drafter import RequestDrafter
 from nasd_core.engine import Engine
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
+from nasd_core.policy import StepTimeModel
 
 PROMPTS = [
     "one, two, three, four, five,",
@@ -184,3 +186,42 @@ def test_async_engine_streams_concurrent_requests(model, tokenizer, single_runs)
         assert engine.batch.num_rows == 0
     finally:
         async_engine.shutdown()
+
+
+class FixedStepTimes(StepTimeModel):
+    """Step times given by a cost function everywhere the tests below batch, and kept fixed:
+    the engine's own (noisy, machine-dependent) timings must not move the decision tested."""
+
+    def __init__(self, seconds_for) -> None:
+        super().__init__()
+        for num_rows in range(1, 13):
+            for num_positions in range(1, 18):
+                super().observe(num_rows, num_positions, seconds_for(num_rows, num_positions))
+
+    def observe(self, num_rows: int, num_positions: int, seconds: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cost", ["linear_in_positions", "flat"])
+def test_auto_builds_no_draft_when_no_draft_could_pay(model, tokenizer, single_runs, monkeypatch, cost):
+    """Where every extra position costs as much as a whole step, no draft can pay for itself,
+    so auto must not even build drafts (that was 4% of a step at 16 rows); where extra
+    positions are free it must speculate. Greedy outputs are unchanged either way."""
+    built: list[int] = []
+    propose = RequestDrafter.propose
+
+    def counting_propose(self, tokens, max_tokens):
+        draft = propose(self, tokens, max_tokens)
+        built.append(len(draft.tokens))
+        return draft
+
+    monkeypatch.setattr(RequestDrafter, "propose", counting_propose)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=12))
+    linear = cost == "linear_in_positions"
+    engine.step_time = FixedStepTimes((lambda rows, width: rows * width) if linear else (lambda *_: 0.1))
+    outputs = run_staggered(engine, PROMPTS, MAX_TOKENS, SpecConfig(mode="auto", num_draft_tokens=5))
+    assert [outputs[i] for i in range(len(PROMPTS))] == single_runs
+    if linear:
+        assert built == [] and engine.stats.num_drafted == 0
+    else:
+        assert sum(built) > 0 and engine.stats.num_accepted > 0

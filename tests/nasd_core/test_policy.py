@@ -38,9 +38,9 @@ def test_acceptance_estimator_learns_from_outcomes():
 
 def flat_then_expensive() -> StepTimeModel:
     step_time = StepTimeModel()
-    step_time.observe(1, 0.060)
-    for num_tokens in range(2, 10):
-        step_time.observe(num_tokens, 0.100)
+    step_time.observe(1, 1, 0.060)
+    for num_positions in range(2, 10):
+        step_time.observe(1, num_positions, 0.100)
     return step_time
 
 
@@ -55,13 +55,27 @@ def test_policy_skips_unlikely_drafts_and_takes_likely_ones():
     assert choose_draft_length(0, 6, likely, step_time) == 0
 
 
-def test_step_time_model_uses_measurements_and_scales_the_nearest():
+def test_step_time_model_uses_measurements_and_interpolates_by_shape():
     step_time = StepTimeModel()
-    assert step_time.estimate(3) > step_time.estimate(1)  # prior shape before any measurement
-    step_time.observe(4, 0.2)
-    step_time.observe(4, 0.1)
-    assert step_time.estimate(4) == pytest.approx(0.8 * 0.2 + 0.2 * 0.1)
-    assert step_time.estimate(5) > step_time.estimate(4)
+    assert step_time.estimate(1, 3) > step_time.estimate(1, 1)  # prior shape before any measurement
+    assert step_time.estimate(4, 1) > step_time.estimate(1, 1)
+    step_time.observe(1, 4, 0.2)
+    step_time.observe(1, 4, 0.1)
+    assert step_time.estimate(1, 4) == pytest.approx(0.8 * 0.2 + 0.2 * 0.1)
+    assert step_time.estimate(1, 5) > step_time.estimate(1, 4)  # wider than measured: prior shape
+
+    surface = StepTimeModel()
+    for rows, positions, seconds in [(1, 1, 0.1), (1, 3, 0.12), (16, 1, 0.2), (16, 3, 0.5), (16, 5, 0.8)]:
+        surface.observe(rows, positions, seconds)
+    # Linear along rows at a measured width, then along positions between widths.
+    assert surface.estimate(8, 1) == pytest.approx(0.1 + 0.1 * 7 / 15)
+    assert surface.estimate(16, 2) == pytest.approx(0.35)
+    # A batch is not a long row: 16 rows x 3 positions is priced as measured, not as 48 tokens of one row.
+    assert surface.estimate(16, 3) == 0.5 and surface.estimate(1, 3) == 0.12
+    # Beyond the widest measurement: the last slope continues; beyond the most rows: linear in rows.
+    assert surface.estimate(16, 7) == pytest.approx(1.1)
+    assert surface.estimate(32, 1) == pytest.approx(0.4)
+    assert surface.covers(16, 5) and not surface.covers(17, 5) and not surface.covers(16, 6)
 
 
 def test_spec_stats_count_acceptance_by_position_and_merge():
@@ -92,8 +106,9 @@ def row(mode: str, available: int, match_length: int, accepted_all: bool | None)
 def test_batch_policy_speculates_for_small_batches_and_stops_for_large_ones():
     step_time = StepTimeModel()
     # Cost proportional to the tokens fed beyond a fixed part: speculation pays only for few rows.
-    for num_tokens in [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]:
-        step_time.observe(num_tokens, 0.05 + 0.004 * num_tokens)
+    for num_rows in [1, 2, 4, 8, 16, 32, 64]:
+        for num_positions in range(1, 8):
+            step_time.observe(num_rows, num_positions, 0.05 + 0.004 * num_rows * num_positions)
     small = [row("auto", 6, 6, True) for _ in range(2)]
     assert choose_batch_draft_lengths(small, step_time, calibrated=True) == [6, 6]
     large = [row("auto", 6, 1, False) for _ in range(64)]
