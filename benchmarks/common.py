@@ -13,13 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nasd_core.generate import measure_step_times
-from nasd_core.policy import StepTimeModel
-
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-# Verification widths the warm-up probe times: every small width the policy weighs often,
-# and sparse wide ones up to the default draft cap (16) that the model interpolates between.
-PROBE_POSITIONS = (1, 2, 3, 4, 5, 6, 9, 17)
+
 PLOTS_DIR = Path(__file__).resolve().parent / "plots"
 
 
@@ -43,12 +38,6 @@ def run_metadata(model, dtype: str, module: str) -> dict[str, object]:
         "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
         "dtype": dtype,
     }
-
-
-def calibrate(model, max_rows: int) -> StepTimeModel:
-    """Probe the model's shared step-time surface at 1, 2, 4, ... rows up to ``max_rows``."""
-    rows = sorted({*(2**power for power in range(max_rows.bit_length()) if 2**power <= max_rows), max_rows})
-    return measure_step_times(model, PROBE_POSITIONS, rows=rows, repeats=2)
 
 
 def _cpu_name() -> str:

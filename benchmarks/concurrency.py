@@ -20,7 +20,6 @@ from itertools import cycle, islice
 from tqdm import tqdm
 
 from benchmarks.common import (
-    calibrate,
     concurrency_lines,
     new_figure,
     percentile,
@@ -31,6 +30,7 @@ from benchmarks.common import (
 from benchmarks.workloads import make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine import Engine
+from nasd_core.generate import calibrate
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 

@@ -26,11 +26,12 @@ import time
 
 from tqdm import tqdm
 
-from benchmarks.common import calibrate, grouped_bars, new_figure, run_metadata, save_figure, write_result
+from benchmarks.common import grouped_bars, new_figure, run_metadata, save_figure, write_result
 from benchmarks.workloads import Messages, make_workload
 from nasd_core.async_engine import AsyncEngine
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams
 from nasd_core.engine import Engine
+from nasd_core.generate import calibrate
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 from pool_service import PoolConfig, SharedPools, namespace_for

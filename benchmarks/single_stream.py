@@ -24,7 +24,6 @@ from tqdm import tqdm
 
 from benchmarks.baselines.seed_nasd import seed_nasd_generate
 from benchmarks.common import (
-    calibrate,
     counting_forwards,
     grouped_bars,
     new_figure,
@@ -34,7 +33,7 @@ from benchmarks.common import (
 )
 from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
 from nasd_core.config import ModelConfig, SamplingParams, SpecConfig
-from nasd_core.generate import eos_ids, generate
+from nasd_core.generate import calibrate, eos_ids, generate
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 from nasd_core.policy import StepTimeModel

@@ -30,6 +30,8 @@ REPLICA_DEPLOYMENT = "NASDReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 
 # AppArgs field -> environment variable read by args_from_env().
+# Probing 1, 2, 4 and 8 rows took 8.4 s on 2 CPU cores; up to 32 rows, 25.6 s.
+DEFAULT_PROBE_MAX_ROWS = 8
 ENV_VARS = {
     "model": "NASD_MODEL",
     "served_model_name": "NASD_SERVED_MODEL_NAME",
@@ -45,6 +47,7 @@ ENV_VARS = {
     "num_draft_tokens": "NASD_NUM_DRAFT_TOKENS",
     "max_batch_rows": "NASD_MAX_BATCH_ROWS",
     "max_waiting": "NASD_MAX_WAITING",
+    "probe_max_rows": "NASD_PROBE_MAX_ROWS",
     "autoscaling": "NASD_AUTOSCALING",
 }
 
@@ -83,6 +86,13 @@ class AppArgs(BaseModel):
     )
     max_waiting: int | None = Field(
         None, ge=0, description="Queued requests per replica (None = engine default)."
+    )
+    probe_max_rows: int = Field(
+        DEFAULT_PROBE_MAX_ROWS,
+        ge=0,
+        description="At replica start, time verification steps of 1, 2, 4, ... up to this many rows (8 s "
+        "on 2 CPU cores), so `auto` is calibrated from the first request (larger batches are learned as "
+        "they run; 0 = no probe).",
     )
     autoscaling: dict[str, Any] | None = Field(
         None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas."
@@ -136,6 +146,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         engine=engine,
         pool=PoolConfig(redis_url=args.redis_url, tenant_isolation=args.tenant_isolation),
         pool_namespace=args.pool_namespace,
+        probe_max_rows=args.probe_max_rows,
     )
     actor_options: dict[str, Any] = {"num_cpus": args.num_cpus_per_replica}
     if args.num_gpus_per_replica > 0:

@@ -27,7 +27,7 @@ from nasd_core.async_engine import AsyncEngine, StreamChunk
 from nasd_core.config import EMBEDDED_MODEL, EngineConfig, ModelConfig, SamplingParams, SpecConfig, build
 from nasd_core.engine import Engine
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
-from nasd_core.generate import encode_prompt
+from nasd_core.generate import calibrate, encode_prompt
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 from nasd_core.stopping import first_stop_at
@@ -54,6 +54,12 @@ class ReplicaConfig(BaseModel):
         default_factory=EngineConfig, description="Batch/queue limits, spec default."
     )
     pool: PoolConfig = Field(default_factory=PoolConfig, description="Where the shared pool lives.")
+    probe_max_rows: int = Field(
+        0,
+        ge=0,
+        description="Time verification steps of 1, 2, 4, ... up to this many rows at start, so `auto` "
+        "weighs drafts against this machine's costs from the first request (0 = no probe).",
+    )
     pool_namespace: str | None = Field(
         None, description="Prefix of the pool namespace, to separate deployments sharing one Redis."
     )
@@ -145,6 +151,10 @@ class NASDServer:
         # and then run on the engine thread left two OpenMP thread teams fighting over the
         # cores, and every request ran ~5x slower (8.1 s vs 1.5 s for 16 tokens on 2 cores).
         self.model, self.tokenizer = load_model(None, config.model)
+        if config.probe_max_rows:
+            started = time.perf_counter()
+            calibrate(self.model, min(config.probe_max_rows, config.engine.max_batch_rows), repeats=1)
+            logger.info("step times probed in %.1f s", time.perf_counter() - started)
         self.async_engine = AsyncEngine(Engine(self.model, self.tokenizer, config.engine))
         self.async_engine.start()
         namespace = namespace_for(config.model.name or EMBEDDED_MODEL, self.tokenizer)

@@ -39,6 +39,13 @@ class BatchKV:
         return self.mask.shape[0]
 
     @property
+    def device(self) -> torch.device:
+        """Where the keys and values live (the mask stays on the CPU: it is bookkeeping)."""
+        assert self.cache is not None
+        keys, *_ = next(iter(self.cache))
+        return keys.device
+
+    @property
     def width(self) -> int:
         return self.mask.shape[1]
 
@@ -90,19 +97,19 @@ class BatchKV:
             return
         index = torch.tensor(list(indices), dtype=torch.long)
         assert self.cache is not None
-        self.cache.batch_select_indices(index)
+        self.cache.batch_select_indices(index.to(self.device))
         self.mask = self.mask[index]
         self._crop_shared_padding()
 
     # ----------------------------------------------------------------- steps
     def step_inputs(self, num_real: Sequence[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention mask ``[rows, cache width + width]`` and position ids ``[rows, width]`` of a step
-        in which row i feeds ``num_real[i]`` real tokens followed by padding."""
+        in which row i feeds ``num_real[i]`` real tokens followed by padding (on the cache's device)."""
         real = torch.tensor(list(num_real), dtype=torch.long).unsqueeze(1)
         offsets = torch.arange(width, dtype=torch.long).unsqueeze(0)
         step_mask = (offsets < real).long()
         position_ids = self.lengths().unsqueeze(1) + offsets
-        return torch.cat([self.mask, step_mask], dim=1), position_ids
+        return torch.cat([self.mask, step_mask], dim=1).to(self.device), position_ids.to(self.device)
 
     def commit(self, num_kept: Sequence[int], width: int) -> None:
         """After a step of ``width`` columns: row i keeps its first ``num_kept[i]`` of them."""
@@ -129,6 +136,7 @@ class BatchKV:
         new_mask = (torch.arange(width).unsqueeze(0) >= (width - lengths).unsqueeze(1)).long()
         index = torch.where(new_mask.bool(), index, torch.zeros_like(index))
         compacted = []
+        index = index.to(self.device)
         for keys, values, *_ in self.cache:
             gather = index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[3])
             compacted.append((torch.gather(keys, 2, gather), torch.gather(values, 2, gather)))

@@ -263,7 +263,9 @@ class Engine:
             for request, draft, length in zip(rows, drafts, lengths)
         ]
         # Padding slots are masked out; their token id does not matter.
-        input_ids = torch.tensor([row + [0] * (width - len(row)) for row in input_rows], dtype=torch.long)
+        input_ids = torch.tensor(
+            [row + [0] * (width - len(row)) for row in input_rows], dtype=torch.long, device=self.model.device
+        )
         attention_mask, position_ids = self.batch.step_inputs([len(row) for row in input_rows], width)
 
         forward_started = time.perf_counter()

@@ -31,6 +31,10 @@ from nasd_core.verify import verify
 
 TokenCallback = Callable[[list[int]], None]
 
+# Verification widths the warm-up probe times: every small width the policy weighs often,
+# and sparse wide ones up to the default draft cap (16) that the model interpolates between.
+PROBE_POSITIONS = (1, 2, 3, 4, 5, 6, 9, 17)
+
 # Step times measured on a model outlive one request: later requests start calibrated.
 _STEP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -294,13 +298,21 @@ def measure_step_times(
             for num_positions in positions:
                 attention_mask, position_ids = batch.step_inputs([num_positions] * num_rows, num_positions)
                 started = time.perf_counter()
-                model(
+                output = model(
                     input_ids=torch.zeros((num_rows, num_positions), dtype=torch.long, device=model.device),
                     attention_mask=attention_mask,
                     position_ids=position_ids,
                     past_key_values=batch.cache,
                     use_cache=True,
                 )
+                output.logits[-1, -1, 0].item()  # wait for the device, as verification does
                 step_time.observe(num_rows, num_positions, time.perf_counter() - started)
                 batch.cache.crop(-num_positions)
     return step_time
+
+
+def calibrate(model, max_rows: int, repeats: int = 2) -> StepTimeModel:
+    """Probe the model's shared step-time surface at 1, 2, 4, ... rows up to ``max_rows``
+    (what a server does before its first request, and every benchmark before its runs)."""
+    rows = {2**power for power in range(max_rows.bit_length()) if 2**power <= max_rows} | {max_rows}
+    return measure_step_times(model, PROBE_POSITIONS, rows=sorted(rows), repeats=repeats)

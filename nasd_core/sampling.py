@@ -37,6 +37,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 def sample_token(probs: torch.Tensor, generator: np.random.Generator) -> int:
     """Inverse-CDF sample of one token from a ``[vocab]`` distribution with one uniform draw."""
+    probs = probs.cpu()  # one device for the draw, so a seed gives the same token everywhere
     cdf = torch.cumsum(probs.double(), dim=0)
     target = generator.random() * float(cdf[-1])
     token = int(torch.searchsorted(cdf, torch.tensor([target], dtype=cdf.dtype), right=True))

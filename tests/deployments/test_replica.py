@@ -13,6 +13,7 @@ from deployments.replica import NASDServer, ReplicaConfig, TextStream
 from deployments.schemas import GenerateChunk
 from nasd_core import SamplingParams, generate
 from nasd_core.config import EngineConfig
+from nasd_core.generate import PROBE_POSITIONS, model_step_time
 from pool_service import PoolConfig, open_store
 from tests.redis_server import MACHINE_REDIS_URL, is_up, require
 
@@ -30,7 +31,8 @@ def collect(server: NASDServer, loop: asyncio.AbstractEventLoop, request: dict) 
 def served():
     """A started server that runs one request at a time and queues one more."""
     loop = asyncio.new_event_loop()
-    server = NASDServer(ReplicaConfig(engine=EngineConfig(max_batch_rows=1, max_waiting=1)), origin="test")
+    config = ReplicaConfig(engine=EngineConfig(max_batch_rows=1, max_waiting=1), probe_max_rows=8)
+    server = NASDServer(config, origin="test")
     loop.run_until_complete(server.start())
     yield server, loop
     loop.run_until_complete(server.shutdown())
@@ -54,6 +56,14 @@ def test_text_stream_deltas_add_up_to_the_cut_text(tokenizer, stop):
     cut = min((at for at in (text.find(s) for s in stop) if at >= 0), default=len(text))
     assert "".join(deltas) == text[:cut]
     assert len(deltas) > 3 and all("\ufffd" not in delta for delta in deltas), "a half character was sent"
+
+
+def test_start_probes_step_times_up_to_the_batch_limit(served):
+    """Before any request, the step-time surface holds every probed width for the one row
+    this server batches (the cold-start table would cap the width at 5: 6 positions)."""
+    server, _ = served
+    step_time = model_step_time(server.model)
+    assert step_time.covers(1, max(PROBE_POSITIONS)) and not step_time.covers(2, 1)
 
 
 # -------------------------------------------------------------- error chunks
