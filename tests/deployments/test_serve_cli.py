@@ -25,7 +25,8 @@ from tests.redis_server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180
-STOP_TIMEOUT_S = 60
+# Serve's shutdown took over 60 s once in a full CI run on a slow VM (36 s for this whole test alone).
+STOP_TIMEOUT_S = 150
 
 
 def is_listening(port: int) -> bool:
@@ -71,7 +72,12 @@ def test_serve_run_answers_with_defaults_and_stops_on_sigint(tmp_path):
         assert completion.usage.completion_tokens >= 1
 
         process.send_signal(signal.SIGINT)
-        assert process.wait(STOP_TIMEOUT_S) == 0, log_path.read_text()[-3000:]
+        try:
+            exit_code = process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log_tail = log_path.read_text()[-3000:]
+            pytest.fail(f"serve run still running {STOP_TIMEOUT_S} s after SIGINT:\n{log_tail}")
+        assert exit_code == 0, log_path.read_text()[-3000:]
         assert not is_listening(port), "the HTTP proxy outlived serve run"
     finally:
         if process.poll() is None:
