@@ -25,8 +25,7 @@ from tests.redis_server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180
-# Serve's shutdown took over 60 s once in a full CI run on a slow VM (36 s for this whole test alone).
-STOP_TIMEOUT_S = 150
+STOP_TIMEOUT_S = 60
 
 
 def is_listening(port: int) -> bool:
@@ -57,6 +56,10 @@ def test_serve_run_answers_with_defaults_and_stops_on_sigint(tmp_path):
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
+            # A child inherits an ignored SIGINT, and Python then installs no KeyboardInterrupt
+            # handler: in the full suite something before this test left SIGINT ignored and
+            # `serve run` never saw the signal. A shell's Ctrl-C reaches it with the default.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     app = ServedApp(f"http://127.0.0.1:{port}")
     try:
