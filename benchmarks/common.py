@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-
 PLOTS_DIR = Path(__file__).resolve().parent / "plots"
 
 

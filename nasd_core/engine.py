@@ -34,7 +34,7 @@ from nasd_core.generate import (
 )
 from nasd_core.metrics import SpecStats
 from nasd_core.ngram import NGramIndex
-from nasd_core.policy import choose_batch_draft_lengths
+from nasd_core.policy import RowDraft, choose_batch_draft_lengths
 from nasd_core.sampling import make_generator
 from nasd_core.sequence import Request, RequestStatus
 from nasd_core.stopping import StopChecker
@@ -251,11 +251,7 @@ class Engine:
         rows = self.running
         started = time.perf_counter()
         drafts = self._propose(rows)
-        lengths = choose_batch_draft_lengths(
-            [request.row_draft(draft) for request, draft in zip(rows, drafts)],
-            self.step_time,
-            calibrated=self.step_time.covers(len(rows), 1 + max(len(d.tokens) for d in drafts)),
-        )
+        lengths = self._draft_lengths([request.row_draft(draft) for request, draft in zip(rows, drafts)])
         drafting_s = time.perf_counter() - started
         width = 1 + max(lengths)
         input_rows = [
@@ -304,11 +300,16 @@ class Engine:
         """This step's drafts; none at all when even the best drafts the rows could have
         would not be verified (a large batch of poorly matching rows: building 16 drafts a
         step was 4% of a creative-text step at 16 rows, for nothing)."""
-        best_cases = [request.best_case() for request in rows]
-        calibrated = self.step_time.covers(len(rows), 1 + max(row.num_available for row in best_cases))
-        if max(choose_batch_draft_lengths(best_cases, self.step_time, calibrated)) == 0:
+        if max(self._draft_lengths([request.best_case() for request in rows])) == 0:
             return [EMPTY_DRAFT] * len(rows)
         return [request.propose() for request in rows]
+
+    def _draft_lengths(self, row_drafts: list[RowDraft]) -> list[int]:
+        """The policy's draft length per row; the cold-start table caps it until a step of
+        this batch's rows and widest draft has been timed."""
+        widest = 1 + max(row.num_available for row in row_drafts)
+        calibrated = self.step_time.covers(len(row_drafts), widest)
+        return choose_batch_draft_lengths(row_drafts, self.step_time, calibrated)
 
     def _retire(self) -> list[Request]:
         done = [request for request in self.running if request.stopper.is_finished or request.cancelled]

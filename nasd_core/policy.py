@@ -76,28 +76,33 @@ class StepTimeModel:
     """
 
     def __init__(self) -> None:
-        self._seconds: dict[tuple[int, int], float] = {}
+        # positions per row -> rows -> seconds: estimates read one width's column at a time.
+        self._seconds: dict[int, dict[int, float]] = {}
 
     def observe(self, num_rows: int, num_positions: int, seconds: float) -> None:
-        key = (num_rows, num_positions)
-        previous = self._seconds.get(key)
-        self._seconds[key] = (
+        column = self._seconds.setdefault(num_positions, {})
+        previous = column.get(num_rows)
+        column[num_rows] = (
             seconds if previous is None else (1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * seconds
         )
 
     def covers(self, num_rows: int, num_positions: int) -> bool:
         """Whether a shape at least this wide has been measured for at least this many rows."""
-        return any(rows >= num_rows and positions >= num_positions for rows, positions in self._seconds)
+        return any(
+            positions >= num_positions and max(column) >= num_rows
+            for positions, column in self._seconds.items()
+        )
 
     def estimate(self, num_rows: int, num_positions: int) -> float:
         """Seconds for a step feeding ``num_positions`` tokens to each of ``num_rows`` rows."""
-        if (num_rows, num_positions) in self._seconds:
-            return self._seconds[num_rows, num_positions]
+        measured = self._seconds.get(num_positions, {}).get(num_rows)
+        if measured is not None:
+            return measured
         if not self._seconds:
             return num_rows * _prior_shape(num_positions)
         # Interpolate along rows at every measured width, then along positions between them.
         by_positions = {
-            positions: self._along_rows(num_rows, positions) for positions in {p for _, p in self._seconds}
+            positions: _along_rows(column, num_rows) for positions, column in self._seconds.items()
         }
         below = sorted(p for p in by_positions if p <= num_positions)
         above = sorted(p for p in by_positions if p >= num_positions)
@@ -115,20 +120,21 @@ class StepTimeModel:
         nearest = below[-1] if below else above[0]
         return by_positions[nearest] * _prior_shape(num_positions) / _prior_shape(nearest)
 
-    def _along_rows(self, num_rows: int, num_positions: int) -> float:
-        """Linear interpolation in rows between measured shapes of ``num_positions`` (some exist)."""
-        measured = sorted((rows, s) for (rows, p), s in self._seconds.items() if p == num_positions)
-        below = [(rows, s) for rows, s in measured if rows <= num_rows]
-        above = [(rows, s) for rows, s in measured if rows >= num_rows]
-        if not below:
-            return above[0][1]  # fewer rows than any measured: no cheaper than the smallest
-        if not above:
-            rows, seconds = below[-1]
-            return seconds * num_rows / rows  # more rows than measured: cost grows with rows
-        (low_rows, low_s), (high_rows, high_s) = below[-1], above[0]
-        if high_rows == low_rows:
-            return low_s
-        return low_s + (high_s - low_s) * (num_rows - low_rows) / (high_rows - low_rows)
+
+def _along_rows(column: dict[int, float], num_rows: int) -> float:
+    """Linear interpolation in rows within one width's measurements (``column``: rows -> s)."""
+    below = [rows for rows in column if rows <= num_rows]
+    above = [rows for rows in column if rows >= num_rows]
+    if not below:
+        return column[min(above)]  # fewer rows than any measured: no cheaper than the smallest
+    low_rows = max(below)
+    if not above:
+        return column[low_rows] * num_rows / low_rows  # more rows than measured: grows with rows
+    high_rows = min(above)
+    if high_rows == low_rows:
+        return column[low_rows]
+    share = (num_rows - low_rows) / (high_rows - low_rows)
+    return column[low_rows] + share * (column[high_rows] - column[low_rows])
 
 
 def _prior_shape(num_positions: int) -> float:
