@@ -2,7 +2,10 @@
 
 Systems: transformers greedy (``hf_greedy``), transformers prompt lookup
 (``hf_prompt_lookup``, ``prompt_lookup_num_tokens=10``), the seeds' NASD as published
-(``seed_nasd``), and this library with speculation off / on / auto. All greedy, so every
+(``seed_nasd``), and this library with speculation off / on / auto, all on one model as
+``load_model`` gives it (on CPU, with the fast path of ``nasd_core/cpu_kernels.py``); plus
+``hf_greedy_stock``: transformers greedy on a second copy of the model with transformers'
+stock CPU kernels, i.e. what a plain transformers user runs today. All greedy, so every
 system must emit exactly ``hf_greedy``'s tokens; the run records whether each did.
 
     python -m benchmarks.single_stream            # full: 5 prompts x 7 workloads, 128 tokens
@@ -38,7 +41,17 @@ from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 from nasd_core.policy import StepTimeModel
 
-SYSTEMS = ("hf_greedy", "hf_prompt_lookup", "seed_nasd", "nasd_off", "nasd_on", "nasd_auto")
+SYSTEMS = (
+    "hf_greedy",
+    "hf_greedy_stock",
+    "hf_prompt_lookup",
+    "seed_nasd",
+    "nasd_off",
+    "nasd_on",
+    "nasd_auto",
+)
+# Systems that run on the stock-kernel copy of the model.
+STOCK_SYSTEMS = ("hf_greedy_stock",)
 BASELINE = "hf_greedy"
 # The quick run: the headline comparison on one repetitive-copy, one reasoning-over-history
 # and one control workload, at the full run's prompt length and token count.
@@ -79,15 +92,17 @@ class Totals:
         return row
 
 
-def make_runners(model, tokenizer, max_tokens: int, step_time: StepTimeModel) -> dict[str, Callable]:
+def make_runners(
+    model, tokenizer, max_tokens: int, step_time: StepTimeModel, stock_model=None
+) -> dict[str, Callable]:
     """One callable per system: prompt ids -> (generated ids, SpecStats or None)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop_ids = eos_ids(model, tokenizer)
 
-    def hf(prompt_ids: list[int], **extra) -> tuple[list[int], None]:
+    def hf(prompt_ids: list[int], on_model=model, **extra) -> tuple[list[int], None]:
         inputs = torch.tensor([prompt_ids])
         with torch.inference_mode():
-            out = model.generate(
+            out = on_model.generate(
                 inputs,
                 attention_mask=torch.ones_like(inputs),
                 max_new_tokens=max_tokens,
@@ -113,6 +128,7 @@ def make_runners(model, tokenizer, max_tokens: int, step_time: StepTimeModel) ->
 
     return {
         "hf_greedy": hf,
+        "hf_greedy_stock": lambda ids: hf(ids, on_model=stock_model),
         "hf_prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
         "seed_nasd": lambda ids: (seed_nasd_generate(model, ids, max_tokens, stop_ids), None),
         "nasd_off": nasd("off"),
@@ -130,8 +146,11 @@ def run_benchmark(
     systems: tuple[str, ...] = SYSTEMS,
 ) -> dict:
     model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
+    stock_model = None
+    if any(system in STOCK_SYSTEMS for system in systems):
+        stock_model, _ = load_model(config=ModelConfig(dtype=dtype, cpu_fast_path=False))
     step_time = calibrate(model, 1)
-    runners = make_runners(model, tokenizer, max_tokens, step_time)
+    runners = make_runners(model, tokenizer, max_tokens, step_time, stock_model)
     prompts = {
         name: [
             tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -152,7 +171,7 @@ def run_benchmark(
         order = [*systems[shift:], *systems[:shift]]
         outputs = {}
         for system in order:
-            with counting_forwards(model) as forwards:
+            with counting_forwards(stock_model if system in STOCK_SYSTEMS else model) as forwards:
                 started = time.perf_counter()
                 output, stats = runners[system](prompt_ids)
                 elapsed = time.perf_counter() - started

@@ -152,3 +152,8 @@ class ModelConfig(_Config):
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
     device: str = Field("cpu", description="torch device string.")
     cache_dir: str | None = Field(None, description="Where converted embedded weights are cached.")
+    cpu_fast_path: bool = Field(
+        True,
+        description="On CPU in float32: pack Linear weights for oneDNN and share key/value heads in "
+        "attention instead of copying them (nasd_core/cpu_kernels.py); outputs equal up to float rounding.",
+    )

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from nasd_core.config import EMBEDDED_MODEL, ModelConfig
+from nasd_core.cpu_kernels import optimize_for_cpu
 from nasd_core.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,8 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     Args:
         name: HF model id or local dir; None (or "embedded") = the embedded SmolLM2-135M-Instruct.
             Overrides ``config.name`` when given.
-        config: dtype, device and cache dir (defaults: float32 on CPU, the user cache dir).
+        config: dtype, device, cache dir and the CPU fast path (defaults: float32 on CPU with the
+            fast path, the user cache dir).
 
     Returns:
         (model, tokenizer)
@@ -136,4 +138,6 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
         raise ModelLoadError(f"cannot load model {name or EMBEDDED_MODEL!r}: {exc}") from exc
     model.to(config.device)
     model.eval()
+    if config.cpu_fast_path:
+        optimize_for_cpu(model)
     return model, tokenizer
