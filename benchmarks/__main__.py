@@ -1,7 +1,7 @@
 """Every benchmark suite, one after the other, then the README tables (full) or the
 comparison with the full run (quick).
 
-    python -m benchmarks              # make bench: full runs (over 77 minutes on 2 cores)
+    python -m benchmarks              # make bench: full runs (about an hour on 2 cores)
     python -m benchmarks --quick      # make bench-quick: some of the full run's cells again
     python -m benchmarks --suites pool http
 
