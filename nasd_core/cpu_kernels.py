@@ -2,17 +2,18 @@
 
 Why: a verification step feeds each row a handful of positions (the last token plus the
 drafts). On CPU, ``nn.Linear`` runs those through MKL's general matrix multiply, which for
-2-17 input rows is much slower per row than its matrix-vector path for one row (and on AMD
-CPUs slower still). With the weights reordered once into oneDNN's blocked layout, the same
+2-17 input rows is much slower per row than its matrix-vector path for one row (measured
+on this project's AMD EPYC machine). With the weights reordered once into oneDNN's blocked layout, the same
 multiply reads each weight once and costs about the same for 1 to ~8 rows, so drafted
 positions become nearly free - which is what speculative decoding needs. The packed kernel
 is also batch-invariant: a row's output does not depend on how many rows ride with it, so
 a verified position gets bit-identical logits to the same position decoded alone.
 
 transformers' SDPA attention copies every key/value head ``num_key_value_groups`` times
-whenever more than one query position comes with a mask (24 ms of a 77 ms step for the
-embedded model with 5 positions); ``gqa_sdpa_attention`` asks torch's SDPA to share the heads
-instead (``enable_gqa``), which is the same arithmetic without the copies.
+whenever more than one query position comes with a mask (24 ms of a 101 ms step of the
+embedded model fed 5 positions, with packed weights); ``gqa_sdpa_attention`` asks torch's
+SDPA to share the heads instead (``enable_gqa``), which is the same arithmetic without the
+copies.
 
 ``python -m benchmarks.step_cost`` measures both layouts side by side.
 """
@@ -28,8 +29,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 logger = logging.getLogger(__name__)
 
-# The packing's blocking is tuned for this many input rows; measured on 2 cores it is as fast
-# as MKL from 1 to 544 rows (the engine's largest step), and 2-4x faster from 2 to 17.
+# The packing's blocking is tuned for this many input rows. Measured on 2 cores (60 layers of
+# 1536x576): 2-4x faster than MKL from 2 to 17 rows, within noise of it from 64 to 544 rows
+# (the engine's largest step); a whole 32-row plain step of the embedded model took 322 ms
+# against 273 ms stock (benchmarks.step_cost), the one shape measured slower.
 _PACKING_ROWS_HINT = 16
 
 
@@ -91,7 +94,7 @@ def gqa_sdpa_attention(
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # A mask, when given, already encodes causality; without one, a multi-position query
     # over an equally long key (prefill) is plainly causal.
-    is_causal = bool(query.shape[2] > 1 and attention_mask is None and is_causal)
+    is_causal = bool(attention_mask is None and is_causal)
     out = functional.scaled_dot_product_attention(
         query,
         key,
