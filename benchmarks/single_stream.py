@@ -4,8 +4,9 @@ Systems: transformers greedy (``hf_greedy``), transformers prompt lookup
 (``hf_prompt_lookup``, ``prompt_lookup_num_tokens=10``), the seeds' NASD as published
 (``seed_nasd``), and this library with speculation off / on / auto, all on one model as
 ``load_model`` gives it (on CPU, with the fast path of ``nasd_core/cpu_kernels.py``); plus
-``hf_greedy_stock``: transformers greedy on a second copy of the model with transformers'
-stock CPU kernels, i.e. what a plain transformers user runs today. All greedy, so every
+``hf_greedy_stock`` and ``hf_prompt_lookup_stock``: transformers greedy and prompt lookup on
+a second copy of the model with transformers' stock CPU kernels, i.e. what a transformers
+user runs today. All greedy, so every
 system must emit exactly ``hf_greedy``'s tokens; the run records whether each did.
 
     python -m benchmarks.single_stream            # full: 5 prompts x 7 workloads, 128 tokens
@@ -45,13 +46,14 @@ SYSTEMS = (
     "hf_greedy",
     "hf_greedy_stock",
     "hf_prompt_lookup",
+    "hf_prompt_lookup_stock",
     "seed_nasd",
     "nasd_off",
     "nasd_on",
     "nasd_auto",
 )
 # Systems that run on the stock-kernel copy of the model.
-STOCK_SYSTEMS = ("hf_greedy_stock",)
+STOCK_SYSTEMS = ("hf_greedy_stock", "hf_prompt_lookup_stock")
 BASELINE = "hf_greedy"
 # The quick run: the headline comparison on one repetitive-copy, one reasoning-over-history
 # and one control workload, at the full run's prompt length and token count.
@@ -130,6 +132,7 @@ def make_runners(
         "hf_greedy": hf,
         "hf_greedy_stock": lambda ids: hf(ids, on_model=stock_model),
         "hf_prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
+        "hf_prompt_lookup_stock": lambda ids: hf(ids, on_model=stock_model, prompt_lookup_num_tokens=10),
         "seed_nasd": lambda ids: (seed_nasd_generate(model, ids, max_tokens, stop_ids), None),
         "nasd_off": nasd("off"),
         "nasd_on": nasd("on"),

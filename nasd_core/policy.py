@@ -24,6 +24,9 @@ PRIOR_WEIGHT = 4.0  # pseudo-observations behind each prior
 # Prior shape of a verification step: each extra token costs this share of a 1-token step.
 PRIOR_EXTRA_TOKEN_COST = 0.08
 EWMA_WEIGHT = 0.2
+# Timing noise on a shared CPU is one-sided (a preempted step reads 2x, none reads 0.5x):
+# a sample counts for at most this multiple of the current estimate.
+MAX_SAMPLE_RATIO = 1.5
 
 
 def _prior_first(match_length: int) -> float:
@@ -72,7 +75,9 @@ class StepTimeModel:
     model, 256-token contexts: 6 positions cost 3.7x the 1-position step at 16 rows, 1.2x
     at 4 rows). Unmeasured shapes are interpolated linearly along rows at each measured
     width, then along positions between widths; wider than any measurement continues the
-    last measured slope.
+    last measured slope. A narrower step never costs more than a wider one (it could be
+    padded to that width), so a width's estimate is capped by every wider measurement: a
+    noisy high reading at one width cannot make the policy skip it for good.
     """
 
     def __init__(self) -> None:
@@ -82,9 +87,15 @@ class StepTimeModel:
     def observe(self, num_rows: int, num_positions: int, seconds: float) -> None:
         column = self._seconds.setdefault(num_positions, {})
         previous = column.get(num_rows)
-        column[num_rows] = (
-            seconds if previous is None else (1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * seconds
-        )
+        if previous is None:
+            column[num_rows] = seconds
+        else:
+            sample = min(seconds, MAX_SAMPLE_RATIO * previous)
+            column[num_rows] = (1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * sample
+
+    def measured(self, num_rows: int, num_positions: int) -> float | None:
+        """The current measurement of exactly this shape (None if never timed)."""
+        return self._seconds.get(num_positions, {}).get(num_rows)
 
     def covers(self, num_rows: int, num_positions: int) -> bool:
         """Whether a shape at least this wide has been measured for at least this many rows."""
@@ -95,30 +106,35 @@ class StepTimeModel:
 
     def estimate(self, num_rows: int, num_positions: int) -> float:
         """Seconds for a step feeding ``num_positions`` tokens to each of ``num_rows`` rows."""
-        measured = self._seconds.get(num_positions, {}).get(num_rows)
-        if measured is not None:
-            return measured
         if not self._seconds:
             return num_rows * _prior_shape(num_positions)
-        # Interpolate along rows at every measured width, then along positions between them.
-        by_positions = {
-            positions: _along_rows(column, num_rows) for positions, column in self._seconds.items()
-        }
-        below = sorted(p for p in by_positions if p <= num_positions)
-        above = sorted(p for p in by_positions if p >= num_positions)
-        if below and above:
-            low, high = below[-1], above[0]
-            if low == high:
-                return by_positions[low]
-            share = (num_positions - low) / (high - low)
-            return by_positions[low] + share * (by_positions[high] - by_positions[low])
-        if len(below) >= 2:
-            # Wider than any measurement: continue the last measured slope (never cheaper).
-            low, high = below[-2], below[-1]
-            slope = max(0.0, (by_positions[high] - by_positions[low]) / (high - low))
-            return by_positions[high] + slope * (num_positions - high)
-        nearest = below[-1] if below else above[0]
-        return by_positions[nearest] * _prior_shape(num_positions) / _prior_shape(nearest)
+        # Interpolate along rows at every measured width (capped by every wider width), then
+        # along positions between them.
+        by_positions = {}
+        cheapest_wider = float("inf")
+        for positions in sorted(self._seconds, reverse=True):
+            cheapest_wider = min(cheapest_wider, _along_rows(self._seconds[positions], num_rows))
+            by_positions[positions] = cheapest_wider
+        return _along_positions(by_positions, num_positions)
+
+
+def _along_positions(by_positions: dict[int, float], num_positions: int) -> float:
+    """Linear interpolation in positions between measured widths (``by_positions``: width -> s)."""
+    below = sorted(p for p in by_positions if p <= num_positions)
+    above = sorted(p for p in by_positions if p >= num_positions)
+    if below and above:
+        low, high = below[-1], above[0]
+        if low == high:
+            return by_positions[low]
+        share = (num_positions - low) / (high - low)
+        return by_positions[low] + share * (by_positions[high] - by_positions[low])
+    if len(below) >= 2:
+        # Wider than any measurement: continue the last measured slope (never cheaper).
+        low, high = below[-2], below[-1]
+        slope = max(0.0, (by_positions[high] - by_positions[low]) / (high - low))
+        return by_positions[high] + slope * (num_positions - high)
+    nearest = below[-1] if below else above[0]
+    return by_positions[nearest] * _prior_shape(num_positions) / _prior_shape(nearest)
 
 
 def _along_rows(column: dict[int, float], num_rows: int) -> float:

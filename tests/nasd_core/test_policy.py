@@ -6,6 +6,7 @@ import pytest
 
 from nasd_core.metrics import SpecStats
 from nasd_core.policy import (
+    MAX_SAMPLE_RATIO,
     AcceptanceEstimator,
     RowDraft,
     StepTimeModel,
@@ -76,6 +77,22 @@ def test_step_time_model_uses_measurements_and_interpolates_by_shape():
     assert surface.estimate(16, 7) == pytest.approx(1.1)
     assert surface.estimate(32, 1) == pytest.approx(0.4)
     assert surface.covers(16, 5) and not surface.covers(17, 5) and not surface.covers(16, 6)
+
+
+def test_step_time_model_resists_one_sided_noise():
+    step_time = StepTimeModel()
+    step_time.observe(1, 1, 0.05)
+    step_time.observe(1, 3, 0.20)  # a preempted probe: dearer than the wider shape below
+    step_time.observe(1, 6, 0.08)
+    # A narrower step could be padded to a wider one, so it is never priced above it...
+    assert step_time.estimate(1, 3) == pytest.approx(0.08)
+    assert step_time.measured(1, 3) == 0.20
+    # ...while an honest narrower reading stands, and interpolation runs between the capped values.
+    assert step_time.estimate(1, 1) == 0.05
+    assert step_time.estimate(1, 2) == pytest.approx(0.065)
+    # A spike moves the estimate by at most MAX_SAMPLE_RATIO times the current value.
+    step_time.observe(1, 1, 1.0)
+    assert step_time.measured(1, 1) == pytest.approx(0.8 * 0.05 + 0.2 * MAX_SAMPLE_RATIO * 0.05)
 
 
 def test_spec_stats_count_acceptance_by_position_and_merge():
