@@ -6,12 +6,12 @@ completions at each concurrency C (``2*C`` requests, at least 6, C at a time) to
 application in turn (the order rotates by cell), in the same run on the same prompts. Each
 application sees every prompt once, and all must give the same texts.
 
-    python -m benchmarks.http                  # 1 replica, C = 1, 4, 16, 64 tokens
+    python -m benchmarks.http                  # 1 replica, C = 1, 4, 16, 32, 64 tokens
     python -m benchmarks.http --replicas 1 2   # the same, then again with 2 replicas
     python -m benchmarks.http --quick          # the full run's C = 4 cell alone (same prompts)
 
-No C=32 here (the engine sweep has it): every prompt must be new to each application, and the
-creative generator makes 64 different prompts, which C = 1, 4, 16 already nearly use up.
+Every prompt is new to each application (``distinct_prompts``): past the creative
+generator's 64 prompts, C=32 gets earlier ones with an instruction added.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def serve_apps(num_replicas: int, num_cpus: int) -> dict[str, str]:
     return {mode: f"http://127.0.0.1:{port}/{mode}/v1" for mode in MODES}
 
 
-LEVELS = (1, 4, 16)
+LEVELS = (1, 4, 16, 32)
 QUICK_LEVELS = (4,)
 
 

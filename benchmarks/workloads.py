@@ -223,27 +223,47 @@ def make_workload(name: str, num_prompts: int, seed: int = 0) -> list[Messages]:
     return [WORKLOADS[name](rng) for _ in range(num_prompts)]
 
 
+# Appended to the last message of earlier conversations once the generators run out of new
+# ones (the creative generator makes 64), so a benchmark can still send only new prompts.
+_EXTRA_INSTRUCTIONS = (
+    "Tell it in the first person.",
+    "Keep it under 120 words.",
+    "Give it a hopeful ending.",
+    "Tell it in the present tense.",
+)
+
+
 def distinct_prompts(names: Sequence[str], num_prompts: int, seed: int = 0) -> list[Messages]:
     """``num_prompts`` pairwise different conversations, taking the workloads ``names`` in turn.
 
     A server learns every answer it gives (greedy answers to a repeated prompt repeat exactly),
     so a benchmark that sends a prompt twice would measure that memory, not the workload.
+    When the generators run out, the rest are the earlier conversations, in order, each with
+    one of ``_EXTRA_INSTRUCTIONS`` appended; the first prompts are the same whatever the count.
 
     Raises:
-        ValueError: the workloads cannot make that many different conversations.
+        ValueError: not even with the extra instructions are there that many.
     """
     rngs = [random.Random(f"{name}:{seed}:distinct") for name in names]
     seen: set[str] = set()
     prompts: list[Messages] = []
+
+    def take(conversation: Messages) -> None:
+        key = repr(conversation)
+        if key not in seen and len(prompts) < num_prompts:
+            seen.add(key)
+            prompts.append(conversation)
+
     for attempt in range(50 * num_prompts):
         if len(prompts) == num_prompts:
             break
         turn = attempt % len(names)
-        conversation = WORKLOADS[names[turn]](rngs[turn])
-        key = repr(conversation)
-        if key not in seen:
-            seen.add(key)
-            prompts.append(conversation)
+        take(WORKLOADS[names[turn]](rngs[turn]))
+    generated = list(prompts)
+    for instruction in _EXTRA_INSTRUCTIONS:
+        for conversation in generated:
+            *history, last = conversation
+            take([*history, {**last, "content": f"{last['content']} {instruction}"}])
     if len(prompts) < num_prompts:
         raise ValueError(f"{names} give only {len(prompts)} different conversations, not {num_prompts}")
     return prompts

@@ -73,7 +73,7 @@ def test_http_quick_cells_are_the_full_runs_cells():
     from benchmarks import http
 
     assert set(http.QUICK_LEVELS) <= set(http.LEVELS)
-    assert http.cell_sizes(http.LEVELS) == [6, 8, 32]
+    assert http.cell_sizes(http.LEVELS) == [6, 8, 32, 64]
 
 
 def test_workloads_are_deterministic_and_distinct():
@@ -115,8 +115,14 @@ def test_distinct_prompts_never_repeat_and_say_when_they_run_out():
     prompts = distinct_prompts(("creative", "code_edit"), 40, seed=1)
     assert len({repr(prompt) for prompt in prompts}) == 40
     assert prompts == distinct_prompts(("creative", "code_edit"), 40, seed=1)
+    # Past the creative generator's 64, earlier prompts come back with an instruction added;
+    # the first ones stay what a smaller request gets.
+    many = distinct_prompts(("creative",), 110, seed=3)
+    assert len({repr(prompt) for prompt in many}) == 110
+    assert many[:46] == distinct_prompts(("creative",), 46, seed=3)
+    assert many[-1][-1]["content"].endswith(".") and many[-1][-1]["content"].count(".") == 2
     with pytest.raises(ValueError, match="different conversations"):
-        distinct_prompts(("code_edit",), 1000)
+        distinct_prompts(("creative",), 1000)
 
 
 def test_readme_results_are_rendered_from_the_committed_result_files():
