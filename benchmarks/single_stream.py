@@ -6,8 +6,8 @@ Systems: transformers greedy (``hf_greedy``), transformers prompt lookup
 ``load_model`` gives it (on CPU, with the fast path of ``nasd_core/cpu_kernels.py``); plus
 ``hf_greedy_stock`` and ``hf_prompt_lookup_stock``: transformers greedy and prompt lookup on
 a second copy of the model with transformers' stock CPU kernels, i.e. what a transformers
-user runs today. All greedy, so every
-system must emit exactly ``hf_greedy``'s tokens; the run records whether each did.
+user runs today. All greedy, so every system must emit exactly ``hf_greedy``'s tokens; the
+run records whether each did.
 
     python -m benchmarks.single_stream            # full: 5 prompts x 7 workloads, 128 tokens
     python -m benchmarks.single_stream --quick    # the full run's first prompt of 4 workloads, 3 systems

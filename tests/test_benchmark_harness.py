@@ -110,7 +110,7 @@ def test_http_cell_summary_and_table():
 
 
 def test_distinct_prompts_never_repeat_and_say_when_they_run_out():
-    from benchmarks.workloads import distinct_prompts
+    from benchmarks.workloads import _EXTRA_INSTRUCTIONS, distinct_prompts
 
     prompts = distinct_prompts(("creative", "code_edit"), 40, seed=1)
     assert len({repr(prompt) for prompt in prompts}) == 40
@@ -120,7 +120,7 @@ def test_distinct_prompts_never_repeat_and_say_when_they_run_out():
     many = distinct_prompts(("creative",), 110, seed=3)
     assert len({repr(prompt) for prompt in many}) == 110
     assert many[:46] == distinct_prompts(("creative",), 46, seed=3)
-    assert many[-1][-1]["content"].endswith(".") and many[-1][-1]["content"].count(".") == 2
+    assert many[64][-1]["content"] == f"{many[0][-1]['content']} {_EXTRA_INSTRUCTIONS[0]}"
     with pytest.raises(ValueError, match="different conversations"):
         distinct_prompts(("creative",), 1000)
 
