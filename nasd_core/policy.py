@@ -13,6 +13,7 @@ The step time t(rows, positions) is measured online (EWMA per batch shape) on to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # Prior chance the first draft is accepted, by matched context length (longer = likelier);
@@ -27,6 +28,12 @@ EWMA_WEIGHT = 0.2
 # Timing noise on a shared CPU is one-sided (a preempted step reads 2x, none reads 0.5x):
 # a sample counts for at most this multiple of the current estimate.
 MAX_SAMPLE_RATIO = 1.5
+# A shape is trusted after this many samples. Until then, a width whose estimated rate is
+# within EXPLORE_MARGIN of a trusted best is tried instead, so that one slow first reading
+# (a 16-row plain step timed once at 207 ms, typically ~160) cannot keep the policy off a
+# shape for good: it never reruns a shape it believes dearer.
+MIN_TRUSTED_SAMPLES = 3
+EXPLORE_MARGIN = 0.1
 
 
 def _prior_first(match_length: int) -> float:
@@ -74,17 +81,21 @@ class StepTimeModel:
     attention, so a batch widens very differently from one row (measured on the embedded
     model, 256-token contexts: 6 positions cost 3.7x the 1-position step at 16 rows, 1.2x
     at 4 rows). Unmeasured shapes are interpolated linearly along rows at each measured
-    width, then along positions between widths; wider than any measurement continues the
-    last measured slope. A narrower step never costs more than a wider one (it could be
-    padded to that width), so a width's estimate is capped by every wider measurement: a
-    noisy high reading at one width cannot make the policy skip it for good.
+    width (a width not measured around that row count borrows the shape of one that is),
+    then along positions between widths; beyond the measurements the last slope continues.
+    A narrower step never costs more than a wider one (it could be padded to that width),
+    so a width's estimate is capped by every wider measurement: a noisy high reading at one
+    width cannot make the policy skip it for good.
     """
 
     def __init__(self) -> None:
         # positions per row -> rows -> seconds: estimates read one width's column at a time.
         self._seconds: dict[int, dict[int, float]] = {}
+        self._num_samples: dict[tuple[int, int], int] = {}
 
     def observe(self, num_rows: int, num_positions: int, seconds: float) -> None:
+        shape = (num_rows, num_positions)
+        self._num_samples[shape] = self._num_samples.get(shape, 0) + 1
         column = self._seconds.setdefault(num_positions, {})
         previous = column.get(num_rows)
         if previous is None:
@@ -97,6 +108,10 @@ class StepTimeModel:
         """The current measurement of exactly this shape (None if never timed)."""
         return self._seconds.get(num_positions, {}).get(num_rows)
 
+    def trusted(self, num_rows: int, num_positions: int) -> bool:
+        """Whether this exact shape has been timed often enough to rule out one slow reading."""
+        return self._num_samples.get((num_rows, num_positions), 0) >= MIN_TRUSTED_SAMPLES
+
     def covers(self, num_rows: int, num_positions: int) -> bool:
         """Whether a shape at least this wide has been measured for at least this many rows."""
         return any(
@@ -108,14 +123,51 @@ class StepTimeModel:
         """Seconds for a step feeding ``num_positions`` tokens to each of ``num_rows`` rows."""
         if not self._seconds:
             return num_rows * _prior_shape(num_positions)
-        # Interpolate along rows at every measured width (capped by every wider width), then
-        # along positions between them.
+        # Each measured width at num_rows: interpolated where its measurements span the row
+        # count, else transferred from a width whose measurements do.
+        spanned = {
+            positions: seconds
+            for positions, column in self._seconds.items()
+            if (seconds := _along_rows(column, num_rows)) is not None
+        }
+        at_rows = {
+            positions: spanned[positions]
+            if positions in spanned
+            else self._transferred(positions, num_rows, spanned)
+            for positions in self._seconds
+        }
+        # Capped by every wider width, then interpolated along positions between widths.
         by_positions = {}
         cheapest_wider = float("inf")
-        for positions in sorted(self._seconds, reverse=True):
-            cheapest_wider = min(cheapest_wider, _along_rows(self._seconds[positions], num_rows))
+        for positions in sorted(at_rows, reverse=True):
+            cheapest_wider = min(cheapest_wider, at_rows[positions])
             by_positions[positions] = cheapest_wider
         return _along_positions(by_positions, num_positions)
+
+    def _transferred(self, num_positions: int, num_rows: int, spanned: dict[int, float]) -> float:
+        """A width whose measurements do not span ``num_rows``: the nearest width that does
+        (``spanned``: width -> seconds at num_rows), scaled by the two widths' ratio at the
+        row count both have measured closest to ``num_rows``.
+
+        Why not extrapolate the width's own column: ``auto`` runs the shapes it believes
+        cheap, so at 16 rows it may have timed only 4-position steps, and a plain step
+        extrapolated from 1-4 rows (linear in rows: 290 ms) was dearer than the measured
+        4-position one (228 ms); capped by it, speculating looked free and never stopped,
+        while the plain step really took ~146 ms (creative text, HTTP sweep, 0.66x of off).
+        """
+        column = self._seconds[num_positions]
+        candidates = []
+        for other, seconds in spanned.items():
+            shared = column.keys() & self._seconds[other].keys()
+            if shared:
+                rows = min(
+                    shared, key=lambda shared_rows: (abs(math.log(shared_rows / num_rows)), shared_rows)
+                )
+                scaled = seconds * column[rows] / self._seconds[other][rows]
+                candidates.append((abs(other - num_positions), other, scaled))
+        if candidates:
+            return min(candidates)[2]
+        return _beyond_rows(column, num_rows)
 
 
 def _along_positions(by_positions: dict[int, float], num_positions: int) -> float:
@@ -137,20 +189,32 @@ def _along_positions(by_positions: dict[int, float], num_positions: int) -> floa
     return by_positions[nearest] * _prior_shape(num_positions) / _prior_shape(nearest)
 
 
-def _along_rows(column: dict[int, float], num_rows: int) -> float:
-    """Linear interpolation in rows within one width's measurements (``column``: rows -> s)."""
+def _along_rows(column: dict[int, float], num_rows: int) -> float | None:
+    """Linear interpolation in rows within one width's measurements (``column``: rows -> s);
+    None when they do not span ``num_rows``."""
     below = [rows for rows in column if rows <= num_rows]
     above = [rows for rows in column if rows >= num_rows]
-    if not below:
-        return column[min(above)]  # fewer rows than any measured: no cheaper than the smallest
-    low_rows = max(below)
-    if not above:
-        return column[low_rows] * num_rows / low_rows  # more rows than measured: grows with rows
-    high_rows = min(above)
+    if not below or not above:
+        return None
+    low_rows, high_rows = max(below), min(above)
     if high_rows == low_rows:
         return column[low_rows]
     share = (num_rows - low_rows) / (high_rows - low_rows)
     return column[low_rows] + share * (column[high_rows] - column[low_rows])
+
+
+def _beyond_rows(column: dict[int, float], num_rows: int) -> float:
+    """One width's cost outside its measured rows, when no other width spans ``num_rows``."""
+    if num_rows < min(column):
+        return column[min(column)]  # fewer rows than any measured: no cheaper than the fewest
+    measured = sorted(column)
+    if len(measured) == 1:
+        return column[measured[0]] * num_rows / measured[0]  # one point: grows with rows
+    # More rows than measured: continue the last slope (a row adds its cache and tokens, not
+    # a whole step: 16 plain rows took ~146 ms against one row's 60 ms, not 16x).
+    low, high = measured[-2], measured[-1]
+    slope = max(0.0, (column[high] - column[low]) / (high - low))
+    return column[high] + slope * (num_rows - high)
 
 
 def _prior_shape(num_positions: int) -> float:
@@ -179,6 +243,21 @@ def choose_draft_length(
 # TensorRT-LLM's measured table, used as the cold-start cap before step times are known:
 # batch <= 4: gamma 5; <= 32: gamma 3; larger: no speculation.
 COLD_START_TABLE = ((4, 5), (32, 3))
+
+
+def _explored(tokens_per_s: dict[int, float], num_rows: int, step_time: StepTimeModel) -> int:
+    """The width with the most expected tokens per second, unless its shape is trusted and
+    an untrusted one comes within EXPLORE_MARGIN: then the best of those, to time it."""
+    best_width = max(tokens_per_s, key=lambda width: (tokens_per_s[width], -width))
+    if not step_time.trusted(num_rows, 1 + best_width):
+        return best_width
+    close = [
+        width
+        for width, rate in tokens_per_s.items()
+        if rate >= (1 - EXPLORE_MARGIN) * tokens_per_s[best_width]
+        and not step_time.trusted(num_rows, 1 + width)
+    ]
+    return max(close, key=lambda width: (tokens_per_s[width], -width)) if close else best_width
 
 
 def cold_start_cap(num_rows: int) -> int:
@@ -214,7 +293,7 @@ def choose_batch_draft_lengths(rows: list[RowDraft], step_time: StepTimeModel, c
     available = max((row.num_available for row in rows if row.mode == "auto"), default=0)
     cap = available if calibrated else min(available, cold_start_cap(len(rows)))
     rates = [row.acceptance.rates(row.match_length) for row in rows]
-    best_width, best_rate = forced, -1.0
+    tokens_per_s = {}
     for width in range(forced, max(forced, cap) + 1):
         expected = 0.0
         for row, (a_first, a_next) in zip(rows, rates):
@@ -222,7 +301,6 @@ def choose_batch_draft_lengths(rows: list[RowDraft], step_time: StepTimeModel, c
                 expected += 1.0
             else:
                 expected += expected_tokens(a_first, a_next, min(width, row.num_available))
-        rate = expected / step_time.estimate(len(rows), 1 + width)
-        if rate > best_rate:
-            best_width, best_rate = width, rate
+        tokens_per_s[width] = expected / step_time.estimate(len(rows), 1 + width)
+    best_width = _explored(tokens_per_s, len(rows), step_time)
     return [0 if row.mode == "off" else min(best_width, row.num_available) for row in rows]

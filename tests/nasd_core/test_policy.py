@@ -7,6 +7,7 @@ import pytest
 from nasd_core.metrics import SpecStats
 from nasd_core.policy import (
     MAX_SAMPLE_RATIO,
+    MIN_TRUSTED_SAMPLES,
     AcceptanceEstimator,
     RowDraft,
     StepTimeModel,
@@ -73,10 +74,58 @@ def test_step_time_model_uses_measurements_and_interpolates_by_shape():
     assert surface.estimate(16, 2) == pytest.approx(0.35)
     # A batch is not a long row: 16 rows x 3 positions is priced as measured, not as 48 tokens of one row.
     assert surface.estimate(16, 3) == 0.5 and surface.estimate(1, 3) == 0.12
-    # Beyond the widest measurement: the last slope continues; beyond the most rows: linear in rows.
+    # Beyond the widest measurement and beyond the most rows, the last slope continues.
     assert surface.estimate(16, 7) == pytest.approx(1.1)
-    assert surface.estimate(32, 1) == pytest.approx(0.4)
+    assert surface.estimate(32, 1) == pytest.approx(0.2 + 0.1 * 16 / 15)
     assert surface.covers(16, 5) and not surface.covers(17, 5) and not surface.covers(16, 6)
+
+
+def test_step_time_model_borrows_the_shape_of_a_width_measured_at_more_rows():
+    # What a server's auto had timed after repetitive traffic (ms): plain steps only at 1-4
+    # rows, 4-position steps at 1-16 rows.
+    step_time = StepTimeModel()
+    for rows, seconds in {1: 0.0605, 2: 0.0674, 3: 0.0677, 4: 0.0725}.items():
+        step_time.observe(rows, 1, seconds)
+    for rows, seconds in {1: 0.0722, 4: 0.0973, 8: 0.1452, 16: 0.228}.items():
+        step_time.observe(rows, 4, seconds)
+    # A plain 16-row step is the 4-position one scaled by their ratio at 4 rows, not the 1-4
+    # row slope extended (nor 16/4 x the 4-row step, 0.29 s, dearer than the wider step).
+    assert step_time.estimate(16, 1) == pytest.approx(0.228 * 0.0725 / 0.0973)
+    assert step_time.estimate(16, 1) < 0.8 * step_time.estimate(16, 4)
+    # So a 16-row batch of rejected drafts steps plainly (before, speculating looked free).
+    rows = [row("auto", 3, 1, accepted_all=False) for _ in range(16)]
+    assert choose_batch_draft_lengths(rows, step_time, calibrated=True) == [0] * 16
+    # A width measured on neither side of the row count, with no other to borrow from,
+    # continues its own last slope.
+    lone = StepTimeModel()
+    lone.observe(2, 1, 0.06)
+    lone.observe(4, 1, 0.08)
+    assert lone.estimate(8, 1) == pytest.approx(0.12)
+    assert lone.estimate(1, 1) == 0.06
+
+
+def test_batch_policy_retimes_a_close_alternative_read_only_once():
+    step_time = StepTimeModel()
+    step_time.observe(16, 1, 0.200)  # one (slow) reading of the plain 16-row step
+    for _ in range(MIN_TRUSTED_SAMPLES):
+        step_time.observe(16, 2, 0.217)
+    rows = [row("auto", 1, 1, accepted_all=None) for _ in range(16)]  # prior: E(1 draft) = 1.15
+    # One draft is the estimated best (16 x 1.15 / 0.217 s), but the plain step (16 / 0.2 s)
+    # is within EXPLORE_MARGIN and was read once: the policy times it again instead.
+    assert choose_batch_draft_lengths(rows, step_time, calibrated=True) == [0] * 16
+    # Retimed at its typical cost, it wins outright and the policy stays plain...
+    retimed = StepTimeModel()
+    retimed.observe(16, 1, 0.200)
+    for _ in range(MIN_TRUSTED_SAMPLES):
+        retimed.observe(16, 2, 0.217)
+    for _ in range(MIN_TRUSTED_SAMPLES - 1):
+        retimed.observe(16, 1, 0.120)
+    assert retimed.trusted(16, 1)
+    assert choose_batch_draft_lengths(rows, retimed, calibrated=True) == [0] * 16
+    # ...while a plain step confirmed slow leaves the draft the better choice.
+    for _ in range(MIN_TRUSTED_SAMPLES - 1):
+        step_time.observe(16, 1, 0.200)
+    assert choose_batch_draft_lengths(rows, step_time, calibrated=True) == [1] * 16
 
 
 def test_step_time_model_resists_one_sided_noise():
