@@ -26,15 +26,19 @@ from nasd_core.config import IndexConfig
 _SERIAL_VERSION = 1
 
 
-class _Successors:
-    """Next-token counts of one context, with the most frequent one cached for drafting."""
+# A context's successors are a plain dict {token: count} whose first key is the most frequent
+# token (a tie keeps the earlier leader). A dict holding only ints is invisible to Python's
+# cyclic garbage collector, where one small object per context was not: with a few million
+# contexts in a pool-fed index, full collections paused every thread of the replica (the
+# engine's included) for up to 0.4 s at a time.
+Successors = dict[int, int]
 
-    __slots__ = ("best", "best_count", "counts")
 
-    def __init__(self) -> None:
-        self.counts: dict[int, int] = {}
-        self.best = -1
-        self.best_count = 0
+def _led_by(counts: Successors, token: int) -> Successors:
+    """``counts`` reordered so that ``token`` comes first."""
+    reordered = {token: counts.pop(token)}
+    reordered.update(counts)
+    return reordered
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class NGramIndex:
         self.max_ngram = self.config.max_ngram
         self.min_ngram = self.config.min_ngram
         # Insertion order = recency of the last update; popitem(last=False) evicts in O(1).
-        self._contexts: OrderedDict[tuple[int, ...], _Successors] = OrderedDict()
+        self._contexts: OrderedDict[tuple[int, ...], Successors] = OrderedDict()
         self.num_entries = 0
         self.num_evicted = 0
 
@@ -101,33 +105,33 @@ class NGramIndex:
 
     def _count(self, key: tuple[int, ...], token: int, count: int) -> None:
         contexts = self._contexts
-        successors = contexts.get(key)
-        if successors is None:
-            successors = contexts[key] = _Successors()
-        else:
-            contexts.move_to_end(key)
-        counts = successors.counts
+        counts = contexts.get(key)
+        if counts is None:
+            contexts[key] = {token: count}
+            self.num_entries += 1
+            return
+        contexts.move_to_end(key)
+        best = next(iter(counts))
         if token in counts:
             counts[token] += count
         else:
             if len(counts) >= self.config.max_successors:
                 # Forget the rarest continuation so one context cannot grow without bound.
-                others = [other for other in counts if other != successors.best]
+                others = [other for other in counts if other != best]
                 if not others:
                     return
                 del counts[min(others, key=counts.__getitem__)]
                 self.num_entries -= 1
             counts[token] = count
             self.num_entries += 1
-        if counts[token] > successors.best_count or successors.best == token:
-            successors.best = token
-            successors.best_count = counts[token]
+        if token != best and counts[token] > counts[best]:
+            contexts[key] = _led_by(counts, token)
 
     def _enforce_budget(self) -> None:
         contexts = self._contexts
         while self.num_entries > self.config.max_entries and contexts:
-            _, successors = contexts.popitem(last=False)
-            self.num_entries -= len(successors.counts)
+            _, counts = contexts.popitem(last=False)
+            self.num_entries -= len(counts)
             self.num_evicted += 1
 
     def clear(self) -> None:
@@ -141,9 +145,10 @@ class NGramIndex:
         longest = min(self.max_ngram, len(context))
         tail = tuple(context[len(context) - longest :])
         for length in range(longest, self.min_ngram - 1, -1):
-            successors = contexts.get(tail[longest - length :])
-            if successors is not None:
-                return Match(successors.best, length, successors.best_count)
+            counts = contexts.get(tail[longest - length :])
+            if counts is not None:
+                best = next(iter(counts))
+                return Match(best, length, counts[best])
         return None
 
     def propose(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], int, int]:
@@ -160,27 +165,28 @@ class NGramIndex:
         first_length = first_count = 0
         while len(draft) < max_tokens:
             longest = min(max_ngram, len(window))
-            successors = None
+            counts = None
             length = longest
             while length >= min_ngram:
-                successors = contexts.get(tuple(window[len(window) - length :]))
-                if successors is not None:
+                counts = contexts.get(tuple(window[len(window) - length :]))
+                if counts is not None:
                     break
                 length -= 1
-            if successors is None:
+            if counts is None:
                 break
+            best = next(iter(counts))
             if not draft:
-                first_length, first_count = length, successors.best_count
-            draft.append(successors.best)
-            window.append(successors.best)
+                first_length, first_count = length, counts[best]
+            draft.append(best)
+            window.append(best)
             if len(window) > max_ngram:
                 del window[0]
         return draft, first_length, first_count
 
     def successors(self, context: Sequence[int]) -> dict[int, int]:
         """Counts of every token seen after exactly ``context`` (a copy; empty if unknown)."""
-        successors = self._contexts.get(tuple(context))
-        return dict(successors.counts) if successors else {}
+        counts = self._contexts.get(tuple(context))
+        return dict(counts) if counts else {}
 
     def contexts(self) -> Iterable[tuple[int, ...]]:
         return iter(self._contexts)
@@ -203,11 +209,11 @@ class NGramIndex:
             ),
             "context_lengths": np.fromiter((len(key) for key in keys), dtype=np.uint8, count=len(keys)),
             "context_tokens": np.fromiter((t for key in keys for t in key), dtype=np.int32),
-            "num_successors": np.fromiter((len(v.counts) for v in values), dtype=np.uint16, count=len(keys)),
+            "num_successors": np.fromiter((len(v) for v in values), dtype=np.uint16, count=len(keys)),
             # The best token is history (first to reach the top count), not derivable from counts.
-            "best_tokens": np.fromiter((v.best for v in values), dtype=np.int32, count=len(keys)),
-            "successor_tokens": np.fromiter((t for v in values for t in v.counts), dtype=np.int32),
-            "successor_counts": np.fromiter((c for v in values for c in v.counts.values()), dtype=np.int64),
+            "best_tokens": np.fromiter((next(iter(v)) for v in values), dtype=np.int32, count=len(keys)),
+            "successor_tokens": np.fromiter((t for v in values for t in v), dtype=np.int32),
+            "successor_counts": np.fromiter((c for v in values for c in v.values()), dtype=np.int64),
         }
         buffer = io.BytesIO()
         np.savez(buffer, **arrays)
@@ -242,16 +248,15 @@ class NGramIndex:
         ):
             key = tuple(context_tokens[token_at : token_at + length])
             token_at += length
-            successors = index._contexts[key] = _Successors()
-            successors.counts = dict(
+            counts = dict(
                 zip(
                     successor_tokens[successor_at : successor_at + num],
                     successor_counts[successor_at : successor_at + num],
                 )
             )
-            if best not in successors.counts:
+            if best not in counts:
                 raise ValueError("corrupt NGramIndex payload: best token without a count")
-            successors.best, successors.best_count = best, successors.counts[best]
+            index._contexts[key] = counts if next(iter(counts)) == best else _led_by(counts, best)
             successor_at += num
             index.num_entries += num
         index._enforce_budget()

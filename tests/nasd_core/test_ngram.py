@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,6 +30,28 @@ def test_lookup_prefers_longest_context_then_most_frequent():
     # Unknown longer contexts fall back to the last token alone.
     assert index.lookup([8, 8, 7]) == Match(token=2, context_length=1, count=1)
     assert index.lookup([8, 8, 6]) is None
+
+
+def test_a_tie_keeps_the_earlier_leader_and_a_rarer_token_can_overtake():
+    index = NGramIndex(IndexConfig(max_ngram=1, min_ngram=1))
+    index.update([7, 1, 7, 2, 7, 2])  # after 7: 1 once, then 2 twice
+    assert index.lookup([7]) == Match(2, 1, 2)
+    index.update([7, 1])  # 1 draws level at 2: the leader stays
+    assert index.lookup([7]) == Match(2, 1, 2)
+    index.update([7, 1])  # 1 goes ahead
+    assert index.lookup([7]) == Match(1, 1, 3)
+    assert NGramIndex.from_bytes(index.to_bytes()).lookup([7]) == Match(1, 1, 3)
+
+
+def test_the_index_is_invisible_to_the_cyclic_garbage_collector():
+    """A pool-fed index holds millions of contexts: if each were an object the cyclic GC
+    tracks, every full collection would walk them all and pause the replica's threads."""
+    rng = random.Random(3)
+    index = NGramIndex(IndexConfig(max_ngram=3, min_ngram=1, max_successors=2))
+    index.update_many([[rng.randrange(50) for _ in range(200)] for _ in range(20)])
+    gc.collect()  # tuples of ints are untracked by the first collection that sees them
+    contexts = index._contexts
+    assert not any(gc.is_tracked(key) or gc.is_tracked(counts) for key, counts in contexts.items())
 
 
 def test_propose_follows_continuations_and_stops_when_unknown():
