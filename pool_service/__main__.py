@@ -41,7 +41,7 @@ def namespace_stats(client: redis.Redis, namespace: str) -> dict[str, object]:
     memory = sum(client.memory_usage(key) or 0 for key in keys.values())
     return {
         "namespace": namespace,
-        "sequences": client.xlen(keys["seqs"]),
+        "entries": client.xlen(keys["seqs"]),  # each: one publish's new sequences
         "digests": client.zcard(keys["seen"]),
         "memory_bytes": memory,
         "meta": meta,

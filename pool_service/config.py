@@ -6,8 +6,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nasd_core.config import IndexConfig
 
-# Stream retention: ~20k finished sequences of a few hundred tokens is a few MB in Redis and
-# replays into a local index in well under a second; older text is less likely to recur.
+# Stream retention: ~20k entries (each one publish's new sequences, often one sequence of a
+# few hundred tokens) is a few MB in Redis and replays into a local index in a few seconds;
+# older text is less likely to recur.
 DEFAULT_MAX_STREAM_LEN = 20_000
 DEFAULT_MAX_SEQUENCE_TOKENS = 8_192
 DEFAULT_PUBLISH_BATCH = 64
@@ -57,12 +58,18 @@ class PoolConfig(BaseModel):
     max_stream_len: int = Field(
         DEFAULT_MAX_STREAM_LEN,
         ge=1,
-        description="Finished sequences the pool retains (approximate trim).",
+        description="Stream entries the pool retains (approximate trim); an entry holds the new sequences "
+        "of one publish, up to max_sequence_tokens tokens, so at least this many sequences are kept.",
     )
     max_sequence_tokens: int = Field(
-        DEFAULT_MAX_SEQUENCE_TOKENS, ge=2, description="Longer sequences are published by their last tokens."
+        DEFAULT_MAX_SEQUENCE_TOKENS,
+        ge=2,
+        description="Longer sequences are published by their last tokens; also the size of a stream entry.",
     )
-    publish_batch: int = Field(DEFAULT_PUBLISH_BATCH, ge=1, description="Sequences per publish call.")
+    # The publish script passes a call's digests to one ZMSCORE: Lua unpacks at most ~8000 values.
+    publish_batch: int = Field(
+        DEFAULT_PUBLISH_BATCH, ge=1, le=1024, description="Sequences per publish call."
+    )
     flush_interval_ms: int = Field(
         DEFAULT_FLUSH_INTERVAL_MS, ge=1, description="Write-behind delay that lets publishes batch."
     )

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pool_service.codec import (
+    TOKEN_BYTES,
     ForeignEntryError,
     MalformedEntryError,
     PoolEntry,
+    bounded_runs,
     decode_entry,
     encode_entry,
     pack_tokens,
@@ -37,7 +39,8 @@ class PoolUnavailableError(ConnectionError):
 
 @dataclass
 class ReadBatch:
-    """Entries after a cursor, with the entries that had to be skipped counted."""
+    """The sequences of the entries after a cursor, with the entries that had to be skipped
+    counted (``num_read``, ``num_malformed`` and ``num_foreign`` count stream entries)."""
 
     entries: list[PoolEntry] = field(default_factory=list)
     num_malformed: int = 0
@@ -82,7 +85,7 @@ def decode_batch(
     for entry_id, fields in raw:
         batch.cursor = entry_id
         try:
-            batch.entries.append(decode_entry(entry_id, fields, namespace, vocab_size))
+            batch.entries.extend(decode_entry(entry_id, fields, namespace, vocab_size))
         except ForeignEntryError:
             batch.num_foreign += 1
         except MalformedEntryError:
@@ -131,20 +134,25 @@ class InMemoryPool:
     ) -> int:
         self.num_calls += 1
         log = self._log
-        num_added = 0
+        new: list[tuple[bytes, int]] = []
         for sequence, published_ms in zip(sequences, finished_ms or [now_ms()] * len(sequences)):
             packed = pack_tokens(sequence)
             digest = sequence_digest(packed)
-            if digest in log.seen:
-                continue
-            log.seen[digest] = None
-            log.entries.append((next(log.ids), encode_entry(self.namespace, origin, packed, published_ms)))
-            num_added += 1
+            if digest not in log.seen:
+                log.seen[digest] = None
+                new.append((packed, published_ms))
+        # As in Redis: the new sequences of one call share entries of at most max_sequence_tokens.
+        sizes = [len(packed) // TOKEN_BYTES for packed, _ in new]
+        for run in bounded_runs(new, sizes, self.config.max_sequence_tokens):
+            fields = encode_entry(
+                self.namespace, origin, [packed for packed, _ in run], [stamp for _, stamp in run]
+            )
+            log.entries.append((next(log.ids), fields))
         while len(log.entries) > self.config.max_stream_len:
             log.entries.popleft()
         while len(log.seen) > 2 * self.config.max_stream_len:
             log.seen.popitem(last=False)
-        return num_added
+        return len(new)
 
     async def read(self, cursor: str, count: int, block_ms: int) -> ReadBatch:
         self.num_calls += 1

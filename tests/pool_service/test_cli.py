@@ -28,13 +28,13 @@ def test_stats_export_flush(redis_url, namespace, tmp_path):
 
     asyncio.run(fill())
     redis.Redis.from_url(redis_url).xadd(
-        pool_keys(namespace)["seqs"], encode_entry("x", "y", pack_tokens([1]), 0)
+        pool_keys(namespace)["seqs"], encode_entry("x", "y", [pack_tokens([1])], [0])
     )
 
     stats = _cli("stats", "--redis-url", redis_url, "--namespace", namespace)
     assert stats.returncode == 0, stats.stderr
     (entry,) = json.loads(stats.stdout)
-    assert (entry["sequences"], entry["digests"], entry["meta"]["schema_version"]) == (3, 2, "1")
+    assert (entry["entries"], entry["digests"], entry["meta"]["schema_version"]) == (2, 2, "1")
     everything = json.loads(_cli("stats", "--redis-url", redis_url).stdout)
     assert namespace in {item["namespace"] for item in everything}
 

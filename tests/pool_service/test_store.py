@@ -22,9 +22,17 @@ VOCAB = 1000
 
 
 def test_codec_round_trip_and_rejections():
-    fields = encode_entry("ns", "replica-a", pack_tokens([5, 0, 999]), 1234)
-    entry = decode_entry("1-0", fields, "ns", VOCAB)
-    assert (entry.origin, entry.token_ids, entry.published_ms) == ("replica-a", [5, 0, 999], 1234)
+    packed = [pack_tokens([5, 0, 999]), pack_tokens([7]), pack_tokens([1, 2])]
+    fields = encode_entry("ns", "replica-a", packed, [1234, 1240, 1250])
+    entries = decode_entry("1-0", fields, "ns", VOCAB)
+    assert [(e.origin, e.token_ids, e.published_ms) for e in entries] == [
+        ("replica-a", [5, 0, 999], 1234),
+        ("replica-a", [7], 1240),
+        ("replica-a", [1, 2], 1250),
+    ]
+    # The layout before batching (no lengths field: one sequence) still reads.
+    single = {k: v for k, v in encode_entry("ns", "b", packed[:1], [9]).items() if k != b"l"}
+    assert [e.token_ids for e in decode_entry("2-0", single, "ns", VOCAB)] == [[5, 0, 999]]
     with pytest.raises(ForeignEntryError):
         decode_entry("1-0", fields, "other-ns", VOCAB)
     with pytest.raises(MalformedEntryError, match="outside the vocabulary"):
@@ -34,6 +42,10 @@ def test_codec_round_trip_and_rejections():
         {**fields, b"t": b"\x01\x02\x03"},
         {**fields, b"t": b""},
         {**fields, b"ts": b"soon"},
+        {**fields, b"ts": b"1,2"},  # three sequences, two times
+        {**fields, b"l": b"3,1,3"},  # lengths past the payload
+        {**fields, b"l": b"3,0,3"},
+        {**fields, b"l": b""},
         {**fields, b"o": b"\xff\xfe"},
     ):
         with pytest.raises(MalformedEntryError):
@@ -50,8 +62,8 @@ def _stores(redis_url: str | None, namespace: str, config: PoolConfig):
 def make_store(request, namespace):
     url = request.getfixturevalue("redis_url") if request.param == "redis" else None
 
-    def make(config: PoolConfig | None = None):
-        return _stores(url, namespace, config or PoolConfig(redis_url=url))
+    def make(**config):
+        return _stores(url, namespace, PoolConfig(redis_url=url, **config))
 
     return make
 
@@ -62,12 +74,31 @@ def test_publish_read_dedup_and_cursor(make_store):
         await store.connect()
         assert await store.publish("a", [[1, 2, 3], [4, 5, 6], [1, 2, 3]]) == 2
         assert await store.publish("b", [[4, 5, 6], [7, 8]]) == 1  # another replica, same text
-        first = await store.read(START_CURSOR, 2, 0)
-        assert [e.token_ids for e in first.entries] == [[1, 2, 3], [4, 5, 6]]
+        first = await store.read(START_CURSOR, 1, 0)  # one entry: the first call's new sequences
+        assert [e.token_ids for e in first.entries] == [[1, 2, 3], [4, 5, 6]] and first.num_read == 1
         rest = await store.read(first.cursor, 10, 0)
         assert [(e.origin, e.token_ids) for e in rest.entries] == [("b", [7, 8])]
         empty = await store.read(rest.cursor, 10, 50)  # blocks 50 ms, then nothing
         assert empty.entries == [] and empty.cursor == rest.cursor
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_publish_fills_entries_up_to_the_token_cap(make_store):
+    """Both stores lay a call's new sequences out alike: consecutive runs of at most
+    max_sequence_tokens tokens per stream entry, each sequence with its own finish time."""
+
+    async def run():
+        store = make_store(max_sequence_tokens=5)
+        await store.connect()
+        sequences = [[1, 2], [3, 4, 5], [6, 7, 8, 9, 10], [11], [12, 13]]
+        assert await store.publish("a", sequences, [10, 11, 12, 13, 14]) == 5
+        batch = await store.read(START_CURSOR, 10, 0)
+        assert batch.num_read == 3  # [1 2 | 3 4 5], [6 .. 10], [11 | 12 13]
+        assert [e.token_ids for e in batch.entries] == sequences
+        assert [e.published_ms for e in batch.entries] == [10, 11, 12, 13, 14]
+        assert len({e.entry_id for e in batch.entries}) == 3
         await store.close()
 
     asyncio.run(run())
@@ -97,9 +128,9 @@ def test_malformed_and_foreign_entries_are_counted_and_skipped(redis_url, namesp
         stream = pool_keys(namespace)["seqs"]
         await store.publish("a", [[1, 2]])
         client.xadd(stream, {"garbage": "yes"})
-        client.xadd(stream, encode_entry(namespace, "x", b"\x00\x01\x02", 1))
-        client.xadd(stream, encode_entry(namespace, "x", pack_tokens([VOCAB + 5]), 1))
-        client.xadd(stream, encode_entry("another-model", "x", pack_tokens([3, 4]), 1))
+        client.xadd(stream, encode_entry(namespace, "x", [b"\x00\x01\x02"], [1]))
+        client.xadd(stream, encode_entry(namespace, "x", [pack_tokens([VOCAB + 5])], [1]))
+        client.xadd(stream, encode_entry("another-model", "x", [pack_tokens([3, 4])], [1]))
         await store.publish("a", [[5, 6]])
         batch = await store.read(START_CURSOR, 100, 0)
         assert [e.token_ids for e in batch.entries] == [[1, 2], [5, 6]]
@@ -136,9 +167,10 @@ def test_unreachable_redis_raises_typed_error(namespace):
 
 
 def test_redis_memory_bounded_under_a_flood_of_100k_sequences(own_redis, namespace):
-    """100k distinct sequences published: the stream and digest set stay at their caps."""
+    """100k distinct sequences published: the stream and digest set stay at their caps (entries
+    of at most two 4-token sequences here, so the stream must trim)."""
     max_len = 2000
-    config = PoolConfig(redis_url=own_redis.url, max_stream_len=max_len)
+    config = PoolConfig(redis_url=own_redis.url, max_stream_len=max_len, max_sequence_tokens=8)
 
     async def run():
         store = RedisPool(own_redis.url, namespace, config, VOCAB)
@@ -157,7 +189,7 @@ def test_redis_memory_bounded_under_a_flood_of_100k_sequences(own_redis, namespa
     assert max_len <= client.xlen(keys["seqs"]) <= max_len + 100
     assert client.zcard(keys["seen"]) == 2 * max_len
     used = sum(client.memory_usage(key) for key in keys.values())
-    assert used < 2_000_000, used  # ~ a few hundred bytes per retained sequence
+    assert used < 2_000_000, used  # ~ a few hundred bytes per retained entry
 
 
 def test_in_memory_pool_bounded(namespace):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ from pool_service import PoolConfig, SharedPools
 from pool_service.codec import encode_entry, pack_tokens
 from pool_service.redis_pool import RedisPool, pool_keys
 from pool_service.shared import tenant_namespace
+from pool_service.sync import APPLY_SLICE_TOKENS
 from tests.redis_server import run_async, until
 
 VOCAB = 1000
@@ -92,8 +94,8 @@ def test_malformed_and_foreign_entries_are_skipped_by_the_worker(redis_url, name
         stream = pool_keys(namespace)["seqs"]
         client = redis.Redis.from_url(redis_url)
         client.xadd(stream, {"t": "not tokens"})
-        client.xadd(stream, encode_entry(namespace, "A", pack_tokens([1, VOCAB * 9]), 0))
-        client.xadd(stream, encode_entry("another", "A", pack_tokens([1, 2, 3]), 0))
+        client.xadd(stream, encode_entry(namespace, "A", [pack_tokens([1, VOCAB * 9])], [0]))
+        client.xadd(stream, encode_entry("another", "A", [pack_tokens([1, 2, 3])], [0]))
         writer = RedisPool(redis_url, namespace, PoolConfig(redis_url=redis_url), VOCAB)
         await writer.publish("A", [[40, 41, 42, 43]])
         pool_index = pools.sources_for(None)[1][1]
@@ -161,3 +163,34 @@ def test_local_memory_bounded_under_a_flood(own_redis, namespace):
         await reader.stop()
 
     run_async(run())
+
+
+def test_a_large_replay_is_learned_in_slices_between_engine_steps(redis_url, namespace):
+    """An index update runs between engine steps: replaying a pool of 18,000 tokens must come
+    in several bounded slices (each holds up one step briefly), and nothing may be lost."""
+    rng = random.Random(5)
+    sequences = [[rng.randrange(VOCAB) for _ in range(300)] for _ in range(60)]
+    slices: list[int] = []
+
+    def apply(update) -> None:
+        slices.append(sum(len(tokens) for tokens in update.args[0]))
+        update()
+
+    async def scenario() -> SharedPools:
+        config = PoolConfig(redis_url=redis_url)
+        writer = SharedPools(config, namespace, origin="A", vocab_size=VOCAB)
+        await writer.start()
+        for tokens in sequences:
+            writer.publish(None, tokens)
+        await writer.stop()
+        reader = SharedPools(config, namespace, apply=apply, origin="B", vocab_size=VOCAB)
+        await reader.start()  # waits for the replay
+        await reader.stop()
+        return reader
+
+    reader = run_async(scenario())
+    assert sum(slices) == 60 * 300 and len(slices) >= 3
+    assert max(slices) <= APPLY_SLICE_TOKENS
+    pool_index = reader.sources_for(None)[1][1]
+    for tokens in sequences:
+        assert pool_index.propose(tokens[:4], 4)[0] == tokens[4:8]
