@@ -15,8 +15,8 @@ DEFAULT_PUBLISH_BATCH = 64
 # Write-behind and read coalescing: a burst of finishing requests costs one publish and one
 # read per replica. A finished sequence waits at most the flush interval before it is sent,
 # a reader returns as soon as it arrives and pauses at most the read interval between reads,
-# so the worst case is ~300 ms plus the round trips, inside a 500 ms lag budget even when a
-# busy replica's event loop is slow (300 + 100 ms measured p99 up to 730 ms at 5000 tok/s).
+# so the worst case is ~300 ms plus the round trips, inside a 500 ms lag budget (measured
+# p99 254-269 ms at 50-5000 tok/s per replica, benchmarks/pool.py).
 DEFAULT_FLUSH_INTERVAL_MS = 250
 DEFAULT_READ_INTERVAL_MS = 50
 DEFAULT_READ_BATCH = 512
