@@ -29,6 +29,9 @@ DEFAULT_BACKOFF_INITIAL_S = 0.1
 DEFAULT_BACKOFF_MAX_S = 5.0
 DEFAULT_WARM_START_TIMEOUT_S = 5.0
 DEFAULT_MAX_TENANTS = 64
+# Tenants come and go and a new model or tokenizer means a new namespace: without an expiry
+# the namespaces nobody publishes to would hold their memory in Redis for ever.
+DEFAULT_KEY_TTL_S = 7 * 24 * 3600
 # The pool-fed and replica indexes hold other requests' n-grams: bigger than a request's own.
 DEFAULT_POOL_INDEX = IndexConfig(max_entries=2_000_000)
 SCHEMA_VERSION = 1
@@ -55,6 +58,12 @@ class PoolConfig(BaseModel):
         "draft pool is a timing side channel: a fast response tells one user that another wrote the text.",
     )
     max_tenants: int = Field(DEFAULT_MAX_TENANTS, ge=1, description="Most tenant namespaces per replica.")
+    key_ttl_s: int = Field(
+        DEFAULT_KEY_TTL_S,
+        ge=0,
+        description="A namespace's keys expire this long after its last publish (0 = never), so pools "
+        "of departed tenants and retired models free their Redis memory.",
+    )
     max_stream_len: int = Field(
         DEFAULT_MAX_STREAM_LEN,
         ge=1,

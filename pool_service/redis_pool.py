@@ -9,6 +9,9 @@ publish script may touch them together):
   sequence that several replicas (or users) finish is stored once;
 * ``nasd:{ns}:meta`` - hash: schema version, epoch (new when the pool is recreated), created.
 
+All three expire ``key_ttl_s`` after the namespace's last publish (refreshed by a publish
+at most every tenth of it, so the expiry costs no command on most publishes).
+
 A publish is one ``EVALSHA`` for a whole batch (dedup + append + trims run atomically in
 Redis); a read is one blocking ``XREAD``. Memory is bounded by the stream length times the
 entry size (``max_stream_len`` x ``max_sequence_tokens`` x 4 bytes) plus the digests; run
@@ -23,6 +26,7 @@ import contextlib
 import logging
 import os
 import secrets
+import time
 from collections.abc import Sequence
 
 import redis.asyncio as redis
@@ -36,14 +40,15 @@ logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "nasd"
 
-# KEYS: stream, seen. ARGV: maxlen, seen_cap, namespace, origin, entry_bytes, then
-# (digest, packed tokens, finished ms) triples. One ZMSCORE tests every digest and one ZADD
-# records the new ones; the new sequences go into entries of at most entry_bytes (the fields
-# of codec.encode_entry): a call costs 5 commands inside Redis (EVALSHA included) however
-# many sequences it carries (one ZADD NX and one XADD per sequence cost 23 for ten).
+# KEYS: stream, seen, meta. ARGV: maxlen, seen_cap, namespace, origin, entry_bytes, ttl_s
+# (0: leave the expiry alone), then (digest, packed tokens, finished ms) triples. One ZMSCORE
+# tests every digest and one ZADD records the new ones; the new sequences go into entries of
+# at most entry_bytes (the fields of codec.encode_entry): a call costs 5 commands inside
+# Redis (EVALSHA included) however many sequences it carries (one ZADD NX and one XADD per
+# sequence cost 23 for ten), 8 when it refreshes the expiry.
 _PUBLISH_SCRIPT = """
 local digests = {}
-for i = 6, #ARGV, 3 do digests[#digests + 1] = ARGV[i] end
+for i = 7, #ARGV, 3 do digests[#digests + 1] = ARGV[i] end
 local scores = redis.call('ZMSCORE', KEYS[2], unpack(digests))
 local in_call, new_members = {}, {}
 local tokens, lengths, stamps, num_bytes = {}, {}, {}, 0
@@ -53,7 +58,7 @@ local function add_entry()
   tokens, lengths, stamps, num_bytes = {}, {}, {}, 0
 end
 for j, digest in ipairs(digests) do
-  local i = 3 * j + 3
+  local i = 3 * j + 4
   if not scores[j] and not in_call[digest] then
     in_call[digest] = true
     new_members[#new_members + 1] = ARGV[i + 2]
@@ -67,10 +72,15 @@ for j, digest in ipairs(digests) do
   end
 end
 if num_bytes > 0 then add_entry() end
-if #new_members == 0 then return 0 end
-redis.call('ZADD', KEYS[2], unpack(new_members))
--- Keep the seen_cap newest digests (a negative end rank needs no ZCARD first).
-redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[2]) - 1)
+if #new_members > 0 then
+  redis.call('ZADD', KEYS[2], unpack(new_members))
+  -- Keep the seen_cap newest digests (a negative end rank needs no ZCARD first).
+  redis.call('ZREMRANGEBYRANK', KEYS[2], 0, -tonumber(ARGV[2]) - 1)
+end
+local ttl = tonumber(ARGV[6])
+if ttl > 0 then  -- after the writes: EXPIRE on a key that does not exist yet does nothing
+  for _, key in ipairs(KEYS) do redis.call('EXPIRE', key, ttl) end
+end
 return #new_members / 2
 """
 
@@ -101,6 +111,7 @@ class RedisPool:
         self.vocab_size = vocab_size
         self.keys = pool_keys(namespace)
         self.num_calls = 0
+        self._expiry_set_at: float | None = None  # monotonic time of the last TTL refresh
         self._client: redis.Redis | None = None
         self._reader: redis.Redis | None = None
         self._publish = None
@@ -133,11 +144,14 @@ class RedisPool:
                 pipe.hsetnx(meta, "epoch", secrets.token_hex(8))
                 pipe.hsetnx(meta, "created_ms", now_ms())
                 pipe.hsetnx(meta, "namespace", self.namespace)
+                if self.config.key_ttl_s:  # a namespace nobody ever publishes to expires too
+                    pipe.expire(meta, self.config.key_ttl_s)
                 pipe.hmget(meta, "schema_version", "epoch")
                 *_, (version, epoch) = await pipe.execute()
             self.num_calls += 1
         except (RedisError, OSError) as exc:
             raise PoolUnavailableError(f"redis unreachable: {exc}") from exc
+        self._expiry_set_at = None  # Redis may have restarted empty: set the expiry again
         try:
             version_number = int(version)
         except (TypeError, ValueError):
@@ -154,21 +168,30 @@ class RedisPool:
         if not sequences:
             return 0
         self._clients()
+        ttl_s = self.config.key_ttl_s
+        now = time.monotonic()
+        last_set = self._expiry_set_at
+        refresh_expiry = ttl_s > 0 and (last_set is None or now - last_set >= ttl_s / 10)
         args: list[object] = [
             self.config.max_stream_len,
             2 * self.config.max_stream_len,
             self.namespace,
             origin,
             TOKEN_BYTES * self.config.max_sequence_tokens,
+            ttl_s if refresh_expiry else 0,
         ]
         for sequence, published_ms in zip(sequences, finished_ms or [now_ms()] * len(sequences)):
             packed = pack_tokens(sequence)
             args += [sequence_digest(packed), packed, published_ms]
         try:
             self.num_calls += 1
-            return int(await self._publish(keys=[self.keys["seqs"], self.keys["seen"]], args=args))
+            keys = [self.keys["seqs"], self.keys["seen"], self.keys["meta"]]
+            num_added = int(await self._publish(keys=keys, args=args))
         except (RedisError, OSError) as exc:
             raise PoolUnavailableError(f"publish failed: {exc}") from exc
+        if refresh_expiry:
+            self._expiry_set_at = now
+        return num_added
 
     async def read(self, cursor: str, count: int, block_ms: int) -> ReadBatch:
         _, reader = self._clients()

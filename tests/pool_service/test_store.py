@@ -192,6 +192,44 @@ def test_redis_memory_bounded_under_a_flood_of_100k_sequences(own_redis, namespa
     assert used < 2_000_000, used  # ~ a few hundred bytes per retained entry
 
 
+def test_a_namespace_expires_after_its_last_publish(redis_url, namespace):
+    """Namespaces of departed tenants and retired models must not hold Redis memory for ever:
+    a publish sets the expiry of all three keys (at most every tenth of the TTL)."""
+    client = redis.Redis.from_url(redis_url)
+    keys = list(pool_keys(namespace).values())
+
+    async def run():
+        store = RedisPool(redis_url, namespace, PoolConfig(redis_url=redis_url, key_ttl_s=100), VOCAB)
+        await store.connect()
+        assert 0 < client.ttl(keys[2]) <= 100  # meta, before any publish
+        await store.publish("a", [[1, 2, 3]])
+        assert all(0 < client.ttl(key) <= 100 for key in keys)
+        client.persist(keys[0])
+        await store.publish("a", [[4, 5, 6]])
+        assert client.ttl(keys[0]) == -1  # refreshed 0 s ago: this publish leaves it alone
+        await store.connect()  # a reconnect (Redis may have restarted empty) sets it again
+        await store.publish("a", [[7, 8, 9]])
+        assert 0 < client.ttl(keys[0]) <= 100
+        await store.close()
+
+        short = RedisPool(redis_url, namespace + "-short", PoolConfig(redis_url=redis_url, key_ttl_s=1))
+        await short.connect()
+        await short.publish("a", [[1, 2]])
+        assert client.exists(*pool_keys(namespace + "-short").values()) == 3
+        await asyncio.sleep(1.5)
+        assert client.exists(*pool_keys(namespace + "-short").values()) == 0
+        await short.close()
+
+        never = RedisPool(redis_url, namespace + "-kept", PoolConfig(redis_url=redis_url, key_ttl_s=0))
+        await never.connect()
+        await never.publish("a", [[1, 2]])
+        assert [client.ttl(key) for key in pool_keys(namespace + "-kept").values()] == [-1, -1, -1]
+        await never.close()
+        client.delete(*pool_keys(namespace + "-kept").values())
+
+    asyncio.run(run())
+
+
 def test_in_memory_pool_bounded(namespace):
     config = PoolConfig(max_stream_len=100)
 
