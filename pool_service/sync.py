@@ -34,7 +34,7 @@ _RECENT_DIGESTS = 4096
 _CANCEL_TIMEOUT_S = 5.0
 _RECANCEL_S = 0.2
 # Tokens learned per apply call: an apply runs between engine steps, so a large read (a
-# replay, a burst) is learned in slices of ~16 ms (NGramIndex.update: ~4 us per token at 3
+# replay, a burst) is learned in slices of ~12 ms (NGramIndex.update: ~3 us per token at 3
 # levels on this 2-core VM) instead of holding up one step, or the event loop where updates
 # run inline, for a second.
 APPLY_SLICE_TOKENS = 4096
