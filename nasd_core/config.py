@@ -157,3 +157,10 @@ class ModelConfig(_Config):
         description="On CPU in float32: pack Linear weights for oneDNN and share key/value heads in "
         "attention instead of copying them (nasd_core/cpu_kernels.py); outputs equal up to float rounding.",
     )
+    cpu_dense_max_rows: int | None = Field(
+        None,
+        ge=0,
+        description="With the CPU fast path: inputs of at most this many rows keep MKL's multiply where "
+        "it beats the packed kernel (some CPUs, at 1-2 rows). None = measured at load; 0 = packed for "
+        "every input, which makes a row's logits bit-identical whatever rides with it.",
+    )

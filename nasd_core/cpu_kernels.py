@@ -9,6 +9,15 @@ positions become nearly free - which is what speculative decoding needs. The pac
 is also batch-invariant: a row's output does not depend on how many rows ride with it, so
 a verified position gets bit-identical logits to the same position decoded alone.
 
+Not every CPU gains at one or two rows: on an Intel Xeon with AVX-512 MKL's matrix-vector
+path beat the packed kernel by ~2x per layer for 1-2 rows (a whole one-position step of the
+embedded model: 34 ms stock, 42 ms packed), while the packed kernel kept its lead from ~5
+rows. So at load ``measure_dense_max_rows`` times both on the model's own layer shapes, and
+inputs of at most that many rows go to MKL with the original weight. Where that is more
+than 0, the batch invariance above holds only among inputs of more rows (the logits of a
+one-row step and of the same row verified among others then differ by float rounding, as
+on GPUs); ``ModelConfig(cpu_dense_max_rows=0)`` keeps the packed kernel for every shape.
+
 transformers' SDPA attention copies every key/value head ``num_key_value_groups`` times
 whenever more than one query position comes with a mask (24 ms of a 101 ms step of the
 embedded model fed 5 positions, with packed weights); ``gqa_sdpa_attention`` asks torch's
@@ -21,6 +30,8 @@ copies.
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter
 
 import torch
 from torch import nn
@@ -47,27 +58,85 @@ def packed_linear_available(dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear``'s forward over a weight reordered once into oneDNN's layout."""
+    """``nn.Linear``'s forward over a weight reordered once into oneDNN's layout.
 
-    def __init__(self, linear: nn.Linear) -> None:
+    Inputs of at most ``dense_max_rows`` rows run ``nn.Linear``'s own (MKL) multiply on the
+    original weight instead, which is then kept beside the packed copy.
+    """
+
+    def __init__(self, linear: nn.Linear, dense_max_rows: int = 0) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
+        self.dense_max_rows = dense_max_rows
         weight = linear.weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS_HINT)
         # Buffers, not parameters: the packed layout is an inference-only copy of the weight.
         self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("dense_weight", weight if dense_max_rows > 0 else None, persistent=False)
         bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         leading = inputs.shape[:-1]
         rows = inputs.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        if rows.shape[0] <= self.dense_max_rows:
+            out = functional.linear(rows, self.dense_weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
         return out.reshape(*leading, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn, "
+            f"dense_max_rows={self.dense_max_rows}"
+        )
+
+
+# Row counts the dense path is tried for, and by how much it must win to be used: below
+# ~10% the choice would follow this VM's noise, and keeping the original weights costs memory.
+_DENSE_CANDIDATE_ROWS = (1, 2, 3, 4)
+_DENSE_MIN_GAIN = 0.9
+
+
+def _fastest_seconds(forward, inputs: torch.Tensor, calls: int, repeats: int = 5) -> float:
+    """Fastest of ``repeats`` timings of ``calls`` back-to-back calls (the least disturbed)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            forward(inputs)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@torch.inference_mode()
+def measure_dense_max_rows(linears: list[nn.Linear]) -> int:
+    """Most input rows for which MKL's multiply beats the packed one on these layers (0 = none).
+
+    Each distinct layer shape is timed once at 1..4 rows with both kernels and weighted by how
+    many layers have it, so the answer is about a whole forward, not one layer. Rows count
+    from 1 up and stop at the first count where the dense path does not clearly win.
+    """
+    by_shape = Counter((linear.in_features, linear.out_features) for linear in linears)
+    samples = {(linear.in_features, linear.out_features): linear for linear in linears}
+    dense_max_rows = 0
+    for num_rows in _DENSE_CANDIDATE_ROWS:
+        dense_s = packed_s = 0.0
+        for shape, count in by_shape.items():
+            linear = samples[shape]
+            packed = PackedLinear(linear)
+            inputs = torch.randn(num_rows, shape[0])
+            # ~20k multiply-adds of weight per call: fewer calls for the large layers.
+            calls = max(2, min(50, 2_000_000 // (shape[0] * shape[1])))
+            for forward in (linear, packed):  # warm both (oneDNN builds its kernel on first use)
+                forward(inputs)
+            dense_s += count * _fastest_seconds(linear, inputs, calls) / calls
+            packed_s += count * _fastest_seconds(packed, inputs, calls) / calls
+        if dense_s >= _DENSE_MIN_GAIN * packed_s:
+            break
+        dense_max_rows = num_rows
+    return dense_max_rows
 
 
 # The attention implementation name the model is switched to (registered with transformers).
@@ -123,19 +192,24 @@ def use_gqa_sdpa(model: nn.Module) -> bool:
     return True
 
 
-def optimize_for_cpu(model: nn.Module) -> list[str]:
-    """Apply the CPU fast path to a CPU float32 model; returns what was applied."""
+def optimize_for_cpu(model: nn.Module, dense_max_rows: int | None = None) -> list[str]:
+    """Apply the CPU fast path to a CPU float32 model; returns what was applied.
+
+    ``dense_max_rows``: see ``pack_linear_layers``.
+    """
     applied = []
-    if pack_linear_layers(model):
+    if pack_linear_layers(model, dense_max_rows):
         applied.append("packed_linear")
         if use_gqa_sdpa(model):
             applied.append(GQA_SDPA)
     return applied
 
 
-def pack_linear_layers(model: nn.Module) -> int:
+def pack_linear_layers(model: nn.Module, dense_max_rows: int | None = 0) -> int:
     """Replace every ``nn.Linear`` of a CPU float32 ``model`` with a ``PackedLinear``.
 
+    ``dense_max_rows``: inputs of at most this many rows keep MKL's multiply (None = measure
+    it on this CPU with ``measure_dense_max_rows``; 0 = the packed kernel for every input).
     Returns the number of layers replaced (0 where packing is unavailable or the model is not
     a CPU float32 model). The model keeps its outputs up to float rounding; use it for
     inference only (the packed weights are buffers and are not trained or saved).
@@ -149,7 +223,11 @@ def pack_linear_layers(model: nn.Module) -> int:
         for child_name, child in parent.named_children()
         if type(child) is nn.Linear
     ]
+    if dense_max_rows is None:
+        dense_max_rows = measure_dense_max_rows([child for _, _, child in targets])
     for parent, child_name, child in targets:
-        setattr(parent, child_name, PackedLinear(child))
-    logger.info("packed %d Linear layers for oneDNN", len(targets))
+        setattr(parent, child_name, PackedLinear(child, dense_max_rows))
+    logger.info(
+        "packed %d Linear layers for oneDNN (MKL for inputs of <= %d rows)", len(targets), dense_max_rows
+    )
     return len(targets)

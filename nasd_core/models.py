@@ -139,5 +139,5 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     model.to(config.device)
     model.eval()
     if config.cpu_fast_path:
-        optimize_for_cpu(model)
+        optimize_for_cpu(model, config.cpu_dense_max_rows)
     return model, tokenizer

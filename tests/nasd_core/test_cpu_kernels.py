@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional
 
+from nasd_core import cpu_kernels
 from nasd_core.config import ModelConfig
-from nasd_core.cpu_kernels import GQA_SDPA, PackedLinear, pack_linear_layers
+from nasd_core.cpu_kernels import GQA_SDPA, PackedLinear, measure_dense_max_rows, pack_linear_layers
 from nasd_core.models import load_model
 
 PROMPTS = [
@@ -50,6 +52,48 @@ def test_packed_linear_matches_linear_and_is_batch_invariant():
         for num_rows in (1, 2, 5, 17, 51):
             rows = inputs.reshape(-1, 96)[:num_rows]
             assert torch.equal(packed(rows), out.reshape(-1, 200)[:num_rows])
+
+
+def test_packed_linear_gives_small_inputs_to_the_dense_multiply():
+    torch.manual_seed(0)
+    linear = nn.Linear(96, 200)
+    hybrid = PackedLinear(linear, dense_max_rows=2)
+    packed_only = PackedLinear(linear)
+    assert packed_only.dense_weight is None  # no second copy of the weight kept
+    with torch.inference_mode():
+        for num_rows in (1, 2):
+            inputs = torch.randn(num_rows, 96)
+            assert torch.equal(hybrid(inputs), functional.linear(inputs, linear.weight, linear.bias))
+        # Above the bound, the packed kernel, with its batch invariance among those shapes.
+        inputs = torch.randn(2, 9, 96)
+        out = hybrid(inputs)
+        assert torch.equal(out, packed_only(inputs))
+        assert torch.equal(hybrid(inputs[:1]), out[:1])
+        torch.testing.assert_close(out, linear(inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_dense_bound_counts_rows_until_the_dense_multiply_stops_winning(monkeypatch):
+    """The rule, with the clock replaced: dense wins clearly at 1-2 rows, narrowly at 3, and at 4."""
+    dense_share = {1: 0.5, 2: 0.8, 3: 0.95, 4: 0.5}  # dense time / packed time, by rows
+
+    def fake_seconds(forward, inputs, calls, repeats=5):
+        share = 1.0 if isinstance(forward, PackedLinear) else dense_share[inputs.shape[0]]
+        return share * calls
+
+    monkeypatch.setattr(cpu_kernels, "_fastest_seconds", fake_seconds)
+    layers = [nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(32, 16)]
+    assert measure_dense_max_rows(layers) == 2
+    dense_share[1] = 0.95
+    assert measure_dense_max_rows(layers) == 0
+
+
+def test_the_dense_bound_is_measured_at_load_or_set(model):
+    bounds = {module.dense_max_rows for module in model.modules() if isinstance(module, PackedLinear)}
+    assert len(bounds) == 1 and bounds.pop() in range(5)
+    pinned, _ = load_model(config=ModelConfig(cpu_dense_max_rows=0))
+    layers = [module for module in pinned.modules() if isinstance(module, PackedLinear)]
+    assert {layer.dense_max_rows for layer in layers} == {0}
+    assert all(layer.dense_weight is None for layer in layers)
 
 
 def test_pack_skips_models_it_cannot_speed_up():
