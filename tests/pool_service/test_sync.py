@@ -100,6 +100,8 @@ def test_malformed_and_foreign_entries_are_skipped_by_the_worker(redis_url, name
         await writer.publish("A", [[40, 41, 42, 43]])
         pool_index = pools.sources_for(None)[1][1]
         assert await until(lambda: pool_index.propose([40, 41], 2)[0] == [42, 43], 2)
+        # The index is updated on the apply thread before the worker counts the entry.
+        assert await until(lambda: pools.stats()["namespaces"][0]["received"] == 1, 2)
         stats = pools.stats()["namespaces"][0]
         assert (stats["malformed"], stats["foreign"], stats["received"]) == (2, 1, 1)
         assert stats["state"] == "connected"
