@@ -84,6 +84,21 @@ def write_result(name: str, payload: dict[str, object]) -> Path:
     return path
 
 
+def result_name(suite: str, dtype: str, quick: bool) -> str:
+    """The file stem a suite's run writes to (results and plot): ``<suite>_<dtype>[_quick]``."""
+    return f"{suite}_{dtype}{'_quick' if quick else ''}"
+
+
+def publish_run(suite: str, dtype: str, quick: bool, payload: dict, plot, markdown_table) -> Path:
+    """Write a suite's JSON result and PNG plot, print its table; the result's path."""
+    name = result_name(suite, dtype, quick)
+    path = write_result(name, payload)
+    save_figure(plot(payload), name)
+    print(markdown_table(payload))
+    print(f"\nresults: {path}")
+    return path
+
+
 def new_figure(num_panels: int, width: float = 6.0, height: float = 4.0):
     """A row of ``num_panels`` axes on a headless (Agg) figure; (figure, axes list)."""
     import matplotlib

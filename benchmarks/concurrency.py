@@ -23,9 +23,8 @@ from benchmarks.common import (
     concurrency_lines,
     new_figure,
     percentile,
+    publish_run,
     run_metadata,
-    save_figure,
-    write_result,
 )
 from benchmarks.workloads import make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
@@ -217,10 +216,7 @@ def main() -> None:
         payload = run_sweep([1, 4], 64, args.dtype, requests_per_level=2, repeats=1)
     else:
         payload = run_sweep([1, 4, 16, 32], 64, args.dtype, requests_per_level=2, repeats=2)
-    name = f"concurrency_{args.dtype}{'_quick' if args.quick else ''}"
-    write_result(name, payload)
-    save_figure(plot(payload), name)
-    print(markdown_table(payload))
+    publish_run("concurrency", args.dtype, args.quick, payload, plot, markdown_table)
 
 
 if __name__ == "__main__":

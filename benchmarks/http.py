@@ -31,9 +31,8 @@ from benchmarks.common import (
     concurrency_lines,
     new_figure,
     percentile,
+    publish_run,
     run_metadata,
-    save_figure,
-    write_result,
 )
 from benchmarks.concurrency import MIXES, MODES, add_ratios_to_off, sweep_ratios
 from benchmarks.workloads import Messages, distinct_prompts
@@ -258,10 +257,7 @@ def main() -> None:
         },
         "results": results,
     }
-    name = f"http_float32{'_quick' if args.quick else ''}"
-    write_result(name, payload)
-    save_figure(plot(payload), name)
-    print(markdown_table(payload))
+    publish_run("http", "float32", args.quick, payload, plot, markdown_table)
 
 
 if __name__ == "__main__":

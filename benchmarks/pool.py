@@ -26,7 +26,7 @@ import time
 
 from tqdm import tqdm
 
-from benchmarks.common import grouped_bars, new_figure, run_metadata, save_figure, write_result
+from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
 from benchmarks.workloads import Messages, make_workload
 from nasd_core.async_engine import AsyncEngine
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams
@@ -339,11 +339,7 @@ def main() -> None:
         "workloads": results,
         "sync_load": load,
     }
-    suffix = "_quick" if args.quick else ""
-    path = write_result(f"pool_{args.dtype}{suffix}", payload)
-    save_figure(plot(payload), f"pool_{args.dtype}{suffix}")
-    print(markdown_table(payload))
-    print(f"results: {path}")
+    publish_run("pool", args.dtype, args.quick, payload, plot, markdown_table)
 
 
 if __name__ == "__main__":

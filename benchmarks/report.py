@@ -19,7 +19,7 @@ import re
 import sys
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, save_figure
+from benchmarks.common import RESULTS_DIR, result_name, save_figure
 
 SUITES = ("single_stream", "concurrency", "pool", "http")
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -30,7 +30,7 @@ NOISE = 0.25
 
 
 def result_path(suite: str, quick: bool = False) -> Path:
-    return RESULTS_DIR / f"{suite}_{DTYPE}{'_quick' if quick else ''}.json"
+    return RESULTS_DIR / f"{result_name(suite, DTYPE, quick)}.json"
 
 
 def load(suite: str, quick: bool = False) -> dict | None:

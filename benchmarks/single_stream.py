@@ -31,9 +31,8 @@ from benchmarks.common import (
     counting_forwards,
     grouped_bars,
     new_figure,
+    publish_run,
     run_metadata,
-    save_figure,
-    write_result,
 )
 from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
 from nasd_core.config import ModelConfig, SamplingParams, SpecConfig
@@ -305,11 +304,7 @@ def main() -> None:
     workloads = args.workloads or list(QUICK_WORKLOADS if args.quick else WORKLOADS)
     systems = QUICK_SYSTEMS if args.quick else SYSTEMS
     payload = run_benchmark(num_prompts, args.max_tokens, workloads, args.dtype, args.seed, systems)
-    suffix = "_quick" if args.quick else ""
-    path = write_result(f"single_stream_{args.dtype}{suffix}", payload)
-    save_figure(plot(payload), f"single_stream_{args.dtype}{suffix}")
-    print(markdown_table(payload))
-    print(f"\nwritten: {path}")
+    publish_run("single_stream", args.dtype, args.quick, payload, plot, markdown_table)
 
 
 if __name__ == "__main__":
