@@ -7,6 +7,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -89,7 +90,14 @@ def result_name(suite: str, dtype: str, quick: bool) -> str:
     return f"{suite}_{dtype}{'_quick' if quick else ''}"
 
 
-def publish_run(suite: str, dtype: str, quick: bool, payload: dict, plot, markdown_table) -> Path:
+def publish_run(
+    suite: str,
+    dtype: str,
+    quick: bool,
+    payload: dict,
+    plot: Callable[[dict], object],
+    markdown_table: Callable[[dict], str],
+) -> Path:
     """Write a suite's JSON result and PNG plot, print its table; the result's path."""
     name = result_name(suite, dtype, quick)
     path = write_result(name, payload)
