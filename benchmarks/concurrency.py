@@ -27,9 +27,9 @@ from benchmarks.common import (
     run_metadata,
 )
 from benchmarks.workloads import make_workload
+from nasd_core.calibration import calibrate
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine import Engine
-from nasd_core.generate import calibrate
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 

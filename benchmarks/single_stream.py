@@ -35,8 +35,10 @@ from benchmarks.common import (
     run_metadata,
 )
 from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
+from nasd_core.calibration import calibrate
 from nasd_core.config import ModelConfig, SamplingParams, SpecConfig
-from nasd_core.generate import calibrate, eos_ids, generate
+from nasd_core.generate import generate
+from nasd_core.inputs import eos_ids
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 from nasd_core.policy import StepTimeModel

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.common import run_metadata, write_result
+from nasd_core.calibration import PROBE_POSITIONS, measure_step_times
 from nasd_core.config import ModelConfig
-from nasd_core.generate import PROBE_POSITIONS, measure_step_times
 from nasd_core.models import load_model
 from nasd_core.policy import StepTimeModel
 

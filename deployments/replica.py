@@ -24,10 +24,11 @@ from ray import serve
 from deployments.metrics import EXPORT_INTERVAL_S, ReplicaMetrics
 from deployments.schemas import ErrorInfo, GenerateChunk, GenerateRequest, Usage
 from nasd_core.async_engine import AsyncEngine, StreamChunk
+from nasd_core.calibration import calibrate
 from nasd_core.config import EMBEDDED_MODEL, EngineConfig, ModelConfig, SamplingParams, SpecConfig, build
 from nasd_core.engine import Engine
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
-from nasd_core.generate import calibrate, encode_prompt
+from nasd_core.inputs import encode_prompt
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 from nasd_core.stopping import first_stop_at

@@ -8,10 +8,11 @@ print(result.text, result.stats.tokens_per_step)
 
 from nasd_core.config import IndexConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.errors import ContextLengthError, InvalidRequestError, ModelLoadError, NASDError
-from nasd_core.generate import GenerationResult, generate
+from nasd_core.generate import generate
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
 from nasd_core.ngram import NGramIndex, prompt_lookup
+from nasd_core.sequence import GenerationResult
 
 __all__ = [
     "ContextLengthError",

@@ -3,7 +3,7 @@
 ``NGramStorage(n, vocab_size)`` / ``OneLevelNGramStorage(n, vocab_size)`` keep the seeds'
 constructors and methods, the logits processors keep their names, and
 ``ngram_assisted_speculative_generate`` keeps its signature and return value. Underneath,
-everything runs on ``nasd_core.generate``: KV-cache rollback through the public cache API,
+everything runs on ``nasd_core.generate`` (a one-row engine): the paged KV-cache with rollback,
 the lossless sampled rule, plain-int n-gram indexes.
 """
 
@@ -157,8 +157,10 @@ def ngram_assisted_speculative_generate(
     Returns:
         (generated ids, the end token included if one was produced; accepted / drafted).
 
-    ``pad_token_id`` and ``first_target`` are accepted for compatibility and change nothing:
-    one sequence needs no padding, and this loop's first step verifies drafts already.
+    ``pad_token_id``, ``first_target`` and ``use_cache`` are accepted for compatibility and
+    change nothing: one sequence needs no padding, this loop's first step verifies drafts
+    already, and the KV-cache is always kept (the seeds' ``use_cache=False`` recomputed the
+    whole sequence every step for the same logits).
     """
     processor = logits_processor or GreedyProcessor()
     eos = eos_tokens_id if isinstance(eos_tokens_id, list) else [eos_tokens_id]
@@ -195,7 +197,6 @@ def ngram_assisted_speculative_generate(
         list(inputs),
         params,
         spec,
-        use_cache=use_cache,
         local_index=ngramstorage.index,
         on_tokens=show if debug else None,
     )

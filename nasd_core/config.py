@@ -137,9 +137,13 @@ class EngineConfig(_Config):
         ge=1,
         description="Prompt tokens prefilled per step, over all new requests (running rows keep decoding).",
     )
-    compact_waste_ratio: float = Field(
-        0.5, gt=0.0, lt=1.0, description="Compact the batch KV-cache when this share of columns are holes."
+    kv_cache_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Positions the paged KV-cache holds over all rows (None: 25% of the machine's memory "
+        "on a CPU, reserved but resident only once written; 60% of the free GPU memory on a GPU).",
     )
+    kv_block_size: int = Field(32, ge=1, le=4096, description="Positions per KV-cache block.")
     spec: SpecConfig = Field(
         default_factory=lambda: SpecConfig(), description="Default speculation settings."
     )

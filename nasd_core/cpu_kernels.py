@@ -80,6 +80,8 @@ class PackedLinear(nn.Module):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         leading = inputs.shape[:-1]
         rows = inputs.reshape(-1, self.in_features)
+        if rows.shape[0] == 0:  # a step that needs no logits (prompt chunks only)
+            return inputs.new_empty(*leading, self.out_features)
         if rows.shape[0] <= self.dense_max_rows:
             out = functional.linear(rows, self.dense_weight, self.bias)
         else:

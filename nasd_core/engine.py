@@ -5,9 +5,11 @@
     while not engine.is_finished():
         engine.step()
 
-``step()`` admits waiting requests, prefills new prompts up to a per-step token budget (so
-running rows keep decoding while long prompts come in), runs one batched forward that verifies every
-running row's draft (each row its own draft length), and retires finished rows.
+``step()`` admits waiting requests while the paged KV-cache has blocks for them, builds one
+ragged forward (every running row's last token and its own draft, plus chunks of new prompts up
+to a per-step token budget, so running rows keep decoding while long prompts come in), verifies
+every row from that one forward's logits, rolls rejected drafts back by setting each row's
+cached length, and retires finished rows.
 """
 
 from __future__ import annotations
@@ -18,27 +20,20 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
-from transformers import DynamicCache
 
-from nasd_core.batch_kv import BatchKV
+from nasd_core.calibration import model_step_time
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
 from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
-from nasd_core.errors import EngineOverloadedError, InvalidRequestError
-from nasd_core.generate import (
-    GenerationResult,
-    check_context,
-    encode_prompt,
-    eos_ids,
-    model_step_time,
-    prefill,
-)
+from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
+from nasd_core.inputs import check_context, encode_prompt, eos_ids
 from nasd_core.metrics import SpecStats
+from nasd_core.model_runner import ModelRunner, StepRow
 from nasd_core.ngram import NGramIndex
-from nasd_core.policy import RowDraft, choose_batch_draft_lengths
+from nasd_core.policy import RowDraft, choose_batch_draft_lengths, draft_position_cap
 from nasd_core.sampling import make_generator
-from nasd_core.sequence import Request, RequestStatus
+from nasd_core.sequence import GenerationResult, Request, RequestStatus
 from nasd_core.stopping import StopChecker
-from nasd_core.verify import verify
+from nasd_core.verify import verify_rows
 
 TokenListener = Callable[[Request, list[int]], None]
 
@@ -52,6 +47,7 @@ class Engine:
         config: batch and queue limits, default speculation settings.
         shared: read-only ``(name, index)`` draft sources shared by all requests (the
             replica's index of finished requests, the pool-fed index).
+        runner: the model runner (and its KV-cache) to use; default: one sized by ``config``.
     """
 
     def __init__(
@@ -60,6 +56,7 @@ class Engine:
         tokenizer,
         config: EngineConfig | None = None,
         shared: Sequence[tuple[str, NGramIndex]] = (),
+        runner: ModelRunner | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -68,7 +65,10 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.step_time = model_step_time(model)
-        self.batch = BatchKV(self.config.compact_waste_ratio)
+        self.runner = runner or ModelRunner(
+            model, self.config.kv_cache_tokens, self.config.kv_block_size, self.config.max_batch_rows
+        )
+        self.cache = self.runner.cache
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
         self.running: list[Request] = []
@@ -87,11 +87,13 @@ class Engine:
         request_id: str | None = None,
         on_tokens: TokenListener | None = None,
         shared: Sequence[tuple[str, NGramIndex]] | None = None,
+        local_index: NGramIndex | None = None,
     ) -> str:
         """Queue a request; returns its id.
 
         ``shared`` replaces the engine's shared draft sources for this request only (a
-        tenant reads only its own indexes); None keeps the engine's.
+        tenant reads only its own indexes); None keeps the engine's. ``local_index``: the
+        request-local index to use (and grow) instead of a fresh one (the seeds' storage).
 
         Raises:
             InvalidRequestError: bad prompt or parameters (nothing is queued).
@@ -101,6 +103,12 @@ class Engine:
         spec = spec if spec is not None else self.config.spec
         prompt_ids = encode_prompt(self.tokenizer, prompt, self.vocab_size)
         check_context(self.model, len(prompt_ids), params.max_tokens)
+        if not self.cache.can_ever_fit(len(prompt_ids) + params.max_tokens):
+            raise ContextLengthError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceed this "
+                f"engine's KV-cache ({self.cache.capacity_tokens} positions)",
+                param="max_tokens",
+            )
         if len(self.waiting) >= self.config.max_waiting:
             raise EngineOverloadedError(
                 f"the engine queue is full ({self.config.max_waiting} waiting requests); retry later"
@@ -115,7 +123,7 @@ class Engine:
             spec=spec,
             stopper=StopChecker(self.tokenizer, params, self.eos_token_ids),
             drafter=RequestDrafter(
-                spec, self.shared if shared is None else shared, vocab_size=self.vocab_size, seed=params.seed
+                spec, self.shared if shared is None else shared, local_index, self.vocab_size, params.seed
             ),
             generator=make_generator(params.seed),
             on_tokens=on_tokens,
@@ -155,7 +163,6 @@ class Engine:
             request.cancelled = True
             self._finish(request)
         self.running, self.prefilling, self.waiting = [], deque(), deque()
-        self.batch.keep_rows([])
         return aborted
 
     def is_finished(self) -> bool:
@@ -190,134 +197,159 @@ class Engine:
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Admit, prefill within the token budget, verify one batched step, retire; returns the finished."""
+        """Admit, run one ragged forward (drafts verified, prompts fed), retire; returns the finished."""
         self._admit()
-        self._prefill()
-        if self.running:
-            self._decode()
+        chunks = self._prefill_chunks()
+        if self.running or chunks:
+            self._run(chunks)
         return self._retire()
 
     def _admit(self) -> None:
+        """Move waiting requests in, oldest first, while a row is free and the KV-cache has the
+        blocks for the whole request (prompt + max_tokens): a running row never waits for memory."""
         capacity = self.config.max_batch_rows - len(self.running) - len(self.prefilling)
         while capacity > 0 and self.waiting:
-            request = self.waiting.popleft()
+            request = self.waiting[0]
+            num_tokens = len(request.prompt_ids) + request.params.max_tokens
+            if not self.cache.can_allocate(num_tokens):
+                return
+            self.waiting.popleft()
+            self.cache.allocate(request.request_id, num_tokens)
             request.status = RequestStatus.PREFILLING
             self.prefilling.append(request)
             capacity -= 1
 
-    def _prefill(self) -> None:
-        """Feed up to ``prefill_chunk_tokens`` prompt tokens, oldest prefilling request first;
-        each request whose prompt is in joins the batch.
+    def _prefill_chunks(self) -> list[tuple[Request, StepRow]]:
+        """This step's prompt chunks: up to ``prefill_chunk_tokens`` over all prefilling requests,
+        oldest first. A request whose prompt is in (all but its last token, which its first
+        decode step feeds) joins the running rows.
 
         The budget is per step, not per request: short prompts arriving together all join
-        within a step or two (one request per step made the last of C arrivals wait C steps,
-        and speculative steps are longer), while a long prompt is still cut into chunks so
-        the running rows' inter-token latency stays bounded.
+        within a step or two, while a long prompt is cut into chunks so the running rows'
+        inter-token latency stays bounded.
         """
+        chunks = []
         budget = self.config.prefill_chunk_tokens
-        while self.prefilling:
-            request = self.prefilling[0]
-            target = len(request.prompt_ids) - 1  # the last prompt token is fed by the first step
-            if request.prefill_cache is None:
-                request.prefill_cache = DynamicCache()
+        for request in list(self.prefilling):
+            target = len(request.prompt_ids) - 1
             if request.num_prefilled < target:
                 if budget == 0:
-                    return
+                    break
                 end = min(target, request.num_prefilled + budget)
-                started = time.perf_counter()
-                prefill(self.model, request.prompt_ids[request.num_prefilled : end], request.prefill_cache)
-                request.stats.prefill_time_s += time.perf_counter() - started
+                row = StepRow(request.request_id, request.prompt_ids[request.num_prefilled : end], 0)
+                chunks.append((request, row))
                 budget -= end - request.num_prefilled
                 request.num_prefilled = end
-            if request.num_prefilled < target:
-                return
-            self.prefilling.popleft()
-            self.batch.add_row(self._row_cache(request), target)
-            request.prefill_cache = None
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            else:  # prefilled by an earlier step, or a one-token prompt
+                self._start_running(request)
+        return chunks
 
-    def _row_cache(self, request: Request) -> DynamicCache:
-        if request.num_prefilled > 0:
-            return request.prefill_cache
-        # A one-token prompt prefills nothing: an empty row of the right shape.
-        config = self.model.config
-        heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        empty = torch.zeros((1, heads, 0, head_dim), dtype=self.model.dtype, device=self.model.device)
-        return DynamicCache(ddp_cache_data=[(empty, empty)] * config.num_hidden_layers)
+    def _start_running(self, request: Request) -> None:
+        self.prefilling.remove(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
-    def _decode(self) -> None:
+    def _run(self, chunks: list[tuple[Request, StepRow]]) -> None:
         rows = self.running
         started = time.perf_counter()
-        drafts = self._propose(rows)
-        lengths = self._draft_lengths([request.row_draft(draft) for request, draft in zip(rows, drafts)])
+        num_chunk_positions = sum(len(row.token_ids) for _, row in chunks)
+        drafts = self._propose(rows, len(chunks), num_chunk_positions)
+        lengths = self._draft_lengths(
+            [request.row_draft(draft) for request, draft in zip(rows, drafts)],
+            len(chunks),
+            num_chunk_positions,
+        )
         drafting_s = time.perf_counter() - started
-        width = 1 + max(lengths)
-        input_rows = [
-            [request.tokens[-1], *draft.tokens[:length]]
+        step_rows = [row for _, row in chunks] + [
+            StepRow(request.request_id, [request.tokens[-1], *draft.tokens[:length]], 1 + length)
             for request, draft, length in zip(rows, drafts, lengths)
         ]
-        # Padding slots are masked out; their token id does not matter.
-        input_ids = torch.tensor(
-            [row + [0] * (width - len(row)) for row in input_rows], dtype=torch.long, device=self.model.device
-        )
-        attention_mask, position_ids = self.batch.step_inputs([len(row) for row in input_rows], width)
 
         forward_started = time.perf_counter()
-        output = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=self.batch.cache,
-            use_cache=True,
+        logits = self.runner.forward(step_rows)
+        emitted_rows = verify_rows(
+            logits,
+            [draft.tokens[:length] for draft, length in zip(drafts, lengths)],
+            [(request.params, request.generator) for request in rows],
         )
-        emitted_rows = [
-            verify(
-                output.logits[index, : length + 1], draft.tokens[:length], request.params, request.generator
-            )
-            for index, (request, draft, length) in enumerate(zip(rows, drafts, lengths))
-        ]
         step_s = time.perf_counter() - forward_started
-        self.step_time.observe(len(rows), width, step_s)
-        self.batch.commit([len(emitted) for emitted in emitted_rows], width)
-        self.width_histogram[width - 1] = self.width_histogram.get(width - 1, 0) + 1
+        self.step_time.observe(len(step_rows), sum(len(row.token_ids) for row in step_rows), step_s)
+        if rows:
+            widest = max(lengths)
+            self.width_histogram[widest] = self.width_histogram.get(widest, 0) + 1
+
+        for request, row in chunks:
+            request.stats.prefill_time_s += (
+                step_s * len(row.token_ids) / sum(len(r.token_ids) for r in step_rows)
+            )
+            if request.num_prefilled == len(request.prompt_ids) - 1:
+                self._start_running(request)
 
         learn_started = time.perf_counter()
         now = time.perf_counter()
+        offset = 0
         for request, draft, length, emitted in zip(rows, drafts, lengths, emitted_rows):
+            # The step cached the last token and every draft; keep the accepted ones only.
+            self.cache.set_length(
+                request.request_id, self.cache.length(request.request_id) - length + len(emitted) - 1
+            )
+            if request.spec.filler_top_k > 1 and request.spec.is_speculating:
+                self._learn_alternatives(request, logits[offset : offset + len(emitted)], emitted)
+            offset += 1 + length
             kept = request.advance(draft, length, emitted)
             request.stats.decode_time_s += step_s
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.on_tokens is not None:
                 request.on_tokens(request, kept)
-        share = (drafting_s + time.perf_counter() - learn_started) / len(rows)
-        for request in rows:
-            request.stats.drafting_time_s += share
+        if rows:
+            share = (drafting_s + time.perf_counter() - learn_started) / len(rows)
+            for request in rows:
+                request.stats.drafting_time_s += share
 
-    def _propose(self, rows: list[Request]) -> list[Draft]:
+    @staticmethod
+    def _learn_alternatives(request: Request, logits: torch.Tensor, emitted: list[int]) -> None:
+        """The seeds' filler top-k: the target's top-k tokens at each verified position become
+        known continuations of that context."""
+        top = torch.topk(logits, request.spec.filler_top_k, dim=-1).indices.tolist()
+        tail = request.tokens[-request.spec.max_ngram :]
+        for position, alternatives in enumerate(top):
+            request.drafter.learn_alternatives(tail + emitted[:position], alternatives)
+
+    def _propose(self, rows: list[Request], num_other_rows: int, num_other_positions: int) -> list[Draft]:
         """This step's drafts; none at all when even the best drafts the rows could have
         would not be verified (a large batch of poorly matching rows: building 16 drafts a
         step was 4% of a creative-text step at 16 rows, for nothing)."""
-        if max(self._draft_lengths([request.best_case() for request in rows])) == 0:
+        if not rows:
+            return []
+        best = self._draft_lengths(
+            [request.best_case() for request in rows], num_other_rows, num_other_positions
+        )
+        if max(best) == 0:
             return [EMPTY_DRAFT] * len(rows)
         return [request.propose() for request in rows]
 
-    def _draft_lengths(self, row_drafts: list[RowDraft]) -> list[int]:
-        """The policy's draft length per row; the cold-start table caps it until a step of
-        this batch's rows and widest draft has been timed."""
-        widest = 1 + max(row.num_available for row in row_drafts)
-        calibrated = self.step_time.covers(len(row_drafts), widest)
-        return choose_batch_draft_lengths(row_drafts, self.step_time, calibrated)
+    def _draft_lengths(
+        self, row_drafts: list[RowDraft], num_other_rows: int, num_other_positions: int
+    ) -> list[int]:
+        """The policy's draft length per row, the step's total draft positions capped by what
+        has been timed (``draft_position_cap``)."""
+        if not row_drafts:
+            return []
+        num_rows = len(row_drafts) + num_other_rows
+        return choose_batch_draft_lengths(
+            row_drafts,
+            self.step_time,
+            draft_position_cap(num_rows, self.step_time),
+            num_other_rows,
+            num_other_positions,
+        )
 
     def _retire(self) -> list[Request]:
         done = [request for request in self.running if request.stopper.is_finished or request.cancelled]
         if not done:
             return []
-        keep = [index for index, request in enumerate(self.running) if request not in done]
-        self.batch.keep_rows(keep)
-        self.running = [self.running[index] for index in keep]
+        self.running = [request for request in self.running if request not in done]
         for request in done:
             self._finish(request)
         return done
@@ -325,7 +357,7 @@ class Engine:
     def _finish(self, request: Request) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_time = time.perf_counter()
-        request.prefill_cache = None
+        self.cache.free(request.request_id)
         self.stats.merge(request.stats)
         if request.request_id in self._detached:
             self._detached.discard(request.request_id)

@@ -74,29 +74,41 @@ class AcceptanceEstimator:
         return a_first, a_next
 
 
-class StepTimeModel:
-    """Online model of a verification step's time by batch shape: rows x positions per row.
+def snap_extra(num_extra: int) -> int:
+    """The recorded bucket of a step's extra (draft or prompt) positions: exact up to 8, then
+    on a grid of ~12% steps, so ragged steps of every total share a few columns."""
+    if num_extra <= 8:
+        return num_extra
+    power = 1 << (num_extra.bit_length() - 1)  # 8 <= power <= num_extra
+    step = power // 8
+    return min(2 * power, power + step * round((num_extra - power) / step))
 
-    Keyed by shape, not by the total token count: rows each bring their own cache and
-    attention, so a batch widens very differently from one row (measured on the embedded
-    model, 256-token contexts: 6 positions cost 3.7x the 1-position step at 16 rows, 1.2x
-    at 4 rows). Unmeasured shapes are interpolated linearly along rows at each measured
-    width (a width not measured around that row count borrows the shape of one that is),
-    then along positions between widths; beyond the measurements the last slope continues.
-    A narrower step never costs more than a wider one (it could be padded to that width),
-    so a width's estimate is capped by every wider measurement: a noisy high reading at one
-    width cannot make the policy skip it for good.
+
+class StepTimeModel:
+    """Online model of a step's time by its shape: rows in the step x positions fed in all.
+
+    A ragged step feeds every row its own positions, so the cost is a function of the row
+    count (each row brings its own cache and attention) and of the total positions (every
+    Linear layer runs over each of them). Measurements are kept per row count in columns of
+    *extra* positions (beyond one per row; 0 = a plain decode step), bucketed by
+    ``snap_extra``. Unmeasured shapes are interpolated linearly along rows within a column
+    (a column not measured around that row count borrows the shape of one that is), then
+    along extra positions between columns; beyond the measurements the last slope continues.
+    A step with fewer positions never costs more than one with more, so a column's estimate
+    is capped by every wider one: a noisy high reading cannot make the policy skip it for good.
     """
 
     def __init__(self) -> None:
-        # positions per row -> rows -> seconds: estimates read one width's column at a time.
+        # extra positions -> rows -> seconds: estimates read one column at a time.
         self._seconds: dict[int, dict[int, float]] = {}
         self._num_samples: dict[tuple[int, int], int] = {}
 
     def observe(self, num_rows: int, num_positions: int, seconds: float) -> None:
-        shape = (num_rows, num_positions)
+        """Record one step of ``num_rows`` rows feeding ``num_positions`` positions in all."""
+        extra = snap_extra(max(0, num_positions - num_rows))
+        shape = (num_rows, extra)
         self._num_samples[shape] = self._num_samples.get(shape, 0) + 1
-        column = self._seconds.setdefault(num_positions, {})
+        column = self._seconds.setdefault(extra, {})
         previous = column.get(num_rows)
         if previous is None:
             column[num_rows] = seconds
@@ -105,57 +117,59 @@ class StepTimeModel:
             column[num_rows] = (1 - EWMA_WEIGHT) * previous + EWMA_WEIGHT * sample
 
     def measured(self, num_rows: int, num_positions: int) -> float | None:
-        """The current measurement of exactly this shape (None if never timed)."""
-        return self._seconds.get(num_positions, {}).get(num_rows)
+        """The current measurement of this shape's bucket (None if never timed)."""
+        return self._seconds.get(snap_extra(max(0, num_positions - num_rows)), {}).get(num_rows)
 
     def trusted(self, num_rows: int, num_positions: int) -> bool:
-        """Whether this exact shape has been timed often enough to rule out one slow reading."""
-        return self._num_samples.get((num_rows, num_positions), 0) >= MIN_TRUSTED_SAMPLES
+        """Whether this shape's bucket has been timed often enough to rule out one slow reading."""
+        extra = snap_extra(max(0, num_positions - num_rows))
+        return self._num_samples.get((num_rows, extra), 0) >= MIN_TRUSTED_SAMPLES
 
-    def covers(self, num_rows: int, num_positions: int) -> bool:
-        """Whether a shape at least this wide has been measured for at least this many rows."""
-        return any(
-            positions >= num_positions and max(column) >= num_rows
-            for positions, column in self._seconds.items()
-        )
+    def widest_measured(self, num_rows: int) -> int | None:
+        """Most extra positions measured at ``num_rows`` rows or more (None: no such step)."""
+        widths = [extra for extra, column in self._seconds.items() if max(column) >= num_rows]
+        return max(widths) if widths else None
 
     def estimate(self, num_rows: int, num_positions: int) -> float:
-        """Seconds for a step feeding ``num_positions`` tokens to each of ``num_rows`` rows."""
+        """Seconds for a step of ``num_rows`` rows feeding ``num_positions`` positions in all."""
+        return self.curve(num_rows)(num_positions)
+
+    def curve(self, num_rows: int):
+        """``estimate`` at a fixed row count as a function of total positions (the per-column
+        work done once: the policy prices many totals per step)."""
         if not self._seconds:
-            return num_rows * _prior_shape(num_positions)
-        # Each measured width at num_rows: interpolated where its measurements span the row
-        # count, else transferred from a width whose measurements do.
+            return lambda num_positions: num_rows * _prior_shape(num_rows, num_positions - num_rows)
+        # Each measured column at num_rows: interpolated where its measurements span the row
+        # count, else transferred from a column whose measurements do.
         spanned = {
-            positions: seconds
-            for positions, column in self._seconds.items()
+            extra: seconds
+            for extra, column in self._seconds.items()
             if (seconds := _along_rows(column, num_rows)) is not None
         }
         at_rows = {
-            positions: spanned[positions]
-            if positions in spanned
-            else self._transferred(positions, num_rows, spanned)
-            for positions in self._seconds
+            extra: spanned[extra] if extra in spanned else self._transferred(extra, num_rows, spanned)
+            for extra in self._seconds
         }
-        # Capped by every wider width, then interpolated along positions between widths.
-        by_positions = {}
+        # Capped by every wider column, then interpolated along extra positions between them.
+        by_extra = {}
         cheapest_wider = float("inf")
-        for positions in sorted(at_rows, reverse=True):
-            cheapest_wider = min(cheapest_wider, at_rows[positions])
-            by_positions[positions] = cheapest_wider
-        return _along_positions(by_positions, num_positions)
+        for extra in sorted(at_rows, reverse=True):
+            cheapest_wider = min(cheapest_wider, at_rows[extra])
+            by_extra[extra] = cheapest_wider
+        return lambda num_positions: _along_positions(by_extra, num_rows, max(0, num_positions - num_rows))
 
-    def _transferred(self, num_positions: int, num_rows: int, spanned: dict[int, float]) -> float:
-        """A width whose measurements do not span ``num_rows``: the nearest width that does
-        (``spanned``: width -> seconds at num_rows), scaled by the two widths' ratio at the
+    def _transferred(self, extra: int, num_rows: int, spanned: dict[int, float]) -> float:
+        """A column whose measurements do not span ``num_rows``: the nearest column that does
+        (``spanned``: extra -> seconds at num_rows), scaled by the two columns' ratio at the
         row count both have measured closest to ``num_rows``.
 
-        Why not extrapolate the width's own column: ``auto`` runs the shapes it believes
-        cheap, so at 16 rows it may have timed only 4-position steps, and a plain step
+        Why not extrapolate the column's own measurements: ``auto`` runs the shapes it believes
+        cheap, so at 16 rows it may have timed only speculative steps, and a plain step
         extrapolated from 1-4 rows (linear in rows: 290 ms) was dearer than the measured
-        4-position one (228 ms); capped by it, speculating looked free and never stopped,
+        speculative one (228 ms); capped by it, speculating looked free and never stopped,
         while the plain step really took ~146 ms (creative text, HTTP sweep, 0.66x of off).
         """
-        column = self._seconds[num_positions]
+        column = self._seconds[extra]
         candidates = []
         for other, seconds in spanned.items():
             shared = column.keys() & self._seconds[other].keys()
@@ -164,29 +178,29 @@ class StepTimeModel:
                     shared, key=lambda shared_rows: (abs(math.log(shared_rows / num_rows)), shared_rows)
                 )
                 scaled = seconds * column[rows] / self._seconds[other][rows]
-                candidates.append((abs(other - num_positions), other, scaled))
+                candidates.append((abs(other - extra), other, scaled))
         if candidates:
             return min(candidates)[2]
         return _beyond_rows(column, num_rows)
 
 
-def _along_positions(by_positions: dict[int, float], num_positions: int) -> float:
-    """Linear interpolation in positions between measured widths (``by_positions``: width -> s)."""
-    below = sorted(p for p in by_positions if p <= num_positions)
-    above = sorted(p for p in by_positions if p >= num_positions)
+def _along_positions(by_extra: dict[int, float], num_rows: int, num_extra: int) -> float:
+    """Linear interpolation in extra positions between measured columns (``by_extra``: extra -> s)."""
+    below = sorted(extra for extra in by_extra if extra <= num_extra)
+    above = sorted(extra for extra in by_extra if extra >= num_extra)
     if below and above:
         low, high = below[-1], above[0]
         if low == high:
-            return by_positions[low]
-        share = (num_positions - low) / (high - low)
-        return by_positions[low] + share * (by_positions[high] - by_positions[low])
+            return by_extra[low]
+        share = (num_extra - low) / (high - low)
+        return by_extra[low] + share * (by_extra[high] - by_extra[low])
     if len(below) >= 2:
         # Wider than any measurement: continue the last measured slope (never cheaper).
         low, high = below[-2], below[-1]
-        slope = max(0.0, (by_positions[high] - by_positions[low]) / (high - low))
-        return by_positions[high] + slope * (num_positions - high)
+        slope = max(0.0, (by_extra[high] - by_extra[low]) / (high - low))
+        return by_extra[high] + slope * (num_extra - high)
     nearest = below[-1] if below else above[0]
-    return by_positions[nearest] * _prior_shape(num_positions) / _prior_shape(nearest)
+    return by_extra[nearest] * _prior_shape(num_rows, num_extra) / _prior_shape(num_rows, nearest)
 
 
 def _along_rows(column: dict[int, float], num_rows: int) -> float | None:
@@ -217,9 +231,10 @@ def _beyond_rows(column: dict[int, float], num_rows: int) -> float:
     return column[high] + slope * (num_rows - high)
 
 
-def _prior_shape(num_positions: int) -> float:
-    """Cost of a step of ``num_positions`` positions per row relative to a plain step."""
-    return 1.0 + PRIOR_EXTRA_TOKEN_COST * (num_positions - 1)
+def _prior_shape(num_rows: int, num_extra: int) -> float:
+    """Cost of a step of ``num_rows`` rows with ``num_extra`` extra positions relative to a
+    plain step of those rows: each extra position costs PRIOR_EXTRA_TOKEN_COST of one row's."""
+    return 1.0 + PRIOR_EXTRA_TOKEN_COST * num_extra / max(1, num_rows)
 
 
 def expected_tokens(a_first: float, a_next: float, num_draft: int) -> float:
@@ -235,9 +250,7 @@ def choose_draft_length(
     max_draft: int, match_length: int, acceptance: AcceptanceEstimator, step_time: StepTimeModel
 ) -> int:
     """The draft length in 0..max_draft with the most expected tokens per second (one row)."""
-    return choose_batch_draft_lengths(
-        [RowDraft("auto", max_draft, match_length, acceptance)], step_time, True
-    )[0]
+    return choose_batch_draft_lengths([RowDraft("auto", max_draft, match_length, acceptance)], step_time)[0]
 
 
 # TensorRT-LLM's measured table, used as the cold-start cap before step times are known:
@@ -245,23 +258,8 @@ def choose_draft_length(
 COLD_START_TABLE = ((4, 5), (32, 3))
 
 
-def _explored(tokens_per_s: dict[int, float], num_rows: int, step_time: StepTimeModel) -> int:
-    """The width with the most expected tokens per second, unless its shape is trusted and
-    an untrusted one comes within EXPLORE_MARGIN: then the best of those, to time it."""
-    best_width = max(tokens_per_s, key=lambda width: (tokens_per_s[width], -width))
-    if not step_time.trusted(num_rows, 1 + best_width):
-        return best_width
-    close = [
-        width
-        for width, rate in tokens_per_s.items()
-        if rate >= (1 - EXPLORE_MARGIN) * tokens_per_s[best_width]
-        and not step_time.trusted(num_rows, 1 + width)
-    ]
-    return max(close, key=lambda width: (tokens_per_s[width], -width)) if close else best_width
-
-
 def cold_start_cap(num_rows: int) -> int:
-    """Largest draft length the cold-start table allows for a batch of ``num_rows``."""
+    """Largest draft length per row the cold-start table allows for a batch of ``num_rows``."""
     for max_rows, gamma in COLD_START_TABLE:
         if num_rows <= max_rows:
             return gamma
@@ -278,29 +276,85 @@ class RowDraft:
     acceptance: AcceptanceEstimator
 
 
-def choose_batch_draft_lengths(rows: list[RowDraft], step_time: StepTimeModel, calibrated: bool) -> list[int]:
-    """Per-row draft lengths for one batched verification step.
+def draft_position_cap(num_rows: int, step_time: StepTimeModel) -> int:
+    """Most draft positions an uncalibrated step may add: the cold-start table's per-row cap
+    for every row, or twice the widest step measured at this many rows, whichever is more.
 
-    Every row feeds ``1 + width`` positions (shorter rows are padded), so a row drafting up
-    to the width costs nothing extra: the choice is the width, and it is the one with the
-    most expected tokens per second over the whole batch, ``sum_i E_i(min(width, g_i)) /
-    t(rows, 1 + width)``. ``on`` rows always verify their whole draft, ``off`` rows none.
-    Until step times are ``calibrated`` the width is capped by the cold-start table.
+    Why twice: a cost model only extrapolates so far; but a step never tried is never timed,
+    so a fixed cap would never be lifted (2 replicas answering a repeated question verified at
+    most 5 drafts a step for good). Doubling what was measured reaches any width in a few steps.
+    """
+    widest = step_time.widest_measured(num_rows)
+    return max(num_rows * cold_start_cap(num_rows), 2 * widest if widest else 0)
+
+
+def choose_batch_draft_lengths(
+    rows: list[RowDraft],
+    step_time: StepTimeModel,
+    max_draft_positions: int | None = None,
+    num_other_rows: int = 0,
+    num_other_positions: int = 0,
+) -> list[int]:
+    """Per-row draft lengths for one ragged step (each row pays only for its own positions).
+
+    Row i's j-th draft token adds ``a_first * a_next^(j-1)`` expected tokens (falling with
+    j), so for any total number of draft positions the best split takes the largest such
+    gains over all rows; the step's total is then the one with the most expected tokens per
+    second, ``(rows + sum of gains) / t(rows, positions)``. ``on`` rows always verify their
+    whole draft, ``off`` rows none. ``num_other_rows`` / ``num_other_positions``: prompt
+    chunks riding in the same step (their cost is fixed). ``max_draft_positions`` caps the
+    step's total draft positions (the engine passes ``draft_position_cap``).
     """
     if not rows:
         return []
-    forced = max((row.num_available for row in rows if row.mode == "on"), default=0)
-    available = max((row.num_available for row in rows if row.mode == "auto"), default=0)
-    cap = available if calibrated else min(available, cold_start_cap(len(rows)))
-    rates = [row.acceptance.rates(row.match_length) for row in rows]
+    num_rows = len(rows) + num_other_rows
+    forced = [row.num_available if row.mode == "on" else 0 for row in rows]
+    base_positions = num_other_positions + len(rows) + sum(forced)
+    base_tokens = float(len(rows))
+    gains: list[tuple[float, int]] = []
+    for index, row in enumerate(rows):
+        if row.mode == "off" or row.num_available == 0:
+            continue
+        a_first, a_next = row.acceptance.rates(row.match_length)
+        if row.mode == "on":
+            base_tokens += expected_tokens(a_first, a_next, row.num_available) - 1.0
+            continue
+        reach = a_first
+        for _ in range(row.num_available):
+            gains.append((reach, index))
+            reach *= a_next
+    gains.sort(key=lambda gain: -gain[0])  # stable: equal gains keep row order
+    if max_draft_positions is not None:
+        gains = gains[:max_draft_positions]
+    cost = step_time.curve(num_rows)
     tokens_per_s = {}
-    for width in range(forced, max(forced, cap) + 1):
-        expected = 0.0
-        for row, (a_first, a_next) in zip(rows, rates):
-            if row.mode == "off":
-                expected += 1.0
-            else:
-                expected += expected_tokens(a_first, a_next, min(width, row.num_available))
-        tokens_per_s[width] = expected / step_time.estimate(len(rows), 1 + width)
-    best_width = _explored(tokens_per_s, len(rows), step_time)
-    return [0 if row.mode == "off" else min(best_width, row.num_available) for row in rows]
+    expected = base_tokens
+    for num_drafts in range(len(gains) + 1):
+        if num_drafts:
+            expected += gains[num_drafts - 1][0]
+        tokens_per_s[num_drafts] = expected / cost(base_positions + num_drafts)
+    best = _explored(tokens_per_s, num_rows, base_positions, step_time)
+    lengths = list(forced)
+    for _, index in gains[:best]:
+        lengths[index] += 1
+    return lengths
+
+
+def _explored(
+    tokens_per_s: dict[int, float], num_rows: int, base_positions: int, step_time: StepTimeModel
+) -> int:
+    """The draft total with the most expected tokens per second, unless its shape is trusted
+    and an untrusted one comes within EXPLORE_MARGIN: then the best of those, to time it."""
+    best = max(tokens_per_s, key=lambda total: (tokens_per_s[total], -total))
+    if not step_time.trusted(num_rows, base_positions + best):
+        return best
+    # Only shapes read too few times are retimed: an unmeasured total between two trusted
+    # ones is an interpolation, not a suspect reading.
+    close = [
+        total
+        for total, rate in tokens_per_s.items()
+        if rate >= (1 - EXPLORE_MARGIN) * tokens_per_s[best]
+        and step_time.measured(num_rows, base_positions + total) is not None
+        and not step_time.trusted(num_rows, base_positions + total)
+    ]
+    return max(close, key=lambda total: (tokens_per_s[total], -total)) if close else best

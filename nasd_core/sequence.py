@@ -12,7 +12,7 @@ from nasd_core.config import SamplingParams, SpecConfig
 from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
 from nasd_core.metrics import SpecStats
 from nasd_core.policy import AcceptanceEstimator, RowDraft
-from nasd_core.stopping import StopChecker
+from nasd_core.stopping import FinishReason, StopChecker
 
 
 class RequestStatus(enum.Enum):
@@ -107,3 +107,22 @@ class Request:
         self.drafter.observe(self.tokens)
         self.stats.record_step(num_drafted, num_accepted, num_taken, draft.source if num_drafted else None)
         return kept
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced.
+
+    Attributes:
+        token_ids: generated ids (a final end-of-sequence id included, as transformers does).
+        text: decoded output, special tokens removed, cut before any stop string.
+        finish_reason: "stop" (eos, stop id or stop string) or "length" (max_tokens).
+        prompt_ids: the prompt as token ids.
+        stats: speculation counters of this request.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    prompt_ids: list[int]
+    stats: SpecStats = field(default_factory=SpecStats)

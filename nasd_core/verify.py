@@ -56,3 +56,27 @@ def verify(
     if params.is_greedy:
         return verify_greedy(logits.argmax(dim=-1).tolist(), draft)
     return verify_sampled(logits_to_probs(logits, params), draft, generator)
+
+
+def verify_rows(
+    logits: torch.Tensor,
+    drafts: Sequence[Sequence[int]],
+    rows: Sequence[tuple[SamplingParams, np.random.Generator]],
+) -> list[list[int]]:
+    """Emitted tokens of every row of a step from the step's one ``[positions, vocab]`` logits
+    tensor (row i's ``len(drafts[i]) + 1`` positions after row i-1's).
+
+    Greedy rows share one argmax over every position and one transfer to the host, however
+    many rows there are; sampled rows draw on the host from their own positions.
+    """
+    greedy_ids = logits.argmax(dim=-1).tolist() if any(params.is_greedy for params, _ in rows) else []
+    emitted_rows = []
+    offset = 0
+    for draft, (params, generator) in zip(drafts, rows):
+        end = offset + len(draft) + 1
+        if params.is_greedy:
+            emitted_rows.append(verify_greedy(greedy_ids[offset:end], draft))
+        else:
+            emitted_rows.append(verify_sampled(logits_to_probs(logits[offset:end], params), draft, generator))
+        offset = end
+    return emitted_rows

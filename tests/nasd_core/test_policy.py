@@ -14,7 +14,9 @@ from nasd_core.policy import (
     choose_batch_draft_lengths,
     choose_draft_length,
     cold_start_cap,
+    draft_position_cap,
     expected_tokens,
+    snap_extra,
 )
 
 
@@ -60,72 +62,81 @@ def test_policy_skips_unlikely_drafts_and_takes_likely_ones():
 def test_step_time_model_uses_measurements_and_interpolates_by_shape():
     step_time = StepTimeModel()
     assert step_time.estimate(1, 3) > step_time.estimate(1, 1)  # prior shape before any measurement
-    assert step_time.estimate(4, 1) > step_time.estimate(1, 1)
+    assert step_time.estimate(4, 4) > step_time.estimate(1, 1)
     step_time.observe(1, 4, 0.2)
     step_time.observe(1, 4, 0.1)
     assert step_time.estimate(1, 4) == pytest.approx(0.8 * 0.2 + 0.2 * 0.1)
     assert step_time.estimate(1, 5) > step_time.estimate(1, 4)  # wider than measured: prior shape
 
+    # (rows, total positions, seconds): plain and speculative steps at 1 and 16 rows.
     surface = StepTimeModel()
-    for rows, positions, seconds in [(1, 1, 0.1), (1, 3, 0.12), (16, 1, 0.2), (16, 3, 0.5), (16, 5, 0.8)]:
+    for rows, positions, seconds in [(1, 1, 0.1), (1, 3, 0.12), (16, 16, 0.2), (16, 48, 0.5), (16, 80, 0.8)]:
         surface.observe(rows, positions, seconds)
-    # Linear along rows at a measured width, then along positions between widths.
-    assert surface.estimate(8, 1) == pytest.approx(0.1 + 0.1 * 7 / 15)
-    assert surface.estimate(16, 2) == pytest.approx(0.35)
-    # A batch is not a long row: 16 rows x 3 positions is priced as measured, not as 48 tokens of one row.
-    assert surface.estimate(16, 3) == 0.5 and surface.estimate(1, 3) == 0.12
+    # Linear along rows at a measured number of extra positions, then along extra positions;
+    # 2 extra positions at 16 rows borrow the 1-row ratio to the plain step (0.2 x 0.12 / 0.1).
+    assert surface.estimate(8, 8) == pytest.approx(0.1 + 0.1 * 7 / 15)
+    assert surface.estimate(16, 18) == pytest.approx(0.24)
+    assert surface.estimate(16, 32) == pytest.approx(0.24 + 0.26 * 14 / 30)
+    # A batch is not a long row: 16 rows with 32 extra positions is priced as measured.
+    assert surface.estimate(16, 48) == 0.5 and surface.estimate(1, 3) == 0.12
     # Beyond the widest measurement and beyond the most rows, the last slope continues.
-    assert surface.estimate(16, 7) == pytest.approx(1.1)
-    assert surface.estimate(32, 1) == pytest.approx(0.2 + 0.1 * 16 / 15)
-    assert surface.covers(16, 5) and not surface.covers(17, 5) and not surface.covers(16, 6)
+    assert surface.estimate(16, 112) == pytest.approx(1.1)
+    assert surface.estimate(32, 32) == pytest.approx(0.2 + 0.1 * 16 / 15)
+    assert surface.widest_measured(16) == 64 and surface.widest_measured(17) is None
 
 
-def test_step_time_model_borrows_the_shape_of_a_width_measured_at_more_rows():
+def test_extra_positions_are_bucketed_on_a_coarsening_grid():
+    assert [snap_extra(extra) for extra in range(9)] == list(range(9))
+    assert snap_extra(9) == 9 and snap_extra(19) == 20 and snap_extra(100) == 96 and snap_extra(127) == 128
+    assert len({snap_extra(extra) for extra in range(1024)}) < 70
+
+
+def test_step_time_model_borrows_the_shape_of_a_column_measured_at_more_rows():
     # What a server's auto had timed after repetitive traffic (ms): plain steps only at 1-4
-    # rows, 4-position steps at 1-16 rows.
+    # rows, steps with 12 draft positions at 1-16 rows.
     step_time = StepTimeModel()
     for rows, seconds in {1: 0.0605, 2: 0.0674, 3: 0.0677, 4: 0.0725}.items():
-        step_time.observe(rows, 1, seconds)
+        step_time.observe(rows, rows, seconds)
     for rows, seconds in {1: 0.0722, 4: 0.0973, 8: 0.1452, 16: 0.228}.items():
-        step_time.observe(rows, 4, seconds)
-    # A plain 16-row step is the 4-position one scaled by their ratio at 4 rows, not the 1-4
+        step_time.observe(rows, rows + 12, seconds)
+    # A plain 16-row step is the speculative one scaled by their ratio at 4 rows, not the 1-4
     # row slope extended (nor 16/4 x the 4-row step, 0.29 s, dearer than the wider step).
-    assert step_time.estimate(16, 1) == pytest.approx(0.228 * 0.0725 / 0.0973)
-    assert step_time.estimate(16, 1) < 0.8 * step_time.estimate(16, 4)
+    assert step_time.estimate(16, 16) == pytest.approx(0.228 * 0.0725 / 0.0973)
+    assert step_time.estimate(16, 16) < 0.8 * step_time.estimate(16, 28)
     # So a 16-row batch of rejected drafts steps plainly (before, speculating looked free).
     rows = [row("auto", 3, 1, accepted_all=False) for _ in range(16)]
-    assert choose_batch_draft_lengths(rows, step_time, calibrated=True) == [0] * 16
-    # A width measured on neither side of the row count, with no other to borrow from,
+    assert choose_batch_draft_lengths(rows, step_time) == [0] * 16
+    # A column measured on neither side of the row count, with no other to borrow from,
     # continues its own last slope.
     lone = StepTimeModel()
-    lone.observe(2, 1, 0.06)
-    lone.observe(4, 1, 0.08)
-    assert lone.estimate(8, 1) == pytest.approx(0.12)
+    lone.observe(2, 2, 0.06)
+    lone.observe(4, 4, 0.08)
+    assert lone.estimate(8, 8) == pytest.approx(0.12)
     assert lone.estimate(1, 1) == 0.06
 
 
 def test_batch_policy_retimes_a_close_alternative_read_only_once():
     step_time = StepTimeModel()
-    step_time.observe(16, 1, 0.200)  # one (slow) reading of the plain 16-row step
+    step_time.observe(16, 16, 0.200)  # one (slow) reading of the plain 16-row step
     for _ in range(MIN_TRUSTED_SAMPLES):
-        step_time.observe(16, 2, 0.217)
+        step_time.observe(16, 32, 0.217)
     rows = [row("auto", 1, 1, accepted_all=None) for _ in range(16)]  # prior: E(1 draft) = 1.15
-    # One draft is the estimated best (16 x 1.15 / 0.217 s), but the plain step (16 / 0.2 s)
-    # is within EXPLORE_MARGIN and was read once: the policy times it again instead.
-    assert choose_batch_draft_lengths(rows, step_time, calibrated=True) == [0] * 16
+    # One draft per row is the estimated best (16 x 1.15 / 0.217 s), but the plain step
+    # (16 / 0.2 s) is within EXPLORE_MARGIN and was read once: the policy times it again.
+    assert choose_batch_draft_lengths(rows, step_time) == [0] * 16
     # Retimed at its typical cost, it wins outright and the policy stays plain...
     retimed = StepTimeModel()
-    retimed.observe(16, 1, 0.200)
+    retimed.observe(16, 16, 0.200)
     for _ in range(MIN_TRUSTED_SAMPLES):
-        retimed.observe(16, 2, 0.217)
+        retimed.observe(16, 32, 0.217)
     for _ in range(MIN_TRUSTED_SAMPLES - 1):
-        retimed.observe(16, 1, 0.120)
-    assert retimed.trusted(16, 1)
-    assert choose_batch_draft_lengths(rows, retimed, calibrated=True) == [0] * 16
-    # ...while a plain step confirmed slow leaves the draft the better choice.
+        retimed.observe(16, 16, 0.120)
+    assert retimed.trusted(16, 16)
+    assert choose_batch_draft_lengths(rows, retimed) == [0] * 16
+    # ...while a plain step confirmed slow leaves the drafts the better choice.
     for _ in range(MIN_TRUSTED_SAMPLES - 1):
-        step_time.observe(16, 1, 0.200)
-    assert choose_batch_draft_lengths(rows, step_time, calibrated=True) == [1] * 16
+        step_time.observe(16, 16, 0.200)
+    assert choose_batch_draft_lengths(rows, step_time) == [1] * 16
 
 
 def test_step_time_model_resists_one_sided_noise():
@@ -173,17 +184,33 @@ def test_batch_policy_speculates_for_small_batches_and_stops_for_large_ones():
     step_time = StepTimeModel()
     # Cost proportional to the tokens fed beyond a fixed part: speculation pays only for few rows.
     for num_rows in [1, 2, 4, 8, 16, 32, 64]:
-        for num_positions in range(1, 8):
-            step_time.observe(num_rows, num_positions, 0.05 + 0.004 * num_rows * num_positions)
+        for per_row in range(1, 8):
+            step_time.observe(num_rows, num_rows * per_row, 0.05 + 0.004 * num_rows * per_row)
     small = [row("auto", 6, 6, True) for _ in range(2)]
-    assert choose_batch_draft_lengths(small, step_time, calibrated=True) == [6, 6]
+    assert choose_batch_draft_lengths(small, step_time) == [6, 6]
     large = [row("auto", 6, 1, False) for _ in range(64)]
-    assert choose_batch_draft_lengths(large, step_time, calibrated=True) == [0] * 64
+    assert choose_batch_draft_lengths(large, step_time) == [0] * 64
     mixed = [row("on", 3, 1, False), row("off", 5, 6, True), row("auto", 2, 6, True)]
-    assert choose_batch_draft_lengths(mixed, step_time, calibrated=True) == [3, 0, 2]
+    assert choose_batch_draft_lengths(mixed, step_time) == [3, 0, 2]
 
 
-def test_cold_start_table_caps_the_width_until_calibrated():
+def test_batch_policy_gives_draft_positions_to_the_rows_likely_to_accept_them():
+    """Ragged steps: a well-matched row drafts long while poorly matched rows draft nothing,
+    instead of one width for every row."""
+    step_time = StepTimeModel()
+    for per_row in range(1, 18):  # 16 rows; every extra position costs 1% of a plain step
+        step_time.observe(16, 16 * per_row, 0.1 * (1 + 0.01 * 16 * (per_row - 1)))
+    rows = [row("auto", 16, 8, True)] + [row("auto", 16, 1, False) for _ in range(15)]
+    assert choose_batch_draft_lengths(rows, step_time) == [16] + [0] * 15
+
+
+def test_uncalibrated_steps_are_capped_by_the_table_then_by_what_was_timed():
     assert cold_start_cap(1) == 5 and cold_start_cap(32) == 3 and cold_start_cap(33) == 0
     rows = [row("auto", 10, 8, True) for _ in range(8)]
-    assert choose_batch_draft_lengths(rows, StepTimeModel(), calibrated=False) == [3] * 8
+    empty = StepTimeModel()
+    assert draft_position_cap(8, empty) == 24
+    assert choose_batch_draft_lengths(rows, empty, draft_position_cap(8, empty)) == [3] * 8
+    # Once a step is timed, twice its draft positions may be tried: widths are reachable.
+    empty.observe(8, 8 + 24, 0.1)
+    assert draft_position_cap(8, empty) == 48
+    assert draft_position_cap(4, empty) == 48 and draft_position_cap(9, empty) == 27

@@ -1,0 +1,89 @@
+"""Step-time calibration: the warm-up probe that times steps before the first request.
+
+The ``auto`` policy prices drafts with a step-time model learned online; the probe gives it
+measured shapes up front (what a server does before its first request, and every benchmark
+before its runs). Steps run through the same ``ModelRunner`` path as the engine's, over rows
+holding ``context_length`` cached tokens, so attention costs what a real row's does.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence
+
+import torch
+
+from nasd_core.model_runner import ModelRunner, StepRow
+from nasd_core.policy import StepTimeModel
+
+# Positions per row the probe times: every small width the policy weighs often, and sparse
+# wide ones up to the default draft cap (16) that the model interpolates between.
+PROBE_POSITIONS = (1, 2, 3, 4, 5, 6, 9, 17)
+
+# Step times measured on a model outlive one engine: later engines start calibrated.
+_STEP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def model_step_time(model) -> StepTimeModel:
+    """The step-time model shared by every engine (and ``generate`` call) on ``model``."""
+    if model not in _STEP_TIMES:
+        _STEP_TIMES[model] = StepTimeModel()
+    return _STEP_TIMES[model]
+
+
+@torch.inference_mode()
+def measure_step_times(
+    model,
+    positions: int | Sequence[int],
+    rows: Sequence[int] = (1,),
+    context_length: int = 256,
+    repeats: int = 3,
+    step_time: StepTimeModel | None = None,
+) -> StepTimeModel:
+    """Time steps of every shape ``rows`` x ``positions`` per row (an int means 1..positions),
+    and, for more than one row, ragged steps where one row feeds that many positions and the
+    others one each (the shape of one well-matched row in a batch).
+
+    Each shape's fastest repeat is recorded: interference from other processes only adds time.
+    """
+    step_time = step_time if step_time is not None else model_step_time(model)
+    positions = list(range(1, positions + 1)) if isinstance(positions, int) else list(positions)
+    max_rows = max(rows)
+    runner = ModelRunner(model, kv_cache_tokens=max_rows * (context_length + max(positions)))
+    cache = runner.cache
+    for row in range(max_rows):
+        cache.allocate(row, context_length + max(positions))
+    # Fill row 0 with a real context and copy it to the others (one prefill, not max_rows).
+    runner.forward([StepRow(0, [i % model.config.vocab_size for i in range(context_length)], 0)])
+    source = cache.slots(0, 0, context_length)
+    for row in range(1, max_rows):
+        target = cache.slots(row, 0, context_length)
+        for keys, values in zip(cache.keys, cache.values):
+            keys[:, target] = keys[:, source]
+            values[:, target] = values[:, source]
+        cache.set_length(row, context_length)
+    for num_rows in rows:
+        shapes = [[width] * num_rows for width in positions]
+        if num_rows > 1:
+            shapes += [[width] + [1] * (num_rows - 1) for width in positions if width > 1]
+        fastest: dict[tuple[int, int], float] = {}
+        for _ in range(repeats):
+            for widths in shapes:
+                step = [StepRow(row, [0] * width, width) for row, width in enumerate(widths)]
+                started = time.perf_counter()
+                runner.forward(step)[-1, 0].item()  # wait for the device, as verification does
+                seconds = time.perf_counter() - started
+                shape = (num_rows, sum(widths))
+                fastest[shape] = min(seconds, fastest.get(shape, seconds))
+                for row in range(num_rows):
+                    cache.set_length(row, context_length)
+        for (shape_rows, shape_positions), seconds in fastest.items():
+            step_time.observe(shape_rows, shape_positions, seconds)
+    return step_time
+
+
+def calibrate(model, max_rows: int, repeats: int = 2) -> StepTimeModel:
+    """Probe the model's shared step-time surface at 1, 2, 4, ... rows up to ``max_rows``."""
+    rows = {2**power for power in range(max_rows.bit_length()) if 2**power <= max_rows} | {max_rows}
+    return measure_step_times(model, PROBE_POSITIONS, rows=sorted(rows), repeats=repeats)

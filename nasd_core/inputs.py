@@ -1,0 +1,52 @@
+"""A request's inputs: prompt encoding and validation, the model's end-of-sequence ids."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nasd_core.errors import ContextLengthError, InvalidRequestError
+
+
+def encode_prompt(tokenizer, prompt: str | Sequence[int], vocab_size: int) -> list[int]:
+    """Token ids of a text or id-list prompt; raises InvalidRequestError on empty/out-of-vocab input."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt must not be empty", param="prompt")
+        if tokenizer is None:
+            raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids", param="prompt")
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        prompt_ids = list(prompt)
+        if any(not isinstance(token, int) or isinstance(token, bool) for token in prompt_ids):
+            raise InvalidRequestError("prompt token ids must be integers", param="prompt")
+    if not prompt_ids:
+        raise InvalidRequestError("prompt must not be empty", param="prompt")
+    bad = [token for token in prompt_ids if not 0 <= token < vocab_size]
+    if bad:
+        raise InvalidRequestError(
+            f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt"
+        )
+    return prompt_ids
+
+
+def check_context(model, num_prompt_tokens: int, max_tokens: int) -> None:
+    """Raise ContextLengthError when the prompt plus ``max_tokens`` exceed the context window."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and num_prompt_tokens + max_tokens > limit:
+        raise ContextLengthError(
+            f"this model's maximum context length is {limit} tokens; the prompt has "
+            f"{num_prompt_tokens} and max_tokens asks for {max_tokens}",
+            param="max_tokens",
+        )
+
+
+def eos_ids(model, tokenizer) -> set[int]:
+    """Every end-of-sequence id the model or tokenizer declares."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(value)
+    return ids

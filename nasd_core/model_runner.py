@@ -1,0 +1,133 @@
+"""Model runner: one forward per engine step over the rows' packed positions.
+
+The runner owns the model's paged KV-cache. A step is a list of ``StepRow``: each row feeds
+its own tokens (the last token plus its drafts, or a chunk of its prompt) at the positions
+after its cached ones; the runner packs them into one sequence with no padding, runs the
+model once and returns the logits of only the positions that ask for them (verification
+positions: prefill chunks need none, and the vocabulary projection is the dearest layer of a
+small model). After the forward every fed position is cached; the engine rolls back
+rejected drafts with ``cache.set_length``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nasd_core.attention import NO_MASK, Segment, StepLayout, causal_mask, use_paged_attention
+from nasd_core.kv_cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+# On a CPU the pool is reserved, not resident (untouched pages cost nothing), so the default
+# budget can be generous; on a GPU it is real memory taken from what the model left free.
+DEFAULT_CPU_KV_FRACTION = 0.25
+DEFAULT_GPU_KV_FRACTION = 0.6
+
+
+@dataclass
+class StepRow:
+    """One row's input to a step: ``token_ids`` go in after the row's cached positions; the
+    last ``num_logits`` of them need logits."""
+
+    row_id: Hashable
+    token_ids: list[int]
+    num_logits: int
+
+
+def attention_shape(model) -> tuple[int, int, int, int]:
+    """(layers, heads, kv heads, head dim) of a transformers causal LM."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, heads, kv_heads, head_dim
+
+
+def default_kv_tokens(model, max_rows: int) -> int:
+    """Positions of KV-cache a default budget holds: a share of the device's memory, no more
+    than ``max_rows`` rows of the model's full context could use."""
+    num_layers, _, kv_heads, head_dim = attention_shape(model)
+    bytes_per_token = 2 * num_layers * kv_heads * head_dim * model.dtype.itemsize
+    device = model.device
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        budget = DEFAULT_GPU_KV_FRACTION * free_bytes
+    else:
+        import os
+
+        budget = DEFAULT_CPU_KV_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    context = getattr(model.config, "max_position_embeddings", None) or 8192
+    return int(min(budget // bytes_per_token, max_rows * context))
+
+
+class ModelRunner:
+    """Runs steps of packed rows through ``model`` over a paged KV-cache it allocates once.
+
+    Args:
+        model: a transformers causal LM whose attention goes through the attention interface.
+        kv_cache_tokens: positions the pool holds (None: ``default_kv_tokens``).
+        block_size: positions per block.
+        max_rows: rows the default budget is sized for.
+    """
+
+    def __init__(self, model, kv_cache_tokens: int | None = None, block_size: int = 32, max_rows: int = 32):
+        self.model = model
+        use_paged_attention(model)
+        num_layers, heads, kv_heads, head_dim = attention_shape(model)
+        self.groups = heads // kv_heads
+        tokens = kv_cache_tokens if kv_cache_tokens is not None else default_kv_tokens(model, max_rows)
+        self.cache = PagedKVCache(
+            num_layers, kv_heads, head_dim, -(-tokens // block_size), block_size, model.dtype, model.device
+        )
+        self.device = model.device
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        logger.info(
+            "paged KV-cache: %d positions in blocks of %d (%.2f GB reserved)",
+            self.cache.capacity_tokens,
+            block_size,
+            self.cache.capacity_tokens * self.cache.bytes_per_token / 1e9,
+        )
+
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
+        """One forward over every row's new tokens; ``[sum of num_logits, vocab]`` logits, in
+        row order, on the model's device. Every fed position is cached afterwards."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[torch.Tensor] = []
+        segments: list[Segment] = []
+        logit_index: list[int] = []
+        for row in rows:
+            start = self.cache.length(row.row_id)
+            count = len(row.token_ids)
+            end = start + count
+            segments.append(
+                Segment(
+                    row.row_id, len(token_ids), count, end, causal_mask(count, end, self.groups, self.device)
+                )
+            )
+            logit_index.extend(range(len(token_ids) + count - row.num_logits, len(token_ids) + count))
+            token_ids.extend(row.token_ids)
+            positions.extend(range(start, end))
+            slots.append(self.cache.slots(row.row_id, start, end))
+        layout = StepLayout(self.cache, segments, torch.cat(slots), self.groups)
+        keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
+        extra = {"logits_to_keep": keep} if self._takes_logits_to_keep else {}
+        output = self.model(
+            input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+            attention_mask=NO_MASK.to(self.device),
+            use_cache=False,
+            nasd_step=layout,
+            **extra,
+        )
+        for row in rows:
+            cached = self.cache.length(row.row_id) + len(row.token_ids)
+            self.cache.set_length(row.row_id, cached)
+        logits = output.logits[0]
+        return logits if self._takes_logits_to_keep else logits[keep]
