@@ -65,14 +65,15 @@ def step_costs(model, repeats: int) -> dict:
         plain, ragged = {}, {}
         for context in CONTEXTS:
             fill_rows(runner, num_rows, context, model.config.vocab_size)
+            one_wide = [1 + RAGGED_DRAFT] + [1] * (num_rows - 1)
             plain[context] = fastest_step_ms(runner, [1] * num_rows, context, repeats)
-            ragged[context] = fastest_step_ms(runner, [1 + RAGGED_DRAFT] + [1] * (num_rows - 1), context, repeats)
-            print(f"{num_rows} rows, context {context}: plain {plain[context]} ms, one row +16: {ragged[context]} ms")
+            ragged[context] = fastest_step_ms(runner, one_wide, context, repeats)
+            print(f"{num_rows} rows, ctx {context}: plain {plain[context]} ms, one wide {ragged[context]} ms")
         by_rows[num_rows] = {
             "plain_ms_by_context": plain,
             "ragged_ms_by_context": ragged,
             "ctx_ratio": round(plain[max(CONTEXTS)] / plain[min(CONTEXTS)], 2),
-            "ragged_over_plain": {context: round(ragged[context] / plain[context], 2) for context in CONTEXTS},
+            "ragged_over_plain": {ctx: round(ragged[ctx] / plain[ctx], 2) for ctx in CONTEXTS},
         }
     return by_rows
 
@@ -125,7 +126,9 @@ def memory(model, tokenizer, num_rows: int, prompt_tokens: int, new_tokens: int)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args()

@@ -27,7 +27,9 @@ VARIANTS = {
 
 def shape_ms(step_time: StepTimeModel, num_rows: int) -> dict[int, float]:
     """Milliseconds of a step of ``num_rows`` rows by positions per row (fastest of the repeats)."""
-    return {width: round(1000 * step_time.measured(num_rows, num_rows * width), 1) for width in PROBE_POSITIONS}
+    return {
+        width: round(1000 * step_time.measured(num_rows, num_rows * width), 1) for width in PROBE_POSITIONS
+    }
 
 
 def main() -> None:
