@@ -60,10 +60,10 @@ def test_text_stream_deltas_add_up_to_the_cut_text(tokenizer, stop):
 
 def test_start_probes_step_times_up_to_the_batch_limit(served):
     """Before any request, the step-time surface holds every probed width for the one row
-    this server batches (the cold-start table would cap the width at 5: 6 positions)."""
+    this server batches (the cold-start table would cap the draft at 5 positions)."""
     server, _ = served
     step_time = model_step_time(server.model)
-    assert step_time.covers(1, max(PROBE_POSITIONS)) and not step_time.covers(2, 1)
+    assert step_time.widest_measured(1) == max(PROBE_POSITIONS) - 1 and step_time.widest_measured(2) is None
 
 
 # -------------------------------------------------------------- error chunks
