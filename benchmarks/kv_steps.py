@@ -88,8 +88,8 @@ def long_prompts(tokenizer, count: int, target_tokens: int) -> list[list[int]]:
         while len(ids) < target_tokens:
             messages.extend(conversations[offset % len(conversations)])
             offset += count
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer.encode(text, add_special_tokens=False)
         prompts.append(list(ids[-target_tokens:]))
     return prompts
 
