@@ -50,10 +50,11 @@ def measure_step_times(
     step_time = step_time if step_time is not None else model_step_time(model)
     positions = list(range(1, positions + 1)) if isinstance(positions, int) else list(positions)
     max_rows = max(rows)
-    runner = ModelRunner(model, kv_cache_tokens=max_rows * (context_length + max(positions)))
+    row_tokens = context_length + max(positions)
+    runner = ModelRunner(model, kv_cache_tokens=max_rows * row_tokens, block_size=row_tokens)
     cache = runner.cache
     for row in range(max_rows):
-        cache.allocate(row, context_length + max(positions))
+        cache.allocate(row, row_tokens)
     # Fill row 0 with a real context and copy it to the others (one prefill, not max_rows).
     runner.forward([StepRow(0, [i % model.config.vocab_size for i in range(context_length)], 0)])
     source = cache.slots(0, 0, context_length)

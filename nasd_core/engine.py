@@ -30,7 +30,7 @@ from nasd_core.metrics import SpecStats
 from nasd_core.model_runner import ModelRunner, StepRow
 from nasd_core.ngram import NGramIndex
 from nasd_core.policy import RowDraft, choose_batch_draft_lengths, draft_position_cap
-from nasd_core.sampling import make_generator
+from nasd_core.sampling import TokenDraws
 from nasd_core.sequence import GenerationResult, Request, RequestStatus
 from nasd_core.stopping import StopChecker
 from nasd_core.verify import verify_rows
@@ -125,7 +125,7 @@ class Engine:
             drafter=RequestDrafter(
                 spec, self.shared if shared is None else shared, local_index, self.vocab_size, params.seed
             ),
-            generator=make_generator(params.seed),
+            draws=TokenDraws(params.seed),
             on_tokens=on_tokens,
             arrival_time=time.perf_counter(),
         )
@@ -270,7 +270,7 @@ class Engine:
         emitted_rows = verify_rows(
             logits,
             [draft.tokens[:length] for draft, length in zip(drafts, lengths)],
-            [(request.params, request.generator) for request in rows],
+            [(request.params, request.draws, request.num_output) for request in rows],
         )
         step_s = time.perf_counter() - forward_started
         self.step_time.observe(len(step_rows), sum(len(row.token_ids) for row in step_rows), step_s)

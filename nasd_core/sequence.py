@@ -1,4 +1,4 @@
-"""One request's state inside the engine: tokens, stop checker, drafter, generator, counters."""
+"""One request's state inside the engine: tokens, stop checker, drafter, draws, counters."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from nasd_core.config import SamplingParams, SpecConfig
 from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
 from nasd_core.metrics import SpecStats
 from nasd_core.policy import AcceptanceEstimator, RowDraft
+from nasd_core.sampling import TokenDraws
 from nasd_core.stopping import FinishReason, StopChecker
 
 
@@ -36,7 +35,7 @@ class Request:
     spec: SpecConfig
     stopper: StopChecker
     drafter: RequestDrafter
-    generator: np.random.Generator
+    draws: TokenDraws
     on_tokens: Callable[[Request, list[int]], None] | None = None
     status: RequestStatus = RequestStatus.WAITING
     tokens: list[int] = field(default_factory=list)
@@ -52,6 +51,11 @@ class Request:
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        """Tokens generated so far (= the output position the next step samples first)."""
+        return len(self.tokens) - len(self.prompt_ids)
 
     @property
     def output_ids(self) -> list[int]:

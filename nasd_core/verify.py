@@ -10,19 +10,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from nasd_core.config import SamplingParams
-from nasd_core.sampling import logits_to_probs, sample_token
+from nasd_core.sampling import TokenDraws, logits_to_probs, sample_tokens
 
 
-def verify_greedy(target_ids: Sequence[int], draft: Sequence[int]) -> list[int]:
-    """Greedy rule.
+def accept_prefix(target_ids: Sequence[int], draft: Sequence[int]) -> list[int]:
+    """The acceptance rule of both modes, given the target's token at each position.
 
-    Accept draft[i] iff it equals the target's argmax given the context plus draft[:i];
-    at the first mismatch emit the argmax instead (correction) and stop; if every draft
-    matched, the argmax after the last one is a free bonus token.
+    Accept draft[i] iff it equals the target token given the context plus draft[:i]; at the
+    first mismatch emit the target token instead (correction) and stop; if every draft
+    matched, the target token after the last one is a free bonus. Greedy: the target token
+    is the argmax. Sampled: it is x ~ p drawn at that position, which makes P(emit d) = p(d)
+    and P(emit y != d) = p(y), exactly plain sampling (rejection sampling with a one-hot
+    draft distribution: accept d with probability p(d), else sample p with d removed).
     """
     num_accepted = 0
     for drafted, target in zip(draft, target_ids):
@@ -32,51 +34,37 @@ def verify_greedy(target_ids: Sequence[int], draft: Sequence[int]) -> list[int]:
     return list(target_ids[: num_accepted + 1])
 
 
-def verify_sampled(probs: torch.Tensor, draft: Sequence[int], generator: np.random.Generator) -> list[int]:
-    """Lossless rule for a deterministic draft (rows of ``probs`` = target distributions).
-
-    Sample x ~ p at each position; accept the draft d if x == d and go on, else emit x
-    and stop. P(emit d) = p(d) and P(emit y != d) = p(y): exactly plain sampling. This
-    equals "accept d with probability p(d), else sample p with d removed", i.e. rejection
-    sampling with a one-hot draft distribution.
-    """
-    emitted: list[int] = []
-    for position in range(len(draft) + 1):
-        token = sample_token(probs[position], generator)
-        emitted.append(token)
-        if position == len(draft) or token != draft[position]:
-            break
-    return emitted
-
-
-def verify(
-    logits: torch.Tensor, draft: Sequence[int], params: SamplingParams, generator: np.random.Generator
-) -> list[int]:
-    """Emitted tokens of one row from its ``[len(draft) + 1, vocab]`` logits, by the request's rule."""
-    if params.is_greedy:
-        return verify_greedy(logits.argmax(dim=-1).tolist(), draft)
-    return verify_sampled(logits_to_probs(logits, params), draft, generator)
+def verify_sampled(probs: torch.Tensor, draft: Sequence[int], uniforms: torch.Tensor) -> list[int]:
+    """One row's sampled verification from its ``[len(draft) + 1, vocab]`` target distributions
+    and the draws of those output positions."""
+    return accept_prefix(sample_tokens(probs, uniforms[: len(draft) + 1]).tolist(), draft)
 
 
 def verify_rows(
     logits: torch.Tensor,
     drafts: Sequence[Sequence[int]],
-    rows: Sequence[tuple[SamplingParams, np.random.Generator]],
+    rows: Sequence[tuple[SamplingParams, TokenDraws, int]],
 ) -> list[list[int]]:
     """Emitted tokens of every row of a step from the step's one ``[positions, vocab]`` logits
-    tensor (row i's ``len(drafts[i]) + 1`` positions after row i-1's).
+    tensor (row i's ``len(drafts[i]) + 1`` positions after row i-1's). ``rows``: each row's
+    sampling parameters, draws and output position of its first verified token.
 
-    Greedy rows share one argmax over every position and one transfer to the host, however
-    many rows there are; sampled rows draw on the host from their own positions.
+    The target token of every position (argmax for greedy rows, a sample for the others) is
+    computed on the logits' device and brought to the host in one transfer for the step.
     """
-    greedy_ids = logits.argmax(dim=-1).tolist() if any(params.is_greedy for params, _ in rows) else []
+    targets = logits.argmax(dim=-1)
+    offset = 0
+    for draft, (params, draws, position) in zip(drafts, rows):
+        end = offset + len(draft) + 1
+        if not params.is_greedy:
+            uniforms = torch.from_numpy(draws.uniforms(position, end - offset))
+            targets[offset:end] = sample_tokens(logits_to_probs(logits[offset:end], params), uniforms)
+        offset = end
+    target_ids = targets.tolist()
     emitted_rows = []
     offset = 0
-    for draft, (params, generator) in zip(drafts, rows):
+    for draft in drafts:
         end = offset + len(draft) + 1
-        if params.is_greedy:
-            emitted_rows.append(verify_greedy(greedy_ids[offset:end], draft))
-        else:
-            emitted_rows.append(verify_sampled(logits_to_probs(logits[offset:end], params), draft, generator))
+        emitted_rows.append(accept_prefix(target_ids[offset:end], draft))
         offset = end
     return emitted_rows

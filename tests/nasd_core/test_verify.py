@@ -14,30 +14,32 @@ import torch
 from scipy.stats import chisquare
 
 from nasd_core.config import SamplingParams
-from nasd_core.sampling import logits_to_probs, make_generator, sample_token
-from nasd_core.verify import verify_greedy, verify_sampled
+from nasd_core.sampling import TokenDraws, logits_to_probs, sample_tokens
+from nasd_core.verify import accept_prefix, verify_rows, verify_sampled
 
 NUM_TRIALS = 6000
 
 
 def test_greedy_accepts_leading_matches_then_corrects():
-    assert verify_greedy([5, 6, 9, 8], [5, 6, 7]) == [5, 6, 9]  # correction at the first mismatch
-    assert verify_greedy([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all accepted + bonus
-    assert verify_greedy([4, 6, 7, 8], [5, 6, 7]) == [4]  # nothing accepted: still one token
-    assert verify_greedy([3], []) == [3]  # no draft: plain decoding
+    assert accept_prefix([5, 6, 9, 8], [5, 6, 7]) == [5, 6, 9]  # correction at the first mismatch
+    assert accept_prefix([5, 6, 7, 8], [5, 6, 7]) == [5, 6, 7, 8]  # all accepted + bonus
+    assert accept_prefix([4, 6, 7, 8], [5, 6, 7]) == [4]  # nothing accepted: still one token
+    assert accept_prefix([3], []) == [3]  # no draft: plain decoding
 
 
-def lossy_rule(probs: torch.Tensor, draft: list[int], generator: np.random.Generator) -> list[int]:
+def lossy_rule(probs: torch.Tensor, draft: list[int], uniforms: torch.Tensor) -> list[int]:
     """Deliberately wrong: accept d with probability p(d), else sample from p *without* removing d.
 
     P(emit d) = p(d) + (1 - p(d)) p(d) > p(d): biased towards the draft.
     """
     emitted: list[int] = []
     for position in range(len(draft) + 1):
-        if position < len(draft) and generator.random() < float(probs[position, draft[position]]):
+        if position < len(draft) and float(uniforms[position]) < float(probs[position, draft[position]]):
             emitted.append(draft[position])
             continue
-        emitted.append(sample_token(probs[position], generator))
+        # A fresh draw for the sample (the one above decided the acceptance).
+        fresh = torch.tensor([(float(uniforms[position]) * 7919.0) % 1.0])
+        emitted.append(int(sample_tokens(probs[position : position + 1], fresh)[0]))
         break
     return emitted
 
@@ -60,10 +62,12 @@ def two_position_probs(model, tokenizer):
 
 
 def run_rule(rule, probs, draft, seed: int = 1234) -> tuple[Counter, Counter]:
-    generator = make_generator(seed)
+    draws = TokenDraws(seed)
     first, second = Counter(), Counter()
-    for _ in range(NUM_TRIALS):
-        emitted = rule(probs, draft, generator)
+    for trial in range(NUM_TRIALS):
+        # Each trial is a request of its own: the draws of output positions 0..len(draft).
+        uniforms = torch.from_numpy(TokenDraws(int(draws.uniforms(trial, 1)[0] * 2**62)).uniforms(0, 3))
+        emitted = rule(probs, draft, uniforms)
         first[emitted[0]] += 1
         if emitted[0] == draft[0] and len(emitted) > 1:
             second[emitted[1]] += 1
@@ -94,12 +98,27 @@ def test_the_same_test_rejects_a_lossy_rule(two_position_probs):
     assert chi_square_p(first, probs[0]) < 1e-6
 
 
-def test_sampling_consumes_one_draw_per_emitted_token(two_position_probs):
+def test_the_draw_of_an_output_position_depends_only_on_the_seed_and_the_position():
+    draws = TokenDraws(7).uniforms(0, 1000)
+    assert np.array_equal(TokenDraws(7).uniforms(3, 4), draws[3:7])
+    assert not np.array_equal(TokenDraws(8).uniforms(0, 1000), draws)
+    assert draws.min() >= 0.0 and draws.max() < 1.0 and abs(draws.mean() - 0.5) < 0.05
+
+
+def test_a_step_verifies_greedy_and_sampled_rows_from_one_logits_tensor(two_position_probs):
+    """verify_rows gives each row what the single-row rules give it."""
     probs, draft = two_position_probs
-    generator = make_generator(7)
-    emitted = verify_sampled(probs, draft, generator)
-    replay = make_generator(7)
-    assert emitted == [sample_token(probs[i], replay) for i in range(len(emitted))]
+    logits = torch.log(probs.clamp_min(1e-30))
+    sampled = SamplingParams(temperature=1.0, top_k=8)
+    greedy = SamplingParams()
+    for seed in range(20):
+        draws = TokenDraws(seed)
+        rows = [(greedy, draws, 0), (sampled, draws, 5), (greedy, draws, 0)]
+        emitted = verify_rows(torch.cat([logits, logits[:1], logits]), [draft, [], draft[:1]], rows)
+        uniforms = torch.from_numpy(draws.uniforms(5, 3))
+        assert emitted[0] == accept_prefix(logits.argmax(-1).tolist(), draft)
+        assert emitted[1] == verify_sampled(logits_to_probs(logits[:1], sampled), [], uniforms)
+        assert emitted[2] == accept_prefix(logits[:2].argmax(-1).tolist(), draft[:1])
 
 
 def test_top_p_and_top_k_restrict_the_support():
