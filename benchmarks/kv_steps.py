@@ -18,6 +18,7 @@ import time
 
 from benchmarks.common import run_metadata, write_result
 from benchmarks.workloads import WORKLOADS, make_workload
+from nasd_core.calibration import fill_rows
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine import Engine
 from nasd_core.model_runner import ModelRunner, StepRow
@@ -26,23 +27,6 @@ from nasd_core.models import load_model
 CONTEXTS = (64, 512, 1536)
 ROWS = (16, 32)
 RAGGED_DRAFT = 16
-
-
-def fill_rows(runner: ModelRunner, num_rows: int, context: int, vocab_size: int) -> None:
-    """``num_rows`` rows holding ``context`` cached tokens (one prefill, copied to the others)."""
-    cache = runner.cache
-    for row in list(cache.rows):
-        cache.free(row)
-    for row in range(num_rows):
-        cache.allocate(row, context + RAGGED_DRAFT + 1)
-    runner.forward([StepRow(0, [(7 * i) % vocab_size for i in range(context)], 0)])
-    source = cache.slots(0, 0, context)
-    for row in range(1, num_rows):
-        target = cache.slots(row, 0, context)
-        for keys, values in zip(cache.keys, cache.values):
-            keys[:, target] = keys[:, source]
-            values[:, target] = values[:, source]
-        cache.set_length(row, context)
 
 
 def fastest_step_ms(runner: ModelRunner, widths: list[int], context: int, repeats: int) -> float:
@@ -64,7 +48,9 @@ def step_costs(model, repeats: int) -> dict:
     for num_rows in ROWS:
         plain, ragged = {}, {}
         for context in CONTEXTS:
-            fill_rows(runner, num_rows, context, model.config.vocab_size)
+            for row in list(runner.cache.rows):
+                runner.cache.free(row)
+            fill_rows(runner, num_rows, context, context + RAGGED_DRAFT + 1)
             one_wide = [1 + RAGGED_DRAFT] + [1] * (num_rows - 1)
             plain[context] = fastest_step_ms(runner, [1] * num_rows, context, repeats)
             ragged[context] = fastest_step_ms(runner, one_wide, context, repeats)

@@ -33,6 +33,24 @@ def model_step_time(model) -> StepTimeModel:
 
 
 @torch.inference_mode()
+def fill_rows(runner: ModelRunner, num_rows: int, context_length: int, row_tokens: int) -> None:
+    """Make rows ``0..num_rows-1`` of ``runner``'s empty cache, each with room for ``row_tokens``
+    positions, hold the same ``context_length`` cached tokens (one prefill, copied to the rest)."""
+    cache = runner.cache
+    for row in range(num_rows):
+        cache.allocate(row, row_tokens)
+    vocab_size = runner.model.config.vocab_size
+    runner.forward([StepRow(0, [(7 * i) % vocab_size for i in range(context_length)], 0)])
+    source = cache.slots(0, 0, context_length)
+    for row in range(1, num_rows):
+        target = cache.slots(row, 0, context_length)
+        for keys, values in zip(cache.keys, cache.values):
+            keys[:, target] = keys[:, source]
+            values[:, target] = values[:, source]
+        cache.set_length(row, context_length)
+
+
+@torch.inference_mode()
 def measure_step_times(
     model,
     positions: int | Sequence[int],
@@ -53,17 +71,7 @@ def measure_step_times(
     row_tokens = context_length + max(positions)
     runner = ModelRunner(model, kv_cache_tokens=max_rows * row_tokens, block_size=row_tokens)
     cache = runner.cache
-    for row in range(max_rows):
-        cache.allocate(row, row_tokens)
-    # Fill row 0 with a real context and copy it to the others (one prefill, not max_rows).
-    runner.forward([StepRow(0, [i % model.config.vocab_size for i in range(context_length)], 0)])
-    source = cache.slots(0, 0, context_length)
-    for row in range(1, max_rows):
-        target = cache.slots(row, 0, context_length)
-        for keys, values in zip(cache.keys, cache.values):
-            keys[:, target] = keys[:, source]
-            values[:, target] = values[:, source]
-        cache.set_length(row, context_length)
+    fill_rows(runner, max_rows, context_length, row_tokens)
     for num_rows in rows:
         shapes = [[width] * num_rows for width in positions]
         if num_rows > 1:

@@ -1,9 +1,41 @@
-"""Shared fixtures: the real embedded model, loaded once per test session."""
+"""Shared fixtures: the real embedded model, loaded once per test session; deprecations fail.
+
+transformers announces some deprecations (``past_key_values`` -> ``cache``, removed in 5.40)
+through its logger rather than ``warnings``: any such message during a test fails it, so a
+call this project makes that a coming release removes is caught before the release is.
+FutureWarning and DeprecationWarning raised from this project's modules are errors too
+(``filterwarnings`` in pyproject.toml).
+"""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+
+
+class _DeprecationRecorder(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "deprecated" in message.lower():
+            self.messages.append(message)
+
+
+@pytest.fixture(autouse=True)
+def no_transformers_deprecations():
+    recorder = _DeprecationRecorder()
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(recorder)
+    try:
+        yield
+    finally:
+        hf_logger.removeHandler(recorder)
+    assert not recorder.messages, f"transformers deprecation during the test: {recorder.messages}"
 
 
 @pytest.fixture(scope="session")

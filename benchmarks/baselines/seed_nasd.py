@@ -78,7 +78,7 @@ def seed_nasd_generate(
     storage.initialize(input_ids[:, :prompt_len])
 
     out = model(input_ids=input_ids[:, :prompt_len], use_cache=True)
-    cache = out.past_key_values
+    cache = out.cache
     first = out.logits[:, -1, :].argmax(-1)
     input_ids[0, prompt_len] = first
     storage.update(input_ids[:, :prompt_len], first)
@@ -98,10 +98,10 @@ def seed_nasd_generate(
         # Feed [last accepted, drafts...]: the cache holds everything before the last token.
         step = model(
             input_ids=drafts[:, position - 1 : position + corrected_gamma],
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
         )
-        cache = step.past_key_values
+        cache = step.cache
         choices = step.logits[0].argmax(-1)
         accepted = corrected_gamma
         for i in range(corrected_gamma):

@@ -119,7 +119,7 @@ def test_fast_path_logits_match_stock_on_a_padded_cached_batch(model, tokenizer,
             input_ids=steps,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=prefill.past_key_values,
+            cache=prefill.cache,
             use_cache=True,
         )
         logits.append((prefill.logits[:, -1], step.logits))
