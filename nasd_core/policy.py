@@ -107,11 +107,13 @@ class StepTimeModel:
         self._seconds: dict[int, dict[int, float]] = {}
         self._num_samples: dict[tuple[int, int], int] = {}
 
-    def observe(self, num_rows: int, num_positions: int, seconds: float) -> None:
-        """Record one step of ``num_rows`` rows feeding ``num_positions`` positions in all."""
+    def observe(self, num_rows: int, num_positions: int, seconds: float, num_samples: int = 1) -> None:
+        """Record one step of ``num_rows`` rows feeding ``num_positions`` positions in all.
+        ``num_samples``: how many readings ``seconds`` stands for (a probe's fastest of several
+        repeats is trusted at once, so the policy does not spend steps retiming it)."""
         extra = snap_extra(max(0, num_positions - num_rows))
         shape = (num_rows, extra)
-        self._num_samples[shape] = self._num_samples.get(shape, 0) + 1
+        self._num_samples[shape] = self._num_samples.get(shape, 0) + num_samples
         column = self._seconds.setdefault(extra, {})
         previous = column.get(num_rows)
         if previous is None:

@@ -137,6 +137,11 @@ def test_batch_policy_retimes_a_close_alternative_read_only_once():
     for _ in range(MIN_TRUSTED_SAMPLES - 1):
         step_time.observe(16, 16, 0.200)
     assert choose_batch_draft_lengths(rows, step_time) == [1] * 16
+    # A probe's reading (the fastest of its repeats) is trusted at once: nothing is retimed.
+    probed = StepTimeModel()
+    probed.observe(16, 16, 0.200, num_samples=MIN_TRUSTED_SAMPLES)
+    probed.observe(16, 32, 0.217, num_samples=MIN_TRUSTED_SAMPLES)
+    assert choose_batch_draft_lengths(rows, probed) == [1] * 16
 
 
 def test_step_time_model_resists_one_sided_noise():
