@@ -273,20 +273,18 @@ class Engine:
             [(request.params, request.draws, request.num_output) for request in rows],
         )
         step_s = time.perf_counter() - forward_started
-        self.step_time.observe(len(step_rows), sum(len(row.token_ids) for row in step_rows), step_s)
+        num_positions = sum(len(row.token_ids) for row in step_rows)
+        self.step_time.observe(len(step_rows), num_positions, step_s)
         if rows:
             widest = max(lengths)
             self.width_histogram[widest] = self.width_histogram.get(widest, 0) + 1
 
         for request, row in chunks:
-            request.stats.prefill_time_s += (
-                step_s * len(row.token_ids) / sum(len(r.token_ids) for r in step_rows)
-            )
+            request.stats.prefill_time_s += step_s * len(row.token_ids) / num_positions
             if request.num_prefilled == len(request.prompt_ids) - 1:
                 self._start_running(request)
 
-        learn_started = time.perf_counter()
-        now = time.perf_counter()
+        learn_started = now = time.perf_counter()
         offset = 0
         for request, draft, length, emitted in zip(rows, drafts, lengths, emitted_rows):
             # The step cached the last token and every draft; keep the accepted ones only.

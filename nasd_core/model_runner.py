@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -58,8 +59,6 @@ def default_kv_tokens(model, max_rows: int) -> int:
         free_bytes, _ = torch.cuda.mem_get_info(device)
         budget = DEFAULT_GPU_KV_FRACTION * free_bytes
     else:
-        import os
-
         budget = DEFAULT_CPU_KV_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     context = getattr(model.config, "max_position_embeddings", None) or 8192
     return int(min(budget // bytes_per_token, max_rows * context))

@@ -42,7 +42,6 @@ class Request:
     acceptance: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     stats: SpecStats = field(default_factory=SpecStats)
     num_prefilled: int = 0
-    prefill_cache: object | None = None
     cancelled: bool = False
     arrival_time: float = 0.0
     first_token_time: float | None = None
