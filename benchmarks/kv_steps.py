@@ -18,10 +18,10 @@ import time
 
 from benchmarks.common import run_metadata, write_result
 from benchmarks.workloads import WORKLOADS, make_workload
-from nasd_core.calibration import fill_rows
+from nasd_core.calibration import fill_rows, time_step
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine import Engine
-from nasd_core.model_runner import ModelRunner, StepRow
+from nasd_core.model_runner import ModelRunner
 from nasd_core.models import load_model
 
 CONTEXTS = (64, 512, 1536)
@@ -31,15 +31,7 @@ RAGGED_DRAFT = 16
 
 def fastest_step_ms(runner: ModelRunner, widths: list[int], context: int, repeats: int) -> float:
     """Fastest of ``repeats`` steps where row i feeds ``widths[i]`` positions (then rolled back)."""
-    best = float("inf")
-    for _ in range(repeats):
-        step = [StepRow(row, [1] * width, width) for row, width in enumerate(widths)]
-        started = time.perf_counter()
-        runner.forward(step)[-1, 0].item()
-        best = min(best, time.perf_counter() - started)
-        for row in range(len(widths)):
-            runner.cache.set_length(row, context)
-    return round(1000 * best, 1)
+    return round(1000 * min(time_step(runner, widths, context) for _ in range(repeats)), 1)
 
 
 def step_costs(model, repeats: int) -> dict:

@@ -51,6 +51,19 @@ def fill_rows(runner: ModelRunner, num_rows: int, context_length: int, row_token
 
 
 @torch.inference_mode()
+def time_step(runner: ModelRunner, widths: Sequence[int], context_length: int) -> float:
+    """Seconds of one step where row i (of rows filled by ``fill_rows``) feeds ``widths[i]``
+    positions with logits; the rows are rolled back to ``context_length`` afterwards."""
+    step = [StepRow(row, [0] * width, width) for row, width in enumerate(widths)]
+    started = time.perf_counter()
+    runner.forward(step)[-1, 0].item()  # wait for the device, as verification does
+    seconds = time.perf_counter() - started
+    for row in range(len(widths)):
+        runner.cache.set_length(row, context_length)
+    return seconds
+
+
+@torch.inference_mode()
 def measure_step_times(
     model,
     positions: int | Sequence[int],
@@ -72,7 +85,6 @@ def measure_step_times(
     max_rows = max(rows)
     row_tokens = context_length + max(positions)
     runner = ModelRunner(model, kv_cache_tokens=max_rows * row_tokens, block_size=row_tokens)
-    cache = runner.cache
     fill_rows(runner, max_rows, context_length, row_tokens)
     for num_rows in rows:
         shapes = [[width] * num_rows for width in positions]
@@ -81,14 +93,9 @@ def measure_step_times(
         fastest: dict[tuple[int, int], float] = {}
         for _ in range(repeats):
             for widths in shapes:
-                step = [StepRow(row, [0] * width, width) for row, width in enumerate(widths)]
-                started = time.perf_counter()
-                runner.forward(step)[-1, 0].item()  # wait for the device, as verification does
-                seconds = time.perf_counter() - started
+                seconds = time_step(runner, widths, context_length)
                 shape = (num_rows, sum(widths))
                 fastest[shape] = min(seconds, fastest.get(shape, seconds))
-                for row in range(num_rows):
-                    cache.set_length(row, context_length)
         for (shape_rows, shape_positions), seconds in fastest.items():
             step_time.observe(shape_rows, shape_positions, seconds, num_samples=MIN_TRUSTED_SAMPLES)
     return step_time

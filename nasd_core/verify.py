@@ -8,6 +8,7 @@ bonus after a fully accepted draft). A step therefore always emits at least one 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -52,19 +53,12 @@ def verify_rows(
     The target token of every position (argmax for greedy rows, a sample for the others) is
     computed on the logits' device and brought to the host in one transfer for the step.
     """
+    ends = list(itertools.accumulate(len(draft) + 1 for draft in drafts))
+    spans = list(zip([0, *ends[:-1]], ends))
     targets = logits.argmax(dim=-1)
-    offset = 0
-    for draft, (params, draws, position) in zip(drafts, rows):
-        end = offset + len(draft) + 1
+    for (start, end), (params, draws, position) in zip(spans, rows):
         if not params.is_greedy:
-            uniforms = torch.from_numpy(draws.uniforms(position, end - offset))
-            targets[offset:end] = sample_tokens(logits_to_probs(logits[offset:end], params), uniforms)
-        offset = end
+            uniforms = torch.from_numpy(draws.uniforms(position, end - start))
+            targets[start:end] = sample_tokens(logits_to_probs(logits[start:end], params), uniforms)
     target_ids = targets.tolist()
-    emitted_rows = []
-    offset = 0
-    for draft in drafts:
-        end = offset + len(draft) + 1
-        emitted_rows.append(accept_prefix(target_ids[offset:end], draft))
-        offset = end
-    return emitted_rows
+    return [accept_prefix(target_ids[start:end], draft) for (start, end), draft in zip(spans, drafts)]
