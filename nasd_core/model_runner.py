@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nasd_core.attention import NO_MASK, Segment, StepLayout, causal_mask, use_paged_attention
+from nasd_core.attention import NO_MASK, Segment, kernel_available, plan_step, use_paged_attention
 from nasd_core.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,7 @@ class ModelRunner:
             num_layers, kv_heads, head_dim, -(-tokens // block_size), block_size, model.dtype, model.device
         )
         self.device = model.device
+        self.use_kernel = kernel_available(model.device, model.dtype)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         logger.info(
             "paged KV-cache: %d positions in blocks of %d (%.2f GB reserved)",
@@ -99,22 +100,18 @@ class ModelRunner:
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor] = []
-        segments: list[Segment] = []
+        spans: list[Segment] = []
         logit_index: list[int] = []
         for row in rows:
             start = self.cache.length(row.row_id)
             count = len(row.token_ids)
             end = start + count
-            segments.append(
-                Segment(
-                    row.row_id, len(token_ids), count, end, causal_mask(count, end, self.groups, self.device)
-                )
-            )
+            spans.append(Segment(row.row_id, len(token_ids), count, end))
             logit_index.extend(range(len(token_ids) + count - row.num_logits, len(token_ids) + count))
             token_ids.extend(row.token_ids)
             positions.extend(range(start, end))
             slots.append(self.cache.slots(row.row_id, start, end))
-        layout = StepLayout(self.cache, segments, torch.cat(slots), self.groups)
+        layout = plan_step(self.cache, spans, torch.cat(slots), self.groups, self.use_kernel)
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         extra = {"logits_to_keep": keep} if self._takes_logits_to_keep else {}
         output = self.model(

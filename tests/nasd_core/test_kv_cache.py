@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -110,3 +112,20 @@ def test_engine_admits_by_free_blocks_and_frees_them_on_finish_and_cancel(model,
     assert not engine.cache.rows and engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
     with pytest.raises(ContextLengthError):
         engine.add_request(prompt, SamplingParams(max_tokens=2 * (num_prompt + 8)))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are handed back with Linux madvise")
+def test_a_freed_rows_memory_goes_back_to_the_os_and_its_neighbours_keep_theirs():
+    # One slot = 4 KiB, so every slot but a run's first and last spans whole pages.
+    cache = PagedKVCache(1, 2, 1024, 8, 4, torch.float32, "cpu")
+    for row in ("a", "b"):
+        cache.allocate(row, 16)
+        slots = cache.slots(row, 0, 16)
+        data = torch.ones(2, 16, 1024)
+        cache.write(0, slots, data, data)
+        cache.set_length(row, 16)
+    cache.set_length("a", 5)  # a rollback does not hand back what was written
+    cache.free("a")
+    for pool in (cache.keys[0], cache.values[0]):
+        assert not pool[:, 1:15].any()  # released: reads as zeros
+        assert pool[:, 16:32].eq(1).all()  # row "b" untouched
