@@ -13,6 +13,7 @@ The step time t(rows, positions) is measured online (EWMA per batch shape) on to
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -22,6 +23,8 @@ PRIOR_FIRST_ACCEPT = {1: 0.15, 2: 0.35, 3: 0.5, 4: 0.6}
 PRIOR_FIRST_ACCEPT_LONG = 0.7
 PRIOR_NEXT_ACCEPT = 0.75
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind each prior
+# The engine's pooled acceptance weighs its last ~50 drafts of each match length most.
+POOLED_DECAY = 0.98
 # Prior shape of a verification step: each extra token costs this share of a 1-token step.
 PRIOR_EXTRA_TOKEN_COST = 0.08
 # ...while each extra row of a plain step costs this share: a step reads the weights once
@@ -49,33 +52,58 @@ class _Counts:
     trials: float = 0.0
     accepted: float = 0.0
 
+    def add(self, trials: float, accepted: float, decay: float) -> None:
+        self.trials = decay * self.trials + trials
+        self.accepted = decay * self.accepted + accepted
+
 
 @dataclass
 class AcceptanceEstimator:
-    """Acceptance by matched context length, learned from verification outcomes."""
+    """Acceptance by matched context length, learned from verification outcomes.
+
+    A request's estimator starts from a prior worth ``PRIOR_WEIGHT`` drafts: the engine's
+    pooled estimator (``prior``) where there is one, else the fixed ``PRIOR_*`` table. Every
+    record also goes to the pooled one, which forgets (``decay`` per record) so it follows the
+    traffic a replica gets now. Why pool: a chat request of 64 tokens verifies a handful of
+    drafts in all, too few to learn its own rates, so with fixed priors every new creative-text
+    request spent its first steps on drafts a 16-32 row batch then paid for (auto 0.95-0.97x of
+    off at 32 rows); with the pool, the second wave of requests starts from what the first
+    one measured.
+    """
 
     first: dict[int, _Counts] = field(default_factory=dict)
     following: dict[int, _Counts] = field(default_factory=dict)
+    prior: AcceptanceEstimator | None = None
+    decay: float = 1.0
 
     def record(self, match_length: int, num_drafted: int, num_accepted: int) -> None:
         """Count one verified draft of ``num_drafted`` tokens of which ``num_accepted`` matched."""
         if num_drafted <= 0:
             return
-        first = self.first.setdefault(match_length, _Counts())
-        first.trials += 1
-        first.accepted += num_accepted > 0
+        self.first.setdefault(match_length, _Counts()).add(1, num_accepted > 0, self.decay)
         # Positions 2..: tried while every earlier draft was accepted.
-        following = self.following.setdefault(match_length, _Counts())
-        following.trials += min(num_accepted, num_drafted - 1)
-        following.accepted += max(0, num_accepted - 1)
+        self.following.setdefault(match_length, _Counts()).add(
+            min(num_accepted, num_drafted - 1), max(0, num_accepted - 1), self.decay
+        )
+        if self.prior is not None:
+            self.prior.record(match_length, num_drafted, num_accepted)
 
     def rates(self, match_length: int) -> tuple[float, float]:
         """(a_first, a_next) for a draft that matched ``match_length`` tokens of context."""
+        if self.prior is not None:
+            prior_first, prior_next = self.prior.rates(match_length)
+        else:
+            prior_first, prior_next = _prior_first(match_length), PRIOR_NEXT_ACCEPT
         first = self.first.get(match_length, _Counts())
         following = self.following.get(match_length, _Counts())
-        a_first = (first.accepted + PRIOR_WEIGHT * _prior_first(match_length)) / (first.trials + PRIOR_WEIGHT)
-        a_next = (following.accepted + PRIOR_WEIGHT * PRIOR_NEXT_ACCEPT) / (following.trials + PRIOR_WEIGHT)
+        a_first = (first.accepted + PRIOR_WEIGHT * prior_first) / (first.trials + PRIOR_WEIGHT)
+        a_next = (following.accepted + PRIOR_WEIGHT * prior_next) / (following.trials + PRIOR_WEIGHT)
         return a_first, a_next
+
+
+def pooled_acceptance() -> AcceptanceEstimator:
+    """An engine's pooled estimator: the prior of each of its requests' estimators."""
+    return AcceptanceEstimator(decay=POOLED_DECAY)
 
 
 def snap_extra(num_extra: int) -> int:
@@ -162,7 +190,10 @@ class StepTimeModel:
         for extra in sorted(at_rows, reverse=True):
             cheapest_wider = min(cheapest_wider, at_rows[extra])
             by_extra[extra] = cheapest_wider
-        return lambda num_positions: _along_positions(by_extra, num_rows, max(0, num_positions - num_rows))
+        extras = sorted(by_extra)
+        return lambda num_positions: _along_positions(
+            by_extra, extras, num_rows, max(0, num_positions - num_rows)
+        )
 
     def _transferred(self, extra: int, num_rows: int, spanned: dict[int, float]) -> float:
         """A column whose measurements do not span ``num_rows``: the nearest column that does
@@ -190,22 +221,23 @@ class StepTimeModel:
         return _beyond_rows(column, num_rows)
 
 
-def _along_positions(by_extra: dict[int, float], num_rows: int, num_extra: int) -> float:
-    """Linear interpolation in extra positions between measured columns (``by_extra``: extra -> s)."""
-    below = sorted(extra for extra in by_extra if extra <= num_extra)
-    above = sorted(extra for extra in by_extra if extra >= num_extra)
-    if below and above:
-        low, high = below[-1], above[0]
+def _along_positions(by_extra: dict[int, float], extras: list[int], num_rows: int, num_extra: int) -> float:
+    """Linear interpolation in extra positions between measured columns (``by_extra``: extra
+    -> s; ``extras``: its keys, sorted). Called for every candidate total of every step."""
+    above_index = bisect.bisect_left(extras, num_extra)
+    below_count = bisect.bisect_right(extras, num_extra)  # columns at or below num_extra
+    if below_count and above_index < len(extras):
+        low, high = extras[below_count - 1], extras[above_index]
         if low == high:
             return by_extra[low]
         share = (num_extra - low) / (high - low)
         return by_extra[low] + share * (by_extra[high] - by_extra[low])
-    if len(below) >= 2:
+    if below_count >= 2:
         # Wider than any measurement: continue the last measured slope (never cheaper).
-        low, high = below[-2], below[-1]
+        low, high = extras[below_count - 2], extras[below_count - 1]
         slope = max(0.0, (by_extra[high] - by_extra[low]) / (high - low))
         return by_extra[high] + slope * (num_extra - high)
-    nearest = below[-1] if below else above[0]
+    nearest = extras[below_count - 1] if below_count else extras[above_index]
     return by_extra[nearest] * _prior_shape(num_rows, num_extra) / _prior_shape(num_rows, nearest)
 
 
@@ -303,6 +335,7 @@ def choose_batch_draft_lengths(
     max_draft_positions: int | None = None,
     num_other_rows: int = 0,
     num_other_positions: int = 0,
+    drafting_s_per_row: float = 0.0,
 ) -> list[int]:
     """Per-row draft lengths for one ragged step (each row pays only for its own positions).
 
@@ -313,6 +346,9 @@ def choose_batch_draft_lengths(
     whole draft, ``off`` rows none. ``num_other_rows`` / ``num_other_positions``: prompt
     chunks riding in the same step (their cost is fixed). ``max_draft_positions`` caps the
     step's total draft positions (the engine passes ``draft_position_cap``).
+    ``drafting_s_per_row``: what building one row's draft costs, charged once per row that
+    gets drafts (the engine passes it when deciding which rows to draft at all; once the
+    drafts are built their cost is spent and it passes 0).
     """
     if not rows:
         return []
@@ -338,10 +374,14 @@ def choose_batch_draft_lengths(
     cost = step_time.curve(num_rows)
     tokens_per_s = {}
     expected = base_tokens
+    drafted_rows: set[int] = set()
     for num_drafts in range(len(gains) + 1):
         if num_drafts:
-            expected += gains[num_drafts - 1][0]
-        tokens_per_s[num_drafts] = expected / cost(base_positions + num_drafts)
+            gain, index = gains[num_drafts - 1]
+            expected += gain
+            drafted_rows.add(index)
+        seconds = cost(base_positions + num_drafts) + drafting_s_per_row * len(drafted_rows)
+        tokens_per_s[num_drafts] = expected / seconds
     best = _explored(tokens_per_s, num_rows, base_positions, step_time)
     lengths = list(forced)
     for _, index in gains[:best]:

@@ -16,6 +16,7 @@ from nasd_core.policy import (
     cold_start_cap,
     draft_position_cap,
     expected_tokens,
+    pooled_acceptance,
     snap_extra,
 )
 
@@ -219,3 +220,32 @@ def test_uncalibrated_steps_are_capped_by_the_table_then_by_what_was_timed():
     empty.observe(8, 8 + 24, 0.1)
     assert draft_position_cap(8, empty) == 48
     assert draft_position_cap(4, empty) == 48 and draft_position_cap(9, empty) == 27
+
+
+def test_requests_start_from_the_engines_pooled_acceptance_and_their_own_evidence_wins():
+    pooled = pooled_acceptance()
+    fresh = AcceptanceEstimator(prior=pooled).rates(3)
+    assert fresh == AcceptanceEstimator().rates(3)  # nothing pooled yet: the fixed table
+    earlier = AcceptanceEstimator(prior=pooled)
+    for _ in range(40):  # earlier requests' drafts at match length 3 were all rejected
+        earlier.record(3, 4, 0)
+    newcomer = AcceptanceEstimator(prior=pooled)
+    assert newcomer.rates(3)[0] < 0.1 < fresh[0]
+    assert newcomer.rates(1) == AcceptanceEstimator().rates(1)  # other match lengths keep their own prior
+    for _ in range(20):  # this request's own drafts are accepted: its rate climbs past the pool's
+        newcomer.record(3, 4, 4)
+    assert newcomer.rates(3)[0] > 0.75
+    # The pool forgets: after as many accepted drafts, it no longer says "never".
+    for _ in range(60):
+        AcceptanceEstimator(prior=pooled).record(3, 4, 4)
+    assert pooled.rates(3)[0] > 0.5
+
+
+def test_a_row_is_drafted_only_if_its_gain_also_pays_for_building_the_draft():
+    step_time = StepTimeModel()
+    for per_row in range(1, 18):  # 16 rows, 100 ms; each extra position 1 ms
+        step_time.observe(16, 16 * per_row, 0.1 + 0.001 * 16 * (per_row - 1))
+    rows = [row("auto", 2, 2, True)] + [row("auto", 0, 1, False) for _ in range(15)]
+    assert choose_batch_draft_lengths(rows, step_time)[0] > 0
+    # Building the draft costs as much as a few positions of verification: not worth it.
+    assert choose_batch_draft_lengths(rows, step_time, drafting_s_per_row=0.02) == [0] * 16
