@@ -11,8 +11,8 @@ Two ways to attend, chosen per row when the step is planned (``plan_step``):
 - on a CPU in float32, rows of a few positions (decode and verification, the bulk of the
   reading) go to one C++ call per layer (``nasd_core/csrc/paged_attention.cpp``) that reads
   every row's blocks in place and splits the work by row, head and run of keys over the
-  cores: at 32 rows x 1536 cached tokens it took 3.2 ms per layer where one SDPA call per
-  row took 4.4 (`python -m benchmarks.kv_steps`, a 2-core Xeon);
+  cores: a decode step of 32 rows x 1536 cached tokens took 198 ms where one SDPA call per
+  row and layer took 294 (`python -m benchmarks.kv_steps`, a 2-core Xeon);
 - prompt chunks (matrix-shaped work SDPA does well), other devices and dtypes, and machines
   where the kernel could not be built use one SDPA call per row over a view of the pool (a
   gathered copy for a fragmented row). On a GPU the same layout maps onto a paged/varlen

@@ -340,14 +340,13 @@ class Engine:
             num_other_positions,
             self.drafting_s_per_row,
         )
-        chosen = [request for request, length in zip(rows, best) if length]
-        if not chosen:
-            return [EMPTY_DRAFT] * len(rows)
+        num_drafted = sum(1 for length in best if length)
         started = time.perf_counter()
-        drafts = {id(request): request.propose() for request in chosen}
-        per_row = (time.perf_counter() - started) / len(chosen)
-        self.drafting_s_per_row += DRAFTING_COST_WEIGHT * (per_row - self.drafting_s_per_row)
-        return [drafts.get(id(request), EMPTY_DRAFT) for request in rows]
+        drafts = [request.propose() if length else EMPTY_DRAFT for request, length in zip(rows, best)]
+        if num_drafted:
+            per_row = (time.perf_counter() - started) / num_drafted
+            self.drafting_s_per_row += DRAFTING_COST_WEIGHT * (per_row - self.drafting_s_per_row)
+        return drafts
 
     def _draft_lengths(
         self,
