@@ -103,7 +103,11 @@ def plan_step(
 ) -> StepLayout:
     """The step's layout from the rows' spans (segments without masks): short rows to the
     kernel when ``use_kernel``, the rest to SDPA with their causal masks."""
-    to_kernel = [span for span in spans if use_kernel and span.num_positions <= KERNEL_MAX_POSITIONS]
+    to_kernel: list[Segment] = []
+    to_sdpa: list[Segment] = []
+    for span in spans:
+        kernel = use_kernel and span.num_positions <= KERNEL_MAX_POSITIONS
+        (to_kernel if kernel else to_sdpa).append(span)
     kernel_rows = None
     if to_kernel:
         kernel_rows = KernelRows(
@@ -111,11 +115,9 @@ def plan_step(
             torch.tensor([[span.start, span.num_positions, span.length] for span in to_kernel]),
             keys_per_unit(sum(span.length for span in to_kernel), torch.get_num_threads()),
         )
-    kernel_ids = {span.row_id for span in to_kernel}
     segments = [
         replace(span, mask=causal_mask(span.num_positions, span.length, groups, cache.device))
-        for span in spans
-        if span.row_id not in kernel_ids
+        for span in to_sdpa
     ]
     return StepLayout(cache, segments, write_slots, groups, kernel_rows)
 

@@ -75,7 +75,9 @@ struct Scratch {
 // Calls `body(first key, keys in the tile, pointer to the tile's first slot)` for the unit's
 // keys in tiles of consecutive slots (a tile never crosses a block). The next tile is
 // prefetched before the body runs, so its memory reads overlap this tile's arithmetic (the
-// cache is read once per step, from memory, not from a CPU cache).
+// cache is read once per step, from memory, not from a CPU cache); `also_prefetch`, when not
+// null, is a second pool of the same layout whose next tile is prefetched too (the values,
+// while the keys are scored, so the values pass finds them in cache).
 template <typename Body>
 inline void for_each_tile(const Unit& unit, const int32_t* block_row, int64_t block_size,
                           const float* head_pool, int64_t head_dim, const float* also_prefetch,
@@ -92,9 +94,9 @@ inline void for_each_tile(const Unit& unit, const int32_t* block_row, int64_t bl
     int64_t next_run = 0;
     const float* next_tile = next_key < unit.end_key ? tile_at(next_key, &next_run) : nullptr;
     const char* bytes = reinterpret_cast<const char*>(next_tile);
-    const char* also = also_prefetch == nullptr
+    const char* also = also_prefetch == nullptr || next_tile == nullptr
                            ? nullptr
-                           : reinterpret_cast<const char*>(also_prefetch + (tile - head_pool));
+                           : reinterpret_cast<const char*>(also_prefetch + (next_tile - head_pool));
     for (int64_t offset = 0; offset < next_run * head_dim * int64_t(sizeof(float)); offset += 64) {
       __builtin_prefetch(bytes + offset);
       if (also != nullptr) __builtin_prefetch(also + offset);
@@ -239,12 +241,15 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
     }
   }
 
+  // Units of one (row, head) pair are consecutive; pair_start[p] is where pair p's begin.
   std::vector<Unit> units;
+  std::vector<int64_t> pair_start;
   int64_t num_partials = 0;
   for (int64_t row = 0; row < num_rows; ++row) {
     const int64_t count = row_info[row * 3 + 1], length = row_info[row * 3 + 2];
     if (count == 0) continue;
     for (int64_t head = 0; head < shape.num_kv_heads; ++head) {
+      pair_start.push_back(int64_t(units.size()));
       for (int64_t first = 0; first < length; first += keys_per_unit) {
         units.push_back({row, head, first, std::min(length, first + keys_per_unit), num_partials});
         num_partials += count * shape.groups;
@@ -281,17 +286,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
     }
   });
 
-  // Merge: a (row, head) pair's units are consecutive in `units`; each query's partials combine
-  // with weights exp(max_u - max), the usual log-sum-exp rescaling.
+  // Merge: each query's partials (one per unit of its row and head) combine with weights
+  // exp(max_u - max), the usual log-sum-exp rescaling.
   at::Tensor out = at::zeros_like(query);
   float* o = out.data_ptr<float>();
-  std::vector<int64_t> pair_start;  // index in `units` where each (row, head) pair begins
-  for (int64_t index = 0; index < int64_t(units.size()); ++index) {
-    if (index == 0 || units[index].row != units[index - 1].row ||
-        units[index].kv_head != units[index - 1].kv_head) {
-      pair_start.push_back(index);
-    }
-  }
   pair_start.push_back(int64_t(units.size()));
   at::parallel_for(0, int64_t(pair_start.size()) - 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(shape.head_dim);
