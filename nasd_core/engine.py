@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from nasd_core.calibration import model_step_time
+from nasd_core.calibration import model_acceptance, model_step_time
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
 from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
@@ -34,7 +34,6 @@ from nasd_core.policy import (
     RowDraft,
     choose_batch_draft_lengths,
     draft_position_cap,
-    pooled_acceptance,
 )
 from nasd_core.sampling import TokenDraws
 from nasd_core.sequence import GenerationResult, Request, RequestStatus
@@ -85,8 +84,8 @@ class Engine:
         # Seconds to build one row's draft (moving average): the policy weighs it when
         # choosing which rows to draft for at all.
         self.drafting_s_per_row = 0.0
-        # Acceptance pooled over this engine's requests: the prior of each new request's own.
-        self.acceptance = pooled_acceptance()
+        # Acceptance pooled over the model's requests: the prior of each new request's own.
+        self.acceptance = model_acceptance(model)
         self._ids = itertools.count()
         self._detached: set[str] = set()
 

@@ -8,11 +8,12 @@ import pytest
 
 from nasd_core import SamplingParams, SpecConfig, generate
 from nasd_core.async_engine import AsyncEngine
+from nasd_core.calibration import model_acceptance
 from nasd_core.config import EngineConfig
 from nasd_core.drafter import RequestDrafter
 from nasd_core.engine import Engine
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
-from nasd_core.policy import StepTimeModel
+from nasd_core.policy import AcceptanceEstimator, StepTimeModel
 
 PROMPTS = [
     "one, two, three, four, five,",
@@ -227,3 +228,19 @@ def test_auto_builds_no_draft_when_no_draft_could_pay(model, tokenizer, single_r
         assert built == [] and engine.stats.num_drafted == 0
     else:
         assert sum(built) > 0 and engine.stats.num_accepted > 0
+
+
+def test_engines_on_one_model_start_from_what_earlier_engines_learned(model, tokenizer):
+    """A new engine's (or ``generate`` call's) requests start from the acceptance the model's
+    earlier requests measured, not from the fixed prior table."""
+    first, second = Engine(model, tokenizer), Engine(model, tokenizer)
+    assert first.acceptance is second.acceptance is model_acceptance(model)
+    pooled = first.acceptance
+    before = {length: pooled.rates(length) for length in range(1, 8)}
+    first.generate([PROMPTS[1]], SamplingParams(max_tokens=24), SpecConfig(mode="on"))
+    learned = [length for length in before if pooled.rates(length) != before[length]]
+    assert learned  # the "on" run verified drafts and the pool counted them
+    request_id = second.add_request(PROMPTS[6], SamplingParams(max_tokens=4))
+    newcomer = second.requests[request_id].acceptance
+    assert all(newcomer.rates(length) == pooled.rates(length) for length in learned)
+    assert any(newcomer.rates(length) != AcceptanceEstimator().rates(length) for length in learned)
