@@ -53,6 +53,7 @@ class CellRun:
     width_histogram: Counter = field(default_factory=Counter)
     outputs: list[list[int]] | None = None
     runs_agree: bool = True
+    run_tokens_per_s: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
         return {
@@ -66,6 +67,7 @@ class CellRun:
             "itl_p50_ms": round(1000 * percentile(self.per_token_s, 50), 1),
             "itl_p99_ms": round(1000 * percentile(self.per_token_s, 99), 1),
             "draft_width_histogram": dict(sorted(self.width_histogram.items())),
+            "run_tokens_per_s": [round(rate, 2) for rate in self.run_tokens_per_s],
         }
 
 
@@ -97,10 +99,13 @@ def run_cell(
     ]
     while not engine.is_finished():
         engine.step()
-    into.seconds += time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    into.seconds += seconds
     outputs = [engine.pop_result(request_id).token_ids for request_id in ids]
+    num_tokens = sum(len(output) for output in outputs)
     into.num_requests += len(prompts)
-    into.num_tokens += sum(len(output) for output in outputs)
+    into.num_tokens += num_tokens
+    into.run_tokens_per_s.append(num_tokens / seconds)
     into.stats.merge(engine.stats)
     into.width_histogram.update(engine.width_histogram)
     # Greedy: every run of a cell must give the same tokens.
@@ -157,18 +162,27 @@ def run_sweep(
 
 def markdown_table(payload: dict) -> str:
     lines = [
-        "| mix | concurrency | off tok/s | on | auto | auto ITL p50 / p99 ms | auto tokens/step |",
-        "|---|---|---|---|---|---|---|",
+        "| mix | concurrency | off tok/s | on | auto | off run / off run | auto ITL p50 / p99 ms "
+        "| auto tokens/step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mix, levels in payload["sweep"].items():
         for level, row in levels.items():
             flags = "" if all(row[m]["identical_to_off"] for m in MODES) else " ≠"
             lines.append(
                 f"| {mix} | {level} | {row['off']['tokens_per_s']:.1f} | {row['on']['ratio_to_off']:.2f}x "
-                f"| {row['auto']['ratio_to_off']:.2f}x{flags} | {row['auto']['itl_p50_ms']:.0f} / "
+                f"| {row['auto']['ratio_to_off']:.2f}x{flags} | {off_spread(row['off'])} "
+                f"| {row['auto']['itl_p50_ms']:.0f} / "
                 f"{row['auto']['itl_p99_ms']:.0f} | {row['auto']['tokens_per_step']:.2f} |"
             )
     return "\n".join(lines)
+
+
+def off_spread(off: dict) -> str:
+    """The noise floor of a cell: its faster ``off`` run's tokens/s over its slower one's (the
+    same work twice; an ``auto`` ratio inside it is not a measured difference)."""
+    rates = off.get("run_tokens_per_s", [])
+    return f"{max(rates) / min(rates):.2f}x" if len(rates) > 1 else "-"
 
 
 def add_ratios_to_off(row: dict[str, dict]) -> None:

@@ -11,18 +11,31 @@ import json
 import os
 from typing import Any, Literal
 
+import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve import Application
 
 from deployments.ingress import OpenAIIngress
 from deployments.replica import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, NASDReplica, ReplicaConfig
-from nasd_core.config import DEFAULT_NUM_DRAFT_TOKENS, EMBEDDED_MODEL, EngineConfig, ModelConfig, SpecConfig
+from nasd_core.config import (
+    DEFAULT_NUM_DRAFT_TOKENS,
+    EMBEDDED_MODEL,
+    EMBEDDED_MODEL_ALIASES,
+    EngineConfig,
+    ModelConfig,
+    SpecConfig,
+)
 from pool_service import PoolConfig
 
 DEFAULT_NUM_REPLICAS = 1
 # Serve gives every replica one CPU unless told otherwise; a replica's torch threads follow it.
+# CPUs (and torch threads) of each replica when several share a machine, or beside a GPU.
 DEFAULT_NUM_CPUS_PER_REPLICA = 1.0
+# A lone CPU replica leaves this many of the cores to Ray's own processes (raylet, GCS, the
+# HTTP proxy, the ingress): on 2 cores the server did 18 tok/s with 1 torch thread and 16.7
+# with 2, the model's threads then fighting Ray's for the cores.
+RAY_RESERVED_CPUS = 1
 # The ingress only awaits replicas, so the replicas' queues bound concurrency, not the ingress
 # (Serve's default of 5 ongoing requests per ingress replica would serialise the service).
 DEFAULT_INGRESS_MAX_ONGOING_REQUESTS = 10_000
@@ -77,10 +90,12 @@ class AppArgs(BaseModel):
         False, description="Requests draft only from their `user`'s pool namespace."
     )
     num_replicas: int = Field(DEFAULT_NUM_REPLICAS, ge=1, description="Replicas (ignored with autoscaling).")
-    num_cpus_per_replica: float = Field(
-        DEFAULT_NUM_CPUS_PER_REPLICA,
+    num_cpus_per_replica: float | None = Field(
+        None,
         ge=0,
-        description="CPUs reserved per replica; also its torch thread count.",
+        description="CPUs reserved per replica; also its torch thread count. Default: a single CPU replica "
+        "takes every core this machine gives the process but one (left to Ray's own processes); "
+        "otherwise 1.",
     )
     num_gpus_per_replica: float = Field(0.0, ge=0, description="GPUs per replica (0 = CPU only).")
     speculation: Literal["auto", "on", "off"] = Field("auto", description="Default speculation mode.")
@@ -114,6 +129,23 @@ class AppArgs(BaseModel):
         return json.loads(value) if isinstance(value, str) else value
 
 
+def default_cpus_per_replica(args: AppArgs, device: str) -> float:
+    """``num_cpus_per_replica`` when unset: all visible cores but ``RAY_RESERVED_CPUS`` for one
+    CPU replica alone (a laptop's `make serve`; before, it ran one torch thread on any machine),
+    ``DEFAULT_NUM_CPUS_PER_REPLICA`` when replicas share the machine or a GPU does the work."""
+    if device != "cpu" or args.num_gpus_per_replica > 0 or args.autoscaling or args.num_replicas > 1:
+        return DEFAULT_NUM_CPUS_PER_REPLICA
+    return float(max(1, visible_cpus() - RAY_RESERVED_CPUS))
+
+
+def visible_cpus() -> int:
+    """The CPUs of the Ray cluster this process is connected to, else the cores it may run on
+    (its affinity mask: what the local Ray that `serve run` starts will count)."""
+    if ray.is_initialized():
+        return int(ray.cluster_resources().get("CPU", 1))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def args_from_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The application arguments set through ``NASD_*`` environment variables."""
     environ = os.environ if environ is None else environ
@@ -143,16 +175,21 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         **engine_limits, spec=SpecConfig(mode=args.speculation, num_draft_tokens=args.num_draft_tokens)
     )
     served_model_name = args.served_model_name or args.model or EMBEDDED_MODEL
+    num_cpus = (
+        args.num_cpus_per_replica
+        if args.num_cpus_per_replica is not None
+        else default_cpus_per_replica(args, device)
+    )
     config = ReplicaConfig(
         model=ModelConfig(name=args.model, dtype=args.dtype, device=device),
         served_model_name=served_model_name,
-        num_threads=max(1, int(args.num_cpus_per_replica)) if device == "cpu" else None,
+        num_threads=max(1, int(num_cpus)) if device == "cpu" else None,
         engine=engine,
         pool=PoolConfig(redis_url=args.redis_url, tenant_isolation=args.tenant_isolation),
         pool_namespace=args.pool_namespace,
         probe_max_rows=args.probe_max_rows,
     )
-    actor_options: dict[str, Any] = {"num_cpus": args.num_cpus_per_replica}
+    actor_options: dict[str, Any] = {"num_cpus": num_cpus}
     if args.num_gpus_per_replica > 0:
         actor_options["num_gpus"] = args.num_gpus_per_replica
     scaling = (
@@ -177,5 +214,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             ray_actor_options={"num_cpus": 0},
             max_ongoing_requests=DEFAULT_INGRESS_MAX_ONGOING_REQUESTS,
         )
-        .bind(replica, served_model_name)
+        .bind(
+            replica, served_model_name, EMBEDDED_MODEL_ALIASES if served_model_name == EMBEDDED_MODEL else ()
+        )
     )

@@ -10,7 +10,7 @@ with a 4xx status for a bad request (FastAPI's own 422 validation answer is repl
 # the same reason every helper the routes use is defined above the class.
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -29,8 +29,10 @@ from deployments.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
     CompletionChunk,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     Delta,
@@ -40,6 +42,7 @@ from deployments.schemas import (
     GenerateRequest,
     ModelCard,
     ModelList,
+    TokenLogprob,
     new_id,
 )
 
@@ -73,6 +76,19 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return error_response(exc.status_code, ErrorInfo(message=str(exc.detail), type=kind))
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> CompletionLogprobs:
+    """Completions' logprobs shape (parallel lists) of chat-shaped ``entries``; offsets count
+    from ``text_offset`` (the characters of the answer sent before them)."""
+    logprobs = CompletionLogprobs()
+    for entry in entries:
+        logprobs.text_offset.append(text_offset)
+        logprobs.tokens.append(entry.token)
+        logprobs.token_logprobs.append(entry.logprob)
+        logprobs.top_logprobs.append({top.token: top.logprob for top in entry.top_logprobs})
+        text_offset += len(entry.token)
+    return logprobs
 
 
 def _sse(payload: BaseModel) -> str:
@@ -118,12 +134,16 @@ class OpenAIIngress:
 
     Args:
         replica: handle to the ``NASDReplica`` deployment.
-        served_model_name: the only model name requests may ask for.
+        served_model_name: the name of the served model (answers carry it).
+        aliases: other names requests may ask for it by (listed in ``/v1/models`` too).
     """
 
-    def __init__(self, replica: DeploymentHandle, served_model_name: str) -> None:
+    def __init__(
+        self, replica: DeploymentHandle, served_model_name: str, aliases: Sequence[str] = ()
+    ) -> None:
         self.replica = replica
         self.served_model_name = served_model_name
+        self.model_names = [served_model_name, *aliases]
         self.created = int(time.time())
         self.model_info: dict[str, Any] | None = None
         # Each replica's latest stats, from the last chunk of every request and stats calls.
@@ -140,15 +160,13 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self) -> ModelList:
-        if self.model_info is None:
-            try:  # asked once: every replica serves the same model
-                self.model_info = await self.replica.model_info.remote()
-            except Exception as exc:  # still list the model, without its context length
-                logger.warning("model_info call failed: %s", exc)
-        max_model_len = self.model_info["max_model_len"] if self.model_info else None
-        return ModelList(
-            data=[ModelCard(id=self.served_model_name, created=self.created, max_model_len=max_model_len)]
-        )
+        return ModelList(data=[await self._model_card(name) for name in self.model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=None)
+    async def model(self, model_id: str) -> Response:
+        if (error := self._check_model(model_id)) is not None:
+            return error
+        return JSONResponse((await self._model_card(model_id)).model_dump())
 
     @app.post("/v1/completions", response_model=None)
     async def completions(self, body: CompletionRequest) -> Response:
@@ -161,7 +179,13 @@ class OpenAIIngress:
             lambda text, last: CompletionResponse(
                 id=request_id,
                 model=self.served_model_name,
-                choices=[CompletionChoice(text=text, finish_reason=last.finish_reason)],
+                choices=[
+                    CompletionChoice(
+                        text=text,
+                        finish_reason=last.finish_reason,
+                        logprobs=completion_logprobs(last.logprobs) if last.logprobs is not None else None,
+                    )
+                ],
                 usage=last.usage,
                 nasd=last.nasd,
             ),
@@ -179,7 +203,11 @@ class OpenAIIngress:
                 id=request_id,
                 model=self.served_model_name,
                 choices=[
-                    ChatChoice(message=AssistantMessage(content=text), finish_reason=last.finish_reason)
+                    ChatChoice(
+                        message=AssistantMessage(content=text),
+                        finish_reason=last.finish_reason,
+                        logprobs=ChatLogprobs(content=last.logprobs) if last.logprobs is not None else None,
+                    )
                 ],
                 usage=last.usage,
                 nasd=last.nasd,
@@ -224,8 +252,17 @@ class OpenAIIngress:
             return error_response(last.status_code, last.error)
         return JSONResponse(whole(text, last).model_dump())
 
+    async def _model_card(self, name: str) -> ModelCard:
+        if self.model_info is None:
+            try:  # asked once: every replica serves the same model
+                self.model_info = await self.replica.model_info.remote()
+            except Exception as exc:  # still list the model, without its context length
+                logger.warning("model_info call failed: %s", exc)
+        max_model_len = self.model_info["max_model_len"] if self.model_info else None
+        return ModelCard(id=name, created=self.created, max_model_len=max_model_len)
+
     def _check_model(self, model: str | None) -> JSONResponse | None:
-        if model is None or model == self.served_model_name:
+        if model is None or model in self.model_names:
             return None
         info = ErrorInfo(
             message=f"the model {model!r} does not exist; this server serves {self.served_model_name!r}",
@@ -279,11 +316,16 @@ class OpenAIIngress:
     async def _collect(
         self, first: GenerateChunk, chunks: DeploymentResponseGenerator
     ) -> tuple[GenerateChunk, str]:
-        """The last chunk (or an error chunk) and the whole text."""
-        text, last = "", first
+        """The last chunk (or an error chunk, as it came) and the whole text; the last chunk
+        carries every chunk's logprobs."""
+        text, last, logprobs = "", first, None
         async for chunk in self._chunks(first, chunks):
             text += chunk.text
             last = chunk
+            if chunk.logprobs is not None:
+                logprobs = (logprobs or []) + chunk.logprobs
+        if last.error is None and logprobs is not None:
+            last = last.model_copy(update={"logprobs": logprobs})
         return last, text
 
     def _remember(self, stats: dict[str, Any] | None) -> None:
@@ -310,11 +352,18 @@ class OpenAIIngress:
                 )
             )
 
+        text_offset = 0
         async for chunk in self._chunks(first, chunks):
             if chunk.error is not None:
                 yield _sse(ErrorResponse(error=chunk.error))
                 break
-            yield event([CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason)])
+            logprobs = (
+                completion_logprobs(chunk.logprobs, text_offset) if chunk.logprobs is not None else None
+            )
+            text_offset += sum(len(token) for token in logprobs.tokens) if logprobs is not None else 0
+            yield event(
+                [CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason, logprobs=logprobs)]
+            )
             if chunk.usage is not None and body.include_usage:
                 yield event([], usage=chunk.usage)
         yield "data: [DONE]\n\n"
@@ -341,8 +390,9 @@ class OpenAIIngress:
             if chunk.error is not None:
                 yield _sse(ErrorResponse(error=chunk.error))
                 break
-            if chunk.text:
-                yield event([ChatChunkChoice(delta=Delta(content=chunk.text))])
+            if chunk.text or chunk.logprobs:
+                logprobs = ChatLogprobs(content=chunk.logprobs) if chunk.logprobs is not None else None
+                yield event([ChatChunkChoice(delta=Delta(content=chunk.text), logprobs=logprobs)])
             if chunk.finish_reason is not None:
                 yield event([ChatChunkChoice(delta=Delta(), finish_reason=chunk.finish_reason)])
             if chunk.usage is not None and body.include_usage:

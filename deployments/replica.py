@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from deployments.metrics import EXPORT_INTERVAL_S, ReplicaMetrics
-from deployments.schemas import ErrorInfo, GenerateChunk, GenerateRequest, Usage
+from deployments.schemas import ErrorInfo, GenerateChunk, GenerateRequest, TokenLogprob, Usage
+from nasd_core import logprobs as engine_logprobs
 from nasd_core.async_engine import AsyncEngine, StreamChunk
 from nasd_core.calibration import calibrate
 from nasd_core.config import EMBEDDED_MODEL, EngineConfig, ModelConfig, SamplingParams, SpecConfig, build
@@ -95,6 +96,33 @@ class TextStream:
         delta = text[self.num_sent : end] if end > self.num_sent else ""
         self.num_sent = max(self.num_sent, end)
         return delta
+
+
+def logit_bias_ids(logit_bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) keyed by int."""
+    biases = {}
+    for key, bias in (logit_bias or {}).items():
+        try:
+            biases[int(key)] = bias
+        except ValueError:
+            raise InvalidRequestError(f"logit_bias: {key!r} is not a token id", param="logit_bias") from None
+    return biases
+
+
+def logprob_entries(tokenizer, logprobs: Sequence[engine_logprobs.TokenLogprob]) -> list[TokenLogprob]:
+    """The API's logprob entries of engine ``logprobs``: each token as its own decoded text."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = tokenizer.decode([token_id])
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return [
+        TokenLogprob(
+            **entry(item.token_id, item.logprob),
+            top_logprobs=[entry(token_id, logprob) for token_id, logprob in item.top],
+        )
+        for item in logprobs
+    ]
 
 
 def error_chunk(exc: BaseException) -> GenerateChunk:
@@ -201,6 +229,7 @@ class NASDServer:
             params, spec = self._params(parsed, len(prompt_ids))
             text = TextStream(self.tokenizer, params.stop)
             pending = ""
+            pending_logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
             steps = self.async_engine.generate(
                 prompt_ids, params, spec, shared=self.pools.sources_for(parsed.user)
             )
@@ -217,11 +246,15 @@ class NASDServer:
                         return
                     finished = step.finish_reason is not None
                     pending += text.push(step.token_ids, finished)
+                    if pending_logprobs is not None and step.logprobs:
+                        pending_logprobs += logprob_entries(self.tokenizer, step.logprobs)
                     if finished:
-                        yield self._finish(parsed, prompt_ids, text.output_ids, step, pending)
-                    elif parsed.stream and pending:
-                        yield GenerateChunk(text=pending)
+                        last = self._finish(parsed, prompt_ids, text.output_ids, step, pending)
+                        yield last.model_copy(update={"logprobs": pending_logprobs})
+                    elif parsed.stream and (pending or pending_logprobs):
+                        yield GenerateChunk(text=pending, logprobs=pending_logprobs)
                         pending = ""
+                        pending_logprobs = [] if pending_logprobs is not None else None
         except Exception as exc:  # reported, never raised: a bad request must not kill the replica
             if not isinstance(exc, InvalidRequestError | ValidationError | EngineOverloadedError):
                 logger.exception("request failed")
@@ -274,7 +307,7 @@ class NASDServer:
                 raise InvalidRequestError(
                     f"the chat template rejected the messages: {exc}", "messages"
                 ) from None
-            return encode_prompt(self.tokenizer, prompt, vocab_size)
+            return encode_prompt(self.tokenizer, prompt, vocab_size, param="messages")
         if request.prompt is None:
             raise InvalidRequestError("a prompt or messages are required", param="prompt")
         return encode_prompt(self.tokenizer, request.prompt, vocab_size)
@@ -290,6 +323,14 @@ class NASDServer:
             "top_p": request.top_p,
             "top_k": 0 if request.top_k == -1 else request.top_k,  # vLLM spells "all" as -1
             "seed": request.seed,
+            "presence_penalty": request.presence_penalty,
+            "frequency_penalty": request.frequency_penalty,
+            "repetition_penalty": request.repetition_penalty,
+            "logit_bias": logit_bias_ids(request.logit_bias),
+            "min_tokens": request.min_tokens,
+            "stop_token_ids": request.stop_token_ids or [],
+            "ignore_eos": request.ignore_eos,
+            "logprobs": request.logprobs,
         }
         if request.stop is not None:
             sampling["stop"] = request.stop

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 # The OpenAI completions API documents 16 as the default of max_tokens. Chat has no default:
 # the replica lets it run to the end of the context, as vLLM does.
@@ -23,6 +23,25 @@ DEFAULT_TEMPERATURE = 1.0
 SpeculationMode = Literal["auto", "on", "off"]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length"]
+
+
+# Known OpenAI request fields that change the output and are not implemented: refused with a
+# 400 naming them when a request uses them (a neutral value such as "tools": [] passes).
+UNSUPPORTED_FIELDS = {
+    "tools": bool,
+    "functions": bool,
+    "tool_choice": lambda value: value not in (None, "none"),
+    "function_call": lambda value: value not in (None, "none"),
+    "response_format": lambda value: (
+        not (value is None or (isinstance(value, dict) and value.get("type") == "text"))
+    ),
+    "best_of": lambda value: value not in (None, 1),
+    "echo": bool,
+    "suffix": bool,
+    "audio": bool,
+    "modalities": lambda value: value not in (None, ["text"]),
+    "prediction": bool,
+}
 
 
 class _Request(BaseModel):
@@ -45,6 +64,17 @@ class SamplingFields(_Request):
     stop: str | list[str] | None = Field(None, description="Stop strings; the text ends before them.")
     seed: int | None = Field(None, description="Seed of this request's sampler.")
     n: int = Field(1, description="Choices per request; only 1 is supported.")
+    presence_penalty: float = Field(
+        0.0, description="In [-2, 2]: subtracted from tokens already in the output."
+    )
+    frequency_penalty: float = Field(0.0, description="In [-2, 2]: subtracted per occurrence in the output.")
+    repetition_penalty: float = Field(
+        1.0, description="Extra field (vLLM's): > 1 discourages tokens seen in the prompt or output."
+    )
+    logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias in [-100, 100].")
+    min_tokens: int = Field(0, description="Extra field: no end before this many tokens.")
+    stop_token_ids: list[int] | None = Field(None, description="Extra field: token ids that end the text.")
+    ignore_eos: bool = Field(False, description="Extra field: keep going past end-of-sequence.")
     stream: bool = Field(False, description="Answer with server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
     user: str | None = Field(None, description="End-user id; the pool tenant when isolation is on.")
@@ -62,6 +92,27 @@ class SamplingFields(_Request):
             raise ValueError("only n=1 is supported")
         return value
 
+    # Known OpenAI fields this server does not implement: declared so that using one is a 400
+    # naming it (validators run only on fields a request sends).
+    tools: Any = Field(None, description="Not supported (refused unless empty).")
+    tool_choice: Any = Field(None, description="Not supported (refused unless 'none').")
+    functions: Any = Field(None, description="Not supported (refused unless empty).")
+    function_call: Any = Field(None, description="Not supported (refused unless 'none').")
+    response_format: Any = Field(None, description="Only {'type': 'text'} is supported.")
+    best_of: Any = Field(None, description="Only 1 is supported.")
+    echo: Any = Field(None, description="Not supported (refused when true).")
+    suffix: Any = Field(None, description="Not supported (refused unless empty).")
+    audio: Any = Field(None, description="Not supported.")
+    modalities: Any = Field(None, description="Only ['text'] is supported.")
+    prediction: Any = Field(None, description="Not supported.")
+
+    @field_validator(*UNSUPPORTED_FIELDS)
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if UNSUPPORTED_FIELDS[info.field_name](value):
+            raise ValueError(f"{info.field_name} is not supported by this server")
+        return value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -75,6 +126,9 @@ class CompletionRequest(SamplingFields):
         description="One prompt: text or token ids (a list holding one prompt is accepted)."
     )
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, description="Most tokens to generate.")
+    logprobs: int | None = Field(
+        None, description="Return each token's logprob and this many top ones (0-20)."
+    )
 
     @field_validator("prompt")
     @classmethod
@@ -113,6 +167,17 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(
         None, description="Newer name of max_tokens; wins when both are given."
     )
+    logprobs: bool = Field(False, description="Return each output token's logprob.")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="With logprobs: this many top tokens per position."
+    )
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return value
 
 
 class GenerateRequest(SamplingFields):
@@ -121,10 +186,13 @@ class GenerateRequest(SamplingFields):
 
     prompt: str | list[int] | None = Field(None, description="Completion prompt.")
     messages: list[dict[str, str]] | None = Field(None, description="Chat messages, content as text.")
+    logprobs: int | None = Field(None, description="Top logprobs per token (None: no logprobs).")
 
     @classmethod
     def from_completion(cls, request: CompletionRequest) -> GenerateRequest:
-        return cls(prompt=request.prompt, **request.model_dump(include=_SAMPLING_FIELDS))
+        return cls(
+            prompt=request.prompt, logprobs=request.logprobs, **request.model_dump(include=_SAMPLING_FIELDS)
+        )
 
     @classmethod
     def from_chat(cls, request: ChatCompletionRequest) -> GenerateRequest:
@@ -136,7 +204,8 @@ class GenerateRequest(SamplingFields):
         fields = request.model_dump(include=_SAMPLING_FIELDS)
         if request.max_completion_tokens is not None:
             fields["max_tokens"] = request.max_completion_tokens
-        return cls(messages=messages, **fields)
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return cls(messages=messages, logprobs=logprobs, **fields)
 
 
 _SAMPLING_FIELDS = set(SamplingFields.model_fields)
@@ -160,11 +229,35 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """One output token's logprob (chat's shape; completions' is built from these)."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class GenerateChunk(BaseModel):
     """What a replica yields: new text, or at the end the finish reason, usage and counters;
     or an error (then ``status_code`` says which HTTP status the ingress answers)."""
 
     text: str = Field("", description="New text since the previous chunk.")
+    logprobs: list[TokenLogprob] | None = Field(None, description="Of the tokens since the previous chunk.")
     finish_reason: FinishReason | None = Field(None, description="Set on the last chunk.")
     usage: Usage | None = Field(None, description="Set on the last chunk.")
     nasd: dict[str, Any] | None = Field(None, description="This request's speculation counters (last chunk).")
@@ -184,7 +277,7 @@ def new_id(prefix: str) -> str:
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -196,7 +289,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -208,7 +301,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from nasd_core.config import SamplingParams, SpecConfig
 from nasd_core.engine import Engine
+from nasd_core.logprobs import TokenLogprob
 from nasd_core.metrics import SpecStats
 from nasd_core.ngram import NGramIndex
 from nasd_core.sequence import Request
@@ -35,6 +36,7 @@ class StreamChunk:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     stats: SpecStats | None = None
+    logprobs: list[TokenLogprob] | None = None  # of ``token_ids``, when the request asked for them
 
 
 class AsyncEngine:
@@ -102,6 +104,8 @@ class AsyncEngine:
             chunk = StreamChunk(
                 request.request_id, list(token_ids), num_prompt_tokens=len(request.prompt_ids)
             )
+            if request.logprobs is not None:
+                chunk.logprobs = request.logprobs[len(request.logprobs) - len(token_ids) :]
             if request.stopper.is_finished or request.cancelled:
                 chunk.finish_reason, chunk.stats = request.finish_reason, request.stats
             loop.call_soon_threadsafe(chunks.put_nowait, chunk)

@@ -23,6 +23,9 @@ DEFAULT_MAX_TOKENS = 128
 DEFAULT_INDEX_MAX_ENTRIES = 1_000_000
 DEFAULT_MAX_SUCCESSORS = 4
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
+# Names the embedded model also answers to: its Hugging Face id, which clients written for
+# other servers send.
+EMBEDDED_MODEL_ALIASES = ("HuggingFaceTB/SmolLM2-135M-Instruct",)
 
 SpeculationMode = Literal["off", "on", "auto"]
 LocalIndexKind = Literal["hybrid", "multi_level", "one_level", "prompt_lookup"]
@@ -50,10 +53,30 @@ class SamplingParams(_Config):
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy; > 0 samples from softmax(logits / T).")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 = all).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus: smallest set with mass >= top_p.")
-    seed: int | None = Field(None, description="Seed of this request's generator (None = random).")
+    seed: int | None = Field(
+        None, description="Seed of this request's generator (None = random; any integer, taken modulo 2**64)."
+    )
     stop: list[str] = Field(default_factory=list, description="Stop strings; the text ends before them.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra token ids that end the text.")
     ignore_eos: bool = Field(False, description="Keep going past the tokenizer's end-of-sequence token.")
+    min_tokens: int = Field(
+        0, ge=0, description="End-of-sequence and stop ids are banned until this many tokens are out."
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, description="> 1 discourages tokens seen in the prompt or output (vLLM's; 1 = off)."
+    )
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token already in the output."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted once per occurrence of a token in the output."
+    )
+    logit_bias: dict[int, float] = Field(
+        default_factory=dict, description="Token id -> bias added to its logit, in [-100, 100]."
+    )
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Return each output token's log-probability and this many top ones."
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -65,6 +88,24 @@ class SamplingParams(_Config):
     def _no_empty_stop(cls, value: list[str]) -> list[str]:
         if any(stop == "" for stop in value):
             raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, value: dict[int, float]) -> dict[int, float]:
+        for token, bias in value.items():
+            if token < 0:
+                raise ValueError(f"token id {token} is negative")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"the bias of token {token} ({bias}) is outside [-100, 100]")
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_le_max_tokens(cls, value: int, info) -> int:  # type: ignore[no-untyped-def]
+        max_tokens = info.data.get("max_tokens", DEFAULT_MAX_TOKENS)
+        if value > max_tokens:
+            raise ValueError(f"min_tokens ({value}) must be <= max_tokens ({max_tokens})")
         return value
 
     @property

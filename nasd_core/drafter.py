@@ -65,7 +65,7 @@ class RequestDrafter:
             )
         self._num_learned = 0
         self._vocab_size = vocab_size
-        self._filler_rng = np.random.default_rng(seed)
+        self._filler_rng = np.random.default_rng(None if seed is None else seed % 2**64)
 
     def observe(self, tokens: Sequence[int]) -> None:
         """Learn the n-grams of ``tokens`` (the whole sequence so far) not learned yet."""

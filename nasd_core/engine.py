@@ -26,6 +26,7 @@ from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
 from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
 from nasd_core.inputs import check_context, encode_prompt, eos_ids
+from nasd_core.logprobs import token_logprobs
 from nasd_core.metrics import SpecStats
 from nasd_core.model_runner import ModelRunner, StepRow
 from nasd_core.ngram import NGramIndex
@@ -35,6 +36,7 @@ from nasd_core.policy import (
     choose_batch_draft_lengths,
     draft_position_cap,
 )
+from nasd_core.processors import LogitsProcessors, needs_processing
 from nasd_core.sampling import TokenDraws
 from nasd_core.sequence import GenerationResult, Request, RequestStatus
 from nasd_core.stopping import StopChecker
@@ -124,21 +126,34 @@ class Engine:
             raise EngineOverloadedError(
                 f"the engine queue is full ({self.config.max_waiting} waiting requests); retry later"
             )
+        outside = [token for token in params.logit_bias if token >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError(
+                f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
+                param="logit_bias",
+            )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        stopper = StopChecker(self.tokenizer, params, self.eos_token_ids)
         request = Request(
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params,
             spec=spec,
-            stopper=StopChecker(self.tokenizer, params, self.eos_token_ids),
+            stopper=stopper,
             drafter=RequestDrafter(
                 spec, self.shared if shared is None else shared, local_index, self.vocab_size, params.seed
             ),
             draws=TokenDraws(params.seed),
             acceptance=AcceptanceEstimator(prior=self.acceptance),
             on_tokens=on_tokens,
+            processors=(
+                LogitsProcessors(params, prompt_ids, self.vocab_size, stopper.stop_ids)
+                if needs_processing(params)
+                else None
+            ),
+            logprobs=[] if params.logprobs is not None else None,
             arrival_time=time.perf_counter(),
         )
         request.drafter.observe(request.tokens)
@@ -192,6 +207,7 @@ class Engine:
             finish_reason=request.finish_reason or "length",
             prompt_ids=request.prompt_ids,
             stats=request.stats,
+            logprobs=request.logprobs,
         )
 
     def generate(
@@ -282,7 +298,7 @@ class Engine:
         emitted_rows = verify_rows(
             logits,
             [draft.tokens[:length] for draft, length in zip(drafts, lengths)],
-            [(request.params, request.draws, request.num_output) for request in rows],
+            [request.verify_row() for request in rows],
         )
         step_s = time.perf_counter() - forward_started
         num_positions = sum(len(row.token_ids) for row in step_rows)
@@ -305,8 +321,11 @@ class Engine:
             )
             if request.spec.filler_top_k > 1 and request.spec.is_speculating:
                 self._learn_alternatives(request, logits[offset : offset + len(emitted)], emitted)
-            offset += 1 + length
             kept = request.advance(draft, length, emitted)
+            if request.logprobs is not None:
+                num_top = request.params.logprobs
+                request.logprobs += token_logprobs(logits[offset : offset + len(kept)], kept, num_top)
+            offset += 1 + length
             request.stats.decode_time_s += step_s
             if request.first_token_time is None:
                 request.first_token_time = now

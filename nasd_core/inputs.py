@@ -7,24 +7,33 @@ from collections.abc import Sequence
 from nasd_core.errors import ContextLengthError, InvalidRequestError
 
 
-def encode_prompt(tokenizer, prompt: str | Sequence[int], vocab_size: int) -> list[int]:
-    """Token ids of a text or id-list prompt; raises InvalidRequestError on empty/out-of-vocab input."""
+def encode_prompt(
+    tokenizer, prompt: str | Sequence[int], vocab_size: int, param: str = "prompt"
+) -> list[int]:
+    """Token ids of a text or id-list prompt; raises InvalidRequestError (naming ``param``) on
+    empty, non-Unicode or out-of-vocabulary input."""
     if isinstance(prompt, str):
         if not prompt:
-            raise InvalidRequestError("prompt must not be empty", param="prompt")
+            raise InvalidRequestError("prompt must not be empty", param=param)
         if tokenizer is None:
-            raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids", param="prompt")
+            raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids", param=param)
+        try:  # JSON can carry a lone surrogate ("\ud800"), which no tokenizer can encode
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(
+                f"{param} is not valid Unicode text: {exc.reason} at character {exc.start}", param=param
+            ) from None
         prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     else:
         prompt_ids = list(prompt)
         if any(not isinstance(token, int) or isinstance(token, bool) for token in prompt_ids):
-            raise InvalidRequestError("prompt token ids must be integers", param="prompt")
+            raise InvalidRequestError("prompt token ids must be integers", param=param)
     if not prompt_ids:
-        raise InvalidRequestError("prompt must not be empty", param="prompt")
+        raise InvalidRequestError("prompt must not be empty", param=param)
     bad = [token for token in prompt_ids if not 0 <= token < vocab_size]
     if bad:
         raise InvalidRequestError(
-            f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param="prompt"
+            f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param
         )
     return prompt_ids
 

@@ -8,10 +8,13 @@ from dataclasses import dataclass, field
 
 from nasd_core.config import SamplingParams, SpecConfig
 from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
+from nasd_core.logprobs import TokenLogprob
 from nasd_core.metrics import SpecStats
 from nasd_core.policy import AcceptanceEstimator, RowDraft
+from nasd_core.processors import LogitsProcessors
 from nasd_core.sampling import TokenDraws
 from nasd_core.stopping import FinishReason, StopChecker
+from nasd_core.verify import VerifyRow
 
 
 class RequestStatus(enum.Enum):
@@ -37,10 +40,14 @@ class Request:
     drafter: RequestDrafter
     draws: TokenDraws
     on_tokens: Callable[[Request, list[int]], None] | None = None
+    processors: LogitsProcessors | None = None
+    # Each kept token's log-probability, when the request asked for them (else None).
+    logprobs: list[TokenLogprob] | None = None
     status: RequestStatus = RequestStatus.WAITING
     tokens: list[int] = field(default_factory=list)
     acceptance: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] | None = None
     num_prefilled: int = 0
     cancelled: bool = False
     arrival_time: float = 0.0
@@ -98,6 +105,10 @@ class Request:
         """What the batch policy knows about this row given this step's ``draft``."""
         return RowDraft(self.mode, len(draft.tokens), draft.match_length, self.acceptance)
 
+    def verify_row(self) -> VerifyRow:
+        """What verification needs of this row this step."""
+        return VerifyRow(self.params, self.draws, self.num_output, self.processors)
+
     def advance(self, draft: Draft, num_drafted: int, emitted: list[int]) -> list[int]:
         """Take one verified step: ``num_drafted`` tokens of ``draft`` were verified and
         ``emitted`` came out. Updates the output, the drafter, acceptance and counters;
@@ -107,6 +118,8 @@ class Request:
         num_taken = self.stopper.extend(emitted)
         kept = emitted[:num_taken]
         self.tokens.extend(kept)
+        if self.processors is not None:
+            self.processors.observe(kept)
         self.drafter.observe(self.tokens)
         self.stats.record_step(num_drafted, num_accepted, num_taken, draft.source if num_drafted else None)
         return kept
@@ -122,6 +135,7 @@ class GenerationResult:
         finish_reason: "stop" (eos, stop id or stop string) or "length" (max_tokens).
         prompt_ids: the prompt as token ids.
         stats: speculation counters of this request.
+        logprobs: each token's log-probability and top alternatives (when asked for).
     """
 
     token_ids: list[int]
@@ -129,3 +143,4 @@ class GenerationResult:
     finish_reason: FinishReason
     prompt_ids: list[int]
     stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] | None = None

@@ -32,6 +32,8 @@ class StopChecker:
         """Append tokens until one ends the request; returns how many were taken."""
         for taken, token in enumerate(tokens, start=1):
             self.output_ids.append(token)
+            # Stop ids are banned below min_tokens (LogitsProcessors); stop strings are not
+            # looked for there either, as in vLLM.
             if token in self.stop_ids or (self.params.stop and self._found_stop_string()):
                 self.finish_reason = "stop"
             elif len(self.output_ids) >= self.params.max_tokens:
@@ -62,6 +64,8 @@ class StopChecker:
         search_from = max(0, self._text_checked - longest)
         self._text_checked = len(text)
         self.stop_text_at = first_stop_at(text, self.params.stop, search_from)
+        if len(self.output_ids) < self.params.min_tokens:
+            self.stop_text_at = None
         return self.stop_text_at is not None
 
 

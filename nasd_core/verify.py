@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from nasd_core.config import SamplingParams
+from nasd_core.processors import LogitsProcessors
 from nasd_core.sampling import TokenDraws, logits_to_probs, sample_tokens
+
+
+class VerifyRow(NamedTuple):
+    """What verification needs of one row besides its logits and draft."""
+
+    params: SamplingParams
+    draws: TokenDraws
+    position: int  # output position of the row's first verified token
+    processors: LogitsProcessors | None = None
 
 
 def accept_prefix(target_ids: Sequence[int], draft: Sequence[int]) -> list[int]:
@@ -42,23 +53,28 @@ def verify_sampled(probs: torch.Tensor, draft: Sequence[int], uniforms: torch.Te
 
 
 def verify_rows(
-    logits: torch.Tensor,
-    drafts: Sequence[Sequence[int]],
-    rows: Sequence[tuple[SamplingParams, TokenDraws, int]],
+    logits: torch.Tensor, drafts: Sequence[Sequence[int]], rows: Sequence[VerifyRow]
 ) -> list[list[int]]:
     """Emitted tokens of every row of a step from the step's one ``[positions, vocab]`` logits
-    tensor (row i's ``len(drafts[i]) + 1`` positions after row i-1's). ``rows``: each row's
-    sampling parameters, draws and output position of its first verified token.
+    tensor (row i's ``len(drafts[i]) + 1`` positions after row i-1's).
 
-    The target token of every position (argmax for greedy rows, a sample for the others) is
-    computed on the logits' device and brought to the host in one transfer for the step.
+    The target token of every position (argmax for greedy rows, a sample for the others, each
+    after the row's logits processors) is computed on the logits' device and brought to the
+    host in one transfer for the step.
     """
     ends = list(itertools.accumulate(len(draft) + 1 for draft in drafts))
     spans = list(zip([0, *ends[:-1]], ends))
     targets = logits.argmax(dim=-1)
-    for (start, end), (params, draws, position) in zip(spans, rows):
-        if not params.is_greedy:
-            uniforms = torch.from_numpy(draws.uniforms(position, end - start))
-            targets[start:end] = sample_tokens(logits_to_probs(logits[start:end], params), uniforms)
+    for (start, end), draft, row in zip(spans, drafts, rows):
+        if row.processors is None and row.params.is_greedy:
+            continue
+        row_logits = logits[start:end]
+        if row.processors is not None:
+            row_logits = row.processors.apply(row_logits, draft, row.position)
+        if row.params.is_greedy:
+            targets[start:end] = row_logits.argmax(dim=-1)
+        else:
+            uniforms = torch.from_numpy(row.draws.uniforms(row.position, end - start))
+            targets[start:end] = sample_tokens(logits_to_probs(row_logits, row.params), uniforms)
     target_ids = targets.tolist()
     return [accept_prefix(target_ids[start:end], draft) for (start, end), draft in zip(spans, drafts)]

@@ -7,6 +7,7 @@ import pydantic
 import pytest
 from ray.serve import Application
 
+from deployments import builder
 from deployments.builder import (
     ENV_VARS,
     INGRESS_DEPLOYMENT,
@@ -28,7 +29,8 @@ def replica_of(app: Application) -> tuple[object, ReplicaConfig]:
     return replica, replica.init_args[0]
 
 
-def test_defaults_serve_the_embedded_model_on_cpu_with_an_in_memory_pool():
+def test_defaults_serve_the_embedded_model_on_cpu_with_an_in_memory_pool(monkeypatch):
+    monkeypatch.setattr(builder, "visible_cpus", lambda: 2)
     replica, config = replica_of(build_app({}))
     assert config.model.name is None and config.model.device == "cpu"
     assert config.served_model_name == EMBEDDED_MODEL
@@ -38,6 +40,20 @@ def test_defaults_serve_the_embedded_model_on_cpu_with_an_in_memory_pool():
     assert "num_gpus" not in replica.ray_actor_options
     # Serve routes at most what the engine can hold (running rows + queue) to a replica.
     assert replica.max_ongoing_requests == config.engine.max_batch_rows + config.engine.max_waiting
+
+
+def test_a_lone_cpu_replica_takes_all_cores_but_one_for_ray(monkeypatch):
+    monkeypatch.setattr(builder, "visible_cpus", lambda: 8)
+    replica, config = replica_of(build_app({}))
+    assert config.num_threads == 7 and replica.ray_actor_options == {"num_cpus": 7.0}
+    # Replicas sharing the machine, or a GPU doing the work: one CPU each unless set.
+    for args in [{"num_replicas": 2}, {"autoscaling": {"max_replicas": 3}}, {"num_gpus_per_replica": 1}]:
+        replica, config = replica_of(build_app(args))
+        assert replica.ray_actor_options["num_cpus"] == 1.0, args
+    replica, config = replica_of(build_app({"num_cpus_per_replica": 3}))
+    assert config.num_threads == 3 and replica.ray_actor_options == {"num_cpus": 3.0}
+    monkeypatch.setattr(builder, "visible_cpus", lambda: 1)
+    assert replica_of(build_app({}))[1].num_threads == 1
 
 
 def test_string_arguments_from_the_cli_are_coerced():

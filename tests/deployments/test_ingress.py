@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from nasd_core import SamplingParams, generate
-from nasd_core.config import EMBEDDED_MODEL
+from nasd_core import SamplingParams, SpecConfig, generate
+from nasd_core.config import EMBEDDED_MODEL, EMBEDDED_MODEL_ALIASES
 from tests.deployments.conftest import serve_apps
 
 MODEL = EMBEDDED_MODEL
@@ -75,9 +75,23 @@ def replica_ids(app) -> set[str]:
 # ------------------------------------------------------------------------- basics
 def test_models_and_health(app):
     models = app.client().models.list()
-    assert [model.id for model in models.data] == [MODEL]
+    assert [model.id for model in models.data] == [MODEL, *EMBEDDED_MODEL_ALIASES]
     assert models.data[0].model_extra["max_model_len"] == 8192
     assert app.request("GET", "/health").status == 200
+
+
+def test_the_embedded_model_answers_to_its_hugging_face_id(app, reference):
+    """The README's first example asks for the model by its Hugging Face id."""
+    (alias,) = EMBEDDED_MODEL_ALIASES
+    assert alias == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert app.client().models.retrieve(alias).id == alias
+    assert app.client().models.retrieve(MODEL).id == MODEL
+    missing = app.request("GET", "/v1/models/gpt-4")
+    assert missing.status == 404 and missing.body["error"]["code"] == "model_not_found"
+    response = app.client().completions.create(
+        model=alias, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert response.choices[0].text == reference(PROMPTS[0]).text
 
 
 def test_completion_equals_library_greedy(app, reference):
@@ -177,6 +191,93 @@ def test_seeded_sampling_repeats_and_unknown_fields_are_ignored(app):
     assert first.body["choices"][0]["text"] == second.body["choices"][0]["text"]
 
 
+def test_any_integer_seed_is_accepted(app):
+    for path, body in [(COMPLETIONS_PATH, {"prompt": "hi"}), (CHAT_PATH, {"messages": HI})]:
+        for seed in (-1, 2**70):
+            response = app.request("POST", path, {**body, "max_tokens": 3, "temperature": 1.0, "seed": seed})
+            assert response.status == 200, response.body
+
+
+# ------------------------------------------------------------ sampling parity
+PENALTIES = {
+    "frequency_penalty": 0.8,
+    "presence_penalty": 0.4,
+    "repetition_penalty": 1.1,
+    "logit_bias": {"28": 3.0},
+}
+
+
+@pytest.mark.parametrize("speculation", ["off", "on", "auto"])
+def test_penalised_greedy_answers_equal_the_library(app, model, tokenizer, speculation):
+    prompt = PROMPTS[1]
+    params = SamplingParams(max_tokens=20, min_tokens=6, **{**PENALTIES, "logit_bias": {28: 3.0}})
+    expected = generate(model, tokenizer, prompt, params, SpecConfig(mode="off"))
+    fields = {**PENALTIES, "min_tokens": 6, "speculation": speculation}
+    whole = app.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, temperature=0, extra_body=fields
+    )
+    assert whole.choices[0].text == expected.text
+    assert whole.usage.completion_tokens == len(expected.token_ids)
+    streamed = app.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True, extra_body=fields
+    )
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected.text
+    unpenalised = generate(model, tokenizer, prompt, SamplingParams(max_tokens=20))
+    assert unpenalised.text != expected.text  # the fields reached the engine
+
+
+def test_completion_logprobs_equal_the_library(app, model, tokenizer):
+    prompt = PROMPTS[2]
+    expected = generate(model, tokenizer, prompt, SamplingParams(max_tokens=10, logprobs=3))
+    response = app.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=3
+    )
+    logprobs = response.choices[0].logprobs
+    assert logprobs.tokens == [tokenizer.decode([entry.token_id]) for entry in expected.logprobs]
+    assert logprobs.token_logprobs == pytest.approx([entry.logprob for entry in expected.logprobs], abs=1e-4)
+    assert [len(top) for top in logprobs.top_logprobs] == [3] * 10
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+    streamed = app.client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0, logprobs=3, stream=True
+    )
+    tokens, offsets = [], []
+    for chunk in streamed:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            offsets += chunk.choices[0].logprobs.text_offset
+    assert tokens == logprobs.tokens and offsets == logprobs.text_offset
+
+
+def test_chat_logprobs_equal_the_library(app, model, tokenizer, chat_prompt):
+    expected = generate(model, tokenizer, chat_prompt, SamplingParams(max_tokens=8, logprobs=2))
+    response = app.client().chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = response.choices[0].logprobs.content
+    assert [entry.logprob for entry in content] == pytest.approx(
+        [e.logprob for e in expected.logprobs], abs=1e-4
+    )
+    for entry, reference_entry in zip(content, expected.logprobs):
+        assert entry.token == tokenizer.decode([reference_entry.token_id])
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert [top.token for top in entry.top_logprobs] == [
+            tokenizer.decode([i]) for i, _ in reference_entry.top
+        ]
+    plain = app.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+    streamed = app.client().chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, stream=True
+    )
+    entries = [
+        entry
+        for chunk in streamed
+        if chunk.choices and chunk.choices[0].logprobs is not None
+        for entry in chunk.choices[0].logprobs.content
+    ]
+    assert [entry.token for entry in entries] == [entry.token for entry in content]
+    assert all(entry.top_logprobs == [] for entry in entries)
+
+
 def test_speculation_is_used_and_reported(app):
     prompt = "red green blue red green blue red green blue red green blue red green blue"
     response = app.client().completions.create(
@@ -267,6 +368,99 @@ BAD_INPUT = {
         {"messages": HI, "speculation": "sometimes"},
         400,
         "speculation",
+        None,
+    ),
+    "presence_penalty_above_2": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "presence_penalty": 3},
+        400,
+        "presence_penalty",
+        None,
+    ),
+    "frequency_penalty_below_minus_2": (
+        CHAT_PATH,
+        {"messages": HI, "frequency_penalty": -2.5},
+        400,
+        "frequency_penalty",
+        None,
+    ),
+    "repetition_penalty_zero": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+        None,
+    ),
+    "logit_bias_key_not_an_id": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "logit_bias": {"abc": 1}},
+        400,
+        "logit_bias",
+        None,
+    ),
+    "logit_bias_value_above_100": (
+        CHAT_PATH,
+        {"messages": HI, "logit_bias": {"5": 150}},
+        400,
+        "logit_bias",
+        None,
+    ),
+    "logit_bias_id_beyond_vocab": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "logit_bias": {"49152": 1}},
+        400,
+        "logit_bias",
+        None,
+    ),
+    "min_tokens_above_max_tokens": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "max_tokens": 4, "min_tokens": 5},
+        400,
+        "min_tokens",
+        None,
+    ),
+    "completion_logprobs_above_20": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "logprobs": 21},
+        400,
+        "logprobs",
+        None,
+    ),
+    "top_logprobs_without_logprobs": (
+        CHAT_PATH,
+        {"messages": HI, "top_logprobs": 3},
+        400,
+        "top_logprobs",
+        None,
+    ),
+    "top_logprobs_above_20": (
+        CHAT_PATH,
+        {"messages": HI, "logprobs": True, "top_logprobs": 21},
+        400,
+        "top_logprobs",
+        None,
+    ),
+    "tools": (
+        CHAT_PATH,
+        {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+        None,
+    ),
+    "response_format_json": (
+        CHAT_PATH,
+        {"messages": HI, "response_format": {"type": "json_object"}},
+        400,
+        "response_format",
+        None,
+    ),
+    "echo": (COMPLETIONS_PATH, {"prompt": "hi", "echo": True}, 400, "echo", None),
+    "lone_surrogate_prompt": (COMPLETIONS_PATH, {"prompt": "hi \ud800 there"}, 400, "prompt", None),
+    "lone_surrogate_message": (
+        CHAT_PATH,
+        {"messages": [{"role": "user", "content": "\udfff"}]},
+        400,
+        "messages",
         None,
     ),
     "draft_length_negative": (

@@ -7,6 +7,8 @@ test runs the same import path through a Serve config file that only moves the p
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -19,13 +21,20 @@ from pathlib import Path
 import pytest
 
 from deployments.builder import ENV_VARS
-from nasd_core.config import EMBEDDED_MODEL
+from nasd_core.config import EMBEDDED_MODEL, EMBEDDED_MODEL_ALIASES
 from tests.deployments.conftest import ServedApp
 from tests.redis_server import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
+
+
+def readme_client_example() -> str:
+    """The first Python block of the README's "Serve (OpenAI API)" section."""
+    readme = (REPO_ROOT / "README.md").read_text()
+    section = readme[readme.index("## Serve (OpenAI API)") :]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def is_listening(port: int) -> bool:
@@ -70,9 +79,18 @@ def test_serve_run_answers_with_defaults_and_stops_on_sigint(tmp_path):
                     f"serve run did not come up (exit {process.poll()}):\n{log_path.read_text()[-3000:]}"
                 )
             time.sleep(1)
-        assert [model["id"] for model in app.request("GET", "/v1/models").body["data"]] == [EMBEDDED_MODEL]
+        assert [model["id"] for model in app.request("GET", "/v1/models").body["data"]] == [
+            EMBEDDED_MODEL,
+            *EMBEDDED_MODEL_ALIASES,
+        ]
         completion = app.client().completions.create(model=EMBEDDED_MODEL, prompt="Hello", max_tokens=4)
         assert completion.usage.completion_tokens >= 1
+        # The README's first client example, as a new user runs it against `make serve`.
+        output = io.StringIO()
+        with contextlib.redirect_stdout(output):
+            exec(readme_client_example().replace("http://127.0.0.1:8000/v1", app.api_url), {})
+        answer, tokens_per_step = output.getvalue().rstrip("\n").rsplit(" ", 1)
+        assert answer.strip() and float(tokens_per_step) >= 1.0
 
         process.send_signal(signal.SIGINT)
         try:

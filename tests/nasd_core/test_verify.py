@@ -15,7 +15,7 @@ from scipy.stats import chisquare
 
 from nasd_core.config import SamplingParams
 from nasd_core.sampling import TokenDraws, logits_to_probs, sample_tokens
-from nasd_core.verify import accept_prefix, verify_rows, verify_sampled
+from nasd_core.verify import VerifyRow, accept_prefix, verify_rows, verify_sampled
 
 NUM_TRIALS = 6000
 
@@ -113,7 +113,7 @@ def test_a_step_verifies_greedy_and_sampled_rows_from_one_logits_tensor(two_posi
     greedy = SamplingParams()
     for seed in range(20):
         draws = TokenDraws(seed)
-        rows = [(greedy, draws, 0), (sampled, draws, 5), (greedy, draws, 0)]
+        rows = [VerifyRow(greedy, draws, 0), VerifyRow(sampled, draws, 5), VerifyRow(greedy, draws, 0)]
         emitted = verify_rows(torch.cat([logits, logits[:1], logits]), [draft, [], draft[:1]], rows)
         uniforms = torch.from_numpy(draws.uniforms(5, 3))
         assert emitted[0] == accept_prefix(logits.argmax(-1).tolist(), draft)
