@@ -36,13 +36,16 @@ from deployments.schemas import (
     CompletionRequest,
     CompletionResponse,
     Delta,
+    DetokenizeRequest,
     ErrorInfo,
     ErrorResponse,
     GenerateChunk,
     GenerateRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
     TokenLogprob,
+    TokensResult,
     new_id,
 )
 
@@ -86,7 +89,10 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> Co
         logprobs.text_offset.append(text_offset)
         logprobs.tokens.append(entry.token)
         logprobs.token_logprobs.append(entry.logprob)
-        logprobs.top_logprobs.append({top.token: top.logprob for top in entry.top_logprobs})
+        scored = entry.logprob is not None  # an echoed prompt's first token is not
+        logprobs.top_logprobs.append(
+            {top.token: top.logprob for top in entry.top_logprobs} if scored else None
+        )
         text_offset += len(entry.token)
     return logprobs
 
@@ -214,6 +220,24 @@ class OpenAIIngress:
             ),
         )
 
+    @app.post("/tokenize", response_model=None)
+    async def tokenize(self, body: TokenizeRequest) -> Response:
+        """vLLM's route: the prompt's (or the rendered messages') token ids."""
+        result = await self._tokens_call(body.model, self.replica.tokenize, body)
+        if isinstance(result, Response):
+            return result
+        return JSONResponse(
+            {"count": len(result.tokens), "max_model_len": result.max_model_len, "tokens": result.tokens}
+        )
+
+    @app.post("/detokenize", response_model=None)
+    async def detokenize(self, body: DetokenizeRequest) -> Response:
+        """vLLM's route: the text of token ids."""
+        result = await self._tokens_call(body.model, self.replica.detokenize, body)
+        if isinstance(result, Response):
+            return result
+        return JSONResponse({"prompt": result.text})
+
     @app.get("/v1/nasd/stats")
     async def nasd_stats(self) -> dict[str, Any]:
         """Speculation counters per replica (the latest each one reported) and summed."""
@@ -251,6 +275,19 @@ class OpenAIIngress:
         if last.error is not None:
             return error_response(last.status_code, last.error)
         return JSONResponse(whole(text, last).model_dump())
+
+    async def _tokens_call(self, model: str | None, method, body: BaseModel) -> TokensResult | Response:
+        """A tokenize / detokenize call on a replica; an error as an OpenAI error response."""
+        if (error := self._check_model(model)) is not None:
+            return error
+        try:
+            result = await method.remote(body.model_dump())
+        except Exception as exc:
+            failure = _replica_failure(exc)
+            return error_response(failure.status_code, failure.error)
+        if result.error is not None:
+            return error_response(result.status_code, result.error)
+        return result
 
     async def _model_card(self, name: str) -> ModelCard:
         if self.model_info is None:

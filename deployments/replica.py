@@ -22,7 +22,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from deployments.metrics import EXPORT_INTERVAL_S, ReplicaMetrics
-from deployments.schemas import ErrorInfo, GenerateChunk, GenerateRequest, TokenLogprob, Usage
+from deployments.schemas import (
+    DetokenizeRequest,
+    ErrorInfo,
+    GenerateChunk,
+    GenerateRequest,
+    TokenizeRequest,
+    TokenLogprob,
+    TokensResult,
+    Usage,
+)
 from nasd_core import logprobs as engine_logprobs
 from nasd_core.async_engine import AsyncEngine, StreamChunk
 from nasd_core.calibration import calibrate
@@ -122,6 +131,17 @@ def logprob_entries(tokenizer, logprobs: Sequence[engine_logprobs.TokenLogprob])
             top_logprobs=[entry(token_id, logprob) for token_id, logprob in item.top],
         )
         for item in logprobs
+    ]
+
+
+def prompt_entries(
+    tokenizer, prompt_ids: Sequence[int], logprobs: Sequence[engine_logprobs.TokenLogprob | None]
+) -> list[TokenLogprob]:
+    """An echoed prompt's logprob entries: its first token has none (nothing came before it)."""
+    first = tokenizer.decode([prompt_ids[0]])
+    return [
+        TokenLogprob(token=first, logprob=None, bytes=list(first.encode("utf-8"))),
+        *logprob_entries(tokenizer, logprobs[1:]),
     ]
 
 
@@ -228,7 +248,8 @@ class NASDServer:
             prompt_ids = self._prompt_ids(parsed)
             params, spec = self._params(parsed, len(prompt_ids))
             text = TextStream(self.tokenizer, params.stop)
-            pending = ""
+            # Echo: the prompt leads the answer (the text as sent, or the decoded ids).
+            pending = self._echo_text(parsed, prompt_ids) if parsed.echo else ""
             pending_logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
             steps = self.async_engine.generate(
                 prompt_ids, params, spec, shared=self.pools.sources_for(parsed.user)
@@ -246,6 +267,8 @@ class NASDServer:
                         return
                     finished = step.finish_reason is not None
                     pending += text.push(step.token_ids, finished)
+                    if pending_logprobs is not None and parsed.echo and step.prompt_logprobs is not None:
+                        pending_logprobs += prompt_entries(self.tokenizer, prompt_ids, step.prompt_logprobs)
                     if pending_logprobs is not None and step.logprobs:
                         pending_logprobs += logprob_entries(self.tokenizer, step.logprobs)
                     if finished:
@@ -277,6 +300,33 @@ class NASDServer:
             "width_histogram": {str(width): count for width, count in sorted(widths.items())},
             "pool": self.pools.stats(),
         }
+
+    def tokenize(self, request: dict[str, Any]) -> TokensResult:
+        """Token ids of a ``TokenizeRequest``'s prompt or messages, encoded as ``generate`` does."""
+        try:
+            parsed = TokenizeRequest.model_validate(request)
+            if parsed.messages is not None:
+                messages = [{"role": message.role, "content": message.text()} for message in parsed.messages]
+                tokens = self._prompt_ids(GenerateRequest(messages=messages))
+            elif parsed.prompt is not None and parsed.add_special_tokens:
+                encode_prompt(self.tokenizer, parsed.prompt, self.model.config.vocab_size)  # the checks
+                tokens = self.tokenizer.encode(parsed.prompt, add_special_tokens=True)
+            else:
+                tokens = self._prompt_ids(GenerateRequest(prompt=parsed.prompt))
+            limit = getattr(self.model.config, "max_position_embeddings", None)
+            return TokensResult(tokens=tokens, max_model_len=limit)
+        except Exception as exc:
+            return TokensResult(**error_chunk(exc).model_dump(include={"error", "status_code"}))
+
+    def detokenize(self, request: dict[str, Any]) -> TokensResult:
+        """The text of a ``DetokenizeRequest``'s token ids."""
+        try:
+            parsed = DetokenizeRequest.model_validate(request)
+            if parsed.tokens:  # ids outside the vocabulary are a 400, not a tokenizer crash
+                encode_prompt(self.tokenizer, parsed.tokens, self.model.config.vocab_size, param="tokens")
+            return TokensResult(text=self.tokenizer.decode(parsed.tokens))
+        except Exception as exc:
+            return TokensResult(**error_chunk(exc).model_dump(include={"error", "status_code"}))
 
     def model_info(self) -> dict[str, Any]:
         """Name, context length and vocabulary size of the served model."""
@@ -312,6 +362,9 @@ class NASDServer:
             raise InvalidRequestError("a prompt or messages are required", param="prompt")
         return encode_prompt(self.tokenizer, request.prompt, vocab_size)
 
+    def _echo_text(self, request: GenerateRequest, prompt_ids: list[int]) -> str:
+        return request.prompt if isinstance(request.prompt, str) else self.tokenizer.decode(prompt_ids)
+
     def _params(self, request: GenerateRequest, num_prompt_tokens: int) -> tuple[SamplingParams, SpecConfig]:
         max_tokens = request.max_tokens
         if max_tokens is None:  # chat without a limit: up to the end of the context, as vLLM does
@@ -332,6 +385,9 @@ class NASDServer:
             "ignore_eos": request.ignore_eos,
             "logprobs": request.logprobs,
         }
+        if request.echo and (request.logprobs is not None or max_tokens == 0):
+            # Echo with logprobs scores the prompt too; max_tokens 0 only scores it.
+            sampling["prompt_logprobs"] = request.logprobs or 0
         if request.stop is not None:
             sampling["stop"] = request.stop
         spec = self.config.engine.spec

@@ -36,7 +36,6 @@ UNSUPPORTED_FIELDS = {
         not (value is None or (isinstance(value, dict) and value.get("type") == "text"))
     ),
     "best_of": lambda value: value not in (None, 1),
-    "echo": bool,
     "suffix": bool,
     "audio": bool,
     "modalities": lambda value: value not in (None, ["text"]),
@@ -100,7 +99,6 @@ class SamplingFields(_Request):
     function_call: Any = Field(None, description="Not supported (refused unless 'none').")
     response_format: Any = Field(None, description="Only {'type': 'text'} is supported.")
     best_of: Any = Field(None, description="Only 1 is supported.")
-    echo: Any = Field(None, description="Not supported (refused when true).")
     suffix: Any = Field(None, description="Not supported (refused unless empty).")
     audio: Any = Field(None, description="Not supported.")
     modalities: Any = Field(None, description="Only ['text'] is supported.")
@@ -127,7 +125,10 @@ class CompletionRequest(SamplingFields):
     )
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, description="Most tokens to generate.")
     logprobs: int | None = Field(
-        None, description="Return each token's logprob and this many top ones (0-20)."
+        None, ge=0, le=20, description="Return each token's logprob and this many top ones."
+    )
+    echo: bool = Field(
+        False, description="Answer the prompt followed by the completion; with logprobs, the prompt's too."
     )
 
     @field_validator("prompt")
@@ -167,10 +168,18 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(
         None, description="Newer name of max_tokens; wins when both are given."
     )
+    echo: Any = Field(None, description="Not supported in chat (refused when true).")
     logprobs: bool = Field(False, description="Return each output token's logprob.")
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="With logprobs: this many top tokens per position."
     )
+
+    @field_validator("echo")
+    @classmethod
+    def _no_chat_echo(cls, value: Any) -> Any:
+        if value:
+            raise ValueError("echo is not supported by this server's chat route")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -180,6 +189,23 @@ class ChatCompletionRequest(SamplingFields):
         return value
 
 
+class TokenizeRequest(_Request):
+    """POST /tokenize (vLLM's): a completion ``prompt`` or chat ``messages``, encoded as the
+    generation routes encode them (so ``count`` is what ``usage.prompt_tokens`` will say)."""
+
+    model: str | None = Field(None, description="Served model name (default: the served model).")
+    prompt: str | None = Field(None, description="Text to encode as a completion prompt.")
+    messages: list[ChatMessage] | None = Field(None, description="Messages to render and encode.")
+    add_special_tokens: bool = Field(False, description="Let the tokenizer add its special tokens.")
+
+
+class DetokenizeRequest(_Request):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = Field(None, description="Served model name (default: the served model).")
+    tokens: list[int] = Field(description="Token ids to decode.")
+
+
 class GenerateRequest(SamplingFields):
     """What the ingress sends a replica: exactly one of ``prompt`` (text or ids) or ``messages``
     (role/content dicts the replica renders with its tokenizer's chat template)."""
@@ -187,11 +213,15 @@ class GenerateRequest(SamplingFields):
     prompt: str | list[int] | None = Field(None, description="Completion prompt.")
     messages: list[dict[str, str]] | None = Field(None, description="Chat messages, content as text.")
     logprobs: int | None = Field(None, description="Top logprobs per token (None: no logprobs).")
+    echo: bool = Field(False, description="Send the prompt first (and its logprobs with logprobs).")
 
     @classmethod
     def from_completion(cls, request: CompletionRequest) -> GenerateRequest:
         return cls(
-            prompt=request.prompt, logprobs=request.logprobs, **request.model_dump(include=_SAMPLING_FIELDS)
+            prompt=request.prompt,
+            logprobs=request.logprobs,
+            echo=request.echo,
+            **request.model_dump(include=_SAMPLING_FIELDS),
         )
 
     @classmethod
@@ -223,6 +253,16 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+class TokensResult(BaseModel):
+    """A replica's answer to a tokenize or detokenize call (an error as for generation)."""
+
+    tokens: list[int] | None = None
+    text: str | None = None
+    max_model_len: int | None = None
+    error: ErrorInfo | None = None
+    status_code: int = 200
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -231,7 +271,7 @@ class Usage(BaseModel):
 
 class TopLogprob(BaseModel):
     token: str
-    logprob: float
+    logprob: float | None  # None only for an echoed prompt's first token
     bytes: list[int] | None = None
 
 

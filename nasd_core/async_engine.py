@@ -37,6 +37,7 @@ class StreamChunk:
     num_prompt_tokens: int = 0
     stats: SpecStats | None = None
     logprobs: list[TokenLogprob] | None = None  # of ``token_ids``, when the request asked for them
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, when asked for
 
 
 class AsyncEngine:
@@ -100,12 +101,17 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[StreamChunk] = asyncio.Queue()
 
+        sent_prompt_logprobs: list[bool] = []  # set by the engine thread once, read there only
+
         def on_tokens(request: Request, token_ids: list[int]) -> None:
             chunk = StreamChunk(
                 request.request_id, list(token_ids), num_prompt_tokens=len(request.prompt_ids)
             )
             if request.logprobs is not None:
                 chunk.logprobs = request.logprobs[len(request.logprobs) - len(token_ids) :]
+            if request.prompt_logprobs is not None and not sent_prompt_logprobs:
+                chunk.prompt_logprobs = request.prompt_logprobs
+                sent_prompt_logprobs.append(True)
             if request.stopper.is_finished or request.cancelled:
                 chunk.finish_reason, chunk.stats = request.finish_reason, request.stats
             loop.call_soon_threadsafe(chunks.put_nowait, chunk)

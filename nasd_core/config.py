@@ -49,7 +49,17 @@ def build(config_cls: type[_Config], **fields: object) -> _Config:
 class SamplingParams(_Config):
     """How one request is decoded. ``temperature == 0`` means greedy."""
 
-    max_tokens: int = Field(DEFAULT_MAX_TOKENS, gt=0, description="Most tokens to generate.")
+    # Declared first: max_tokens may be 0 only with it (validators see the fields before theirs).
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="Each prompt token's log-probability after the first, and this many "
+        "top ones (scoring a text).",
+    )
+    max_tokens: int = Field(
+        DEFAULT_MAX_TOKENS, ge=0, description="Most tokens to generate (0 only to score the prompt)."
+    )
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy; > 0 samples from softmax(logits / T).")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 = all).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus: smallest set with mass >= top_p.")
@@ -98,6 +108,13 @@ class SamplingParams(_Config):
                 raise ValueError(f"token id {token} is negative")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"the bias of token {token} ({bias}) is outside [-100, 100]")
+        return value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive_unless_scoring(cls, value: int, info) -> int:  # type: ignore[no-untyped-def]
+        if value == 0 and info.data.get("prompt_logprobs") is None:
+            raise ValueError("max_tokens must be at least 1 (0 only with prompt_logprobs)")
         return value
 
     @field_validator("min_tokens")

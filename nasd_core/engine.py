@@ -101,12 +101,16 @@ class Engine:
         on_tokens: TokenListener | None = None,
         shared: Sequence[tuple[str, NGramIndex]] | None = None,
         local_index: NGramIndex | None = None,
+        prefill_from: str | None = None,
     ) -> str:
         """Queue a request; returns its id.
 
         ``shared`` replaces the engine's shared draft sources for this request only (a
         tenant reads only its own indexes); None keeps the engine's. ``local_index``: the
         request-local index to use (and grow) instead of a fresh one (the seeds' storage).
+        ``prefill_from``: a queued or running request with the same prompt (another choice of it,
+        OpenAI's ``n``): this one copies that one's prompt keys and values once they are in
+        instead of prefilling them again.
 
         Raises:
             InvalidRequestError: bad prompt or parameters (nothing is queued).
@@ -135,6 +139,7 @@ class Engine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
+        source = self._prefill_source(prefill_from, prompt_ids, params)
         stopper = StopChecker(self.tokenizer, params, self.eos_token_ids)
         request = Request(
             request_id=request_id,
@@ -154,12 +159,29 @@ class Engine:
                 else None
             ),
             logprobs=[] if params.logprobs is not None else None,
+            # The first prompt token has no logprob: nothing came before it.
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             arrival_time=time.perf_counter(),
+            prefill_source=source,
         )
         request.drafter.observe(request.tokens)
         self.requests[request_id] = request
         self.waiting.append(request)
         return request_id
+
+    def _prefill_source(
+        self, prefill_from: str | None, prompt_ids: list[int], params: SamplingParams
+    ) -> Request | None:
+        if prefill_from is None or params.prompt_logprobs is not None:  # scoring needs its own logits
+            return None
+        source = self.requests.get(prefill_from)
+        if source is None or source.is_finished:
+            raise InvalidRequestError(f"no queued or running request {prefill_from!r}", param="prefill_from")
+        if source.prompt_ids != prompt_ids:
+            raise InvalidRequestError(
+                "prefill_from needs a request with the same prompt", param="prefill_from"
+            )
+        return source
 
     def cancel(self, request_id: str) -> bool:
         """Stop a request now; its output so far is kept. False if unknown or already done."""
@@ -208,6 +230,7 @@ class Engine:
             prompt_ids=request.prompt_ids,
             stats=request.stats,
             logprobs=request.logprobs,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def generate(
@@ -260,11 +283,17 @@ class Engine:
         budget = self.config.prefill_chunk_tokens
         for request in list(self.prefilling):
             target = len(request.prompt_ids) - 1
+            waits_for_source = request.prefill_source is not None and request.num_prefilled < target
+            if waits_for_source and not self._copy_prefill(request, target):
+                continue  # its source's prompt is not in yet
             if request.num_prefilled < target:
                 if budget == 0:
                     break
                 end = min(target, request.num_prefilled + budget)
-                row = StepRow(request.request_id, request.prompt_ids[request.num_prefilled : end], 0)
+                chunk = request.prompt_ids[request.num_prefilled : end]
+                # Scoring the prompt: every chunk position's logits (each predicts the next prompt token).
+                num_logits = len(chunk) if request.prompt_logprobs is not None else 0
+                row = StepRow(request.request_id, chunk, num_logits)
                 chunks.append((request, row))
                 budget -= end - request.num_prefilled
                 request.num_prefilled = end
@@ -272,8 +301,26 @@ class Engine:
                 self._start_running(request)
         return chunks
 
+    def _copy_prefill(self, request: Request, target: int) -> bool:
+        """Copy the source's prompt keys and values into ``request`` once the source runs (its
+        prompt is in the cache: chunks are counted when built, before their forward). A source
+        that finished first leaves the request to prefill itself. True when the prompt is in."""
+        source = request.prefill_source
+        if source.status is RequestStatus.RUNNING:
+            self.cache.copy_prefix(source.request_id, request.request_id, target)
+            request.num_prefilled = target
+        if source.status in (RequestStatus.RUNNING, RequestStatus.FINISHED):
+            request.prefill_source = None
+        return request.num_prefilled >= target
+
     def _start_running(self, request: Request) -> None:
         self.prefilling.remove(request)
+        if request.params.max_tokens == 0:  # only scoring the prompt: done once it is in
+            request.stopper.finish_reason = "length"
+            self._finish(request)
+            if request.on_tokens is not None:
+                request.on_tokens(request, [])
+            return
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -295,6 +342,10 @@ class Engine:
 
         forward_started = time.perf_counter()
         logits = self.runner.forward(step_rows)
+        # Prompt chunks that score their prompt come first; the rows' verification logits follow.
+        num_chunk_logits = sum(row.num_logits for _, row in chunks)
+        self._score_prompts(chunks, logits[:num_chunk_logits])
+        logits = logits[num_chunk_logits:]
         emitted_rows = verify_rows(
             logits,
             [draft.tokens[:length] for draft, length in zip(drafts, lengths)],
@@ -335,6 +386,22 @@ class Engine:
             share = (drafting_s + time.perf_counter() - learn_started) / len(rows)
             for request in rows:
                 request.stats.drafting_time_s += share
+
+    @staticmethod
+    def _score_prompts(chunks: list[tuple[Request, StepRow]], logits: torch.Tensor) -> None:
+        """Add each scored chunk's prompt logprobs: position i of a chunk starting at prompt
+        index p predicts prompt token p + i + 1 (``logits``: the scored chunks' rows, in order)."""
+        offset = 0
+        for request, row in chunks:
+            if not row.num_logits:
+                continue
+            start = len(request.prompt_logprobs)  # = the chunk's first prompt index + 1
+            targets = request.prompt_ids[start : start + row.num_logits]
+            num_top = request.params.prompt_logprobs
+            request.prompt_logprobs += token_logprobs(
+                logits[offset : offset + row.num_logits], targets, num_top
+            )
+            offset += row.num_logits
 
     @staticmethod
     def _learn_alternatives(request: Request, logits: torch.Tensor, emitted: list[int]) -> None:

@@ -220,6 +220,14 @@ class PagedKVCache:
         row.length = length
         row.written = max(row.written, length)
 
+    def copy_prefix(self, source_id: Hashable, target_id: Hashable, length: int) -> None:
+        """Give row ``target_id`` the first ``length`` positions of row ``source_id`` (the choices
+        of one prompt share its prefill: a copy of its keys and values, not a forward)."""
+        source, target = self.slots(source_id, 0, length), self.slots(target_id, 0, length)
+        for pool in (*self.keys, *self.values):
+            pool.index_copy_(1, target, pool.index_select(1, source))
+        self.set_length(target_id, length)
+
     def block_table(self, row_ids: list[Hashable]) -> torch.Tensor:
         """``[len(row_ids), most blocks of any of them]`` int32 block ids, rows padded with 0."""
         width = max((len(self.rows[row_id].block_ids) for row_id in row_ids), default=0)

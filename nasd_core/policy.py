@@ -344,7 +344,7 @@ def choose_batch_draft_lengths(
     gains over all rows; the step's total is then the one with the most expected tokens per
     second, ``(rows + sum of gains) / t(rows, positions)``. ``on`` rows always verify their
     whole draft, ``off`` rows none. ``num_other_rows`` / ``num_other_positions``: prompt
-    chunks riding in the same step (their cost is fixed). ``max_draft_positions`` caps the
+    chunks riding in the same step (their cost is sunk: drafts are priced by what they add). ``max_draft_positions`` caps the
     step's total draft positions (the engine passes ``draft_position_cap``).
     ``drafting_s_per_row``: what building one row's draft costs, charged once per row that
     gets drafts (the engine passes it when deciding which rows to draft at all; once the
@@ -372,6 +372,15 @@ def choose_batch_draft_lengths(
     if max_draft_positions is not None:
         gains = gains[:max_draft_positions]
     cost = step_time.curve(num_rows)
+    base_seconds = cost(base_positions)
+    # Prompt chunks riding along are work done anyway: what drafts add to this step is weighed
+    # against a decode step of the running rows alone, since an accepted token saves a share of
+    # such a step, not of this dearer one. (Priced by this step's rate, a 32-row step carrying
+    # ~800 prompt positions made drafts at 5% acceptance look worth it: creative text at 32 rows,
+    # 371 draft positions for 17 tokens, ~2.5% of the run.)
+    decode_seconds = (
+        step_time.estimate(len(rows), len(rows) + sum(forced)) if num_other_positions else base_seconds
+    )
     tokens_per_s = {}
     expected = base_tokens
     drafted_rows: set[int] = set()
@@ -380,7 +389,8 @@ def choose_batch_draft_lengths(
             gain, index = gains[num_drafts - 1]
             expected += gain
             drafted_rows.add(index)
-        seconds = cost(base_positions + num_drafts) + drafting_s_per_row * len(drafted_rows)
+        added = cost(base_positions + num_drafts) - base_seconds
+        seconds = decode_seconds + added + drafting_s_per_row * len(drafted_rows)
         tokens_per_s[num_drafts] = expected / seconds
     best = _explored(tokens_per_s, num_rows, base_positions, step_time)
     lengths = list(forced)

@@ -43,6 +43,10 @@ class Request:
     processors: LogitsProcessors | None = None
     # Each kept token's log-probability, when the request asked for them (else None).
     logprobs: list[TokenLogprob] | None = None
+    # With prompt_logprobs: None for the first prompt token, then each one's logprob.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Another choice of the same prompt whose prefill this one copies (Engine.add_request).
+    prefill_source: Request | None = None
     status: RequestStatus = RequestStatus.WAITING
     tokens: list[int] = field(default_factory=list)
     acceptance: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
@@ -136,6 +140,7 @@ class GenerationResult:
         prompt_ids: the prompt as token ids.
         stats: speculation counters of this request.
         logprobs: each token's log-probability and top alternatives (when asked for).
+        prompt_logprobs: the same for the prompt (None for its first token), when asked for.
     """
 
     token_ids: list[int]
@@ -144,3 +149,4 @@ class GenerationResult:
     prompt_ids: list[int]
     stats: SpecStats = field(default_factory=SpecStats)
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -10,6 +10,8 @@ import time
 import urllib.request
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nasd_core import SamplingParams, SpecConfig, generate
 from nasd_core.config import EMBEDDED_MODEL, EMBEDDED_MODEL_ALIASES
@@ -248,6 +250,57 @@ def test_completion_logprobs_equal_the_library(app, model, tokenizer):
     assert tokens == logprobs.tokens and offsets == logprobs.text_offset
 
 
+def test_echo_scores_the_prompt_as_lm_eval_asks(app, model, tokenizer):
+    """lm-eval's log-likelihood request: the prompt as token ids, echo, logprobs, 1 new token;
+    and the pure scoring form with max_tokens 0."""
+    prompt_ids = tokenizer.encode(PROMPTS[1], add_special_tokens=False)
+    expected = generate(
+        model, tokenizer, prompt_ids, SamplingParams(max_tokens=1, logprobs=1, prompt_logprobs=1)
+    )
+    body = {"prompt": prompt_ids, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    response = app.request("POST", COMPLETIONS_PATH, body)
+    assert response.status == 200, response.body
+    choice = response.body["choices"][0]
+    assert choice["text"] == tokenizer.decode(prompt_ids) + tokenizer.decode(expected.token_ids)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt_ids) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    library = [entry.logprob for entry in expected.prompt_logprobs[1:]] + [expected.logprobs[0].logprob]
+    assert logprobs["token_logprobs"][1:] == pytest.approx(library, abs=1e-4)
+    assert all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
+    scoring = app.request("POST", COMPLETIONS_PATH, {**body, "max_tokens": 0})
+    assert scoring.status == 200, scoring.body
+    assert scoring.body["choices"][0]["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][:-1]
+    assert scoring.body["usage"]["completion_tokens"] == 0
+    text_only = app.request("POST", COMPLETIONS_PATH, {"prompt": PROMPTS[1], "echo": True, "max_tokens": 0})
+    assert text_only.status == 200 and text_only.body["choices"][0]["text"] == PROMPTS[1]
+    streamed = app.client().completions.create(
+        model=MODEL, prompt=prompt_ids, echo=True, logprobs=1, max_tokens=1, temperature=0, stream=True
+    )
+    chunks = [chunk.choices[0] for chunk in streamed if chunk.choices]
+    assert "".join(choice.text for choice in chunks) == choice["text"]
+    assert [lp for c in chunks if c.logprobs for lp in c.logprobs.token_logprobs] == logprobs[
+        "token_logprobs"
+    ]
+
+
+def test_tokenize_and_detokenize_agree_with_the_generation_routes(app, tokenizer):
+    tokenized = app.request("POST", "/tokenize", {"prompt": PROMPTS[2]})
+    assert tokenized.status == 200
+    assert tokenized.body["tokens"] == tokenizer.encode(PROMPTS[2], add_special_tokens=False)
+    assert (
+        tokenized.body["count"] == len(tokenized.body["tokens"]) and tokenized.body["max_model_len"] == 8192
+    )
+    completion = app.request("POST", COMPLETIONS_PATH, {"prompt": PROMPTS[2], "max_tokens": 1})
+    assert completion.body["usage"]["prompt_tokens"] == tokenized.body["count"]
+    chat_tokens = app.request("POST", "/tokenize", {"model": MODEL, "messages": CHAT})
+    chat = app.request("POST", CHAT_PATH, {"messages": CHAT, "max_tokens": 1})
+    assert chat_tokens.body["count"] == chat.body["usage"]["prompt_tokens"]
+    text = app.request("POST", "/detokenize", {"tokens": tokenized.body["tokens"]})
+    assert text.status == 200 and text.body == {"prompt": PROMPTS[2]}
+    assert app.request("POST", "/detokenize", {"tokens": []}).body == {"prompt": ""}
+
+
 def test_chat_logprobs_equal_the_library(app, model, tokenizer, chat_prompt):
     expected = generate(model, tokenizer, chat_prompt, SamplingParams(max_tokens=8, logprobs=2))
     response = app.client().chat.completions.create(
@@ -454,7 +507,24 @@ BAD_INPUT = {
         "response_format",
         None,
     ),
-    "echo": (COMPLETIONS_PATH, {"prompt": "hi", "echo": True}, 400, "echo", None),
+    "detokenize_id_beyond_vocab": ("/detokenize", {"tokens": [49152]}, 400, "tokens", None),
+    "tokenize_nothing": ("/tokenize", {}, 400, "prompt", None),
+    "tokenize_lone_surrogate": ("/tokenize", {"prompt": "\ud800"}, 400, "prompt", None),
+    "tokenize_unknown_model": (
+        "/tokenize",
+        {"model": "gpt-4", "prompt": "hi"},
+        404,
+        "model",
+        "model_not_found",
+    ),
+    "chat_echo": (CHAT_PATH, {"messages": HI, "echo": True}, 400, "echo", None),
+    "max_tokens_zero_without_echo": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "max_tokens": 0, "logprobs": 1},
+        400,
+        "max_tokens",
+        None,
+    ),
     "lone_surrogate_prompt": (COMPLETIONS_PATH, {"prompt": "hi \ud800 there"}, 400, "prompt", None),
     "lone_surrogate_message": (
         CHAT_PATH,
@@ -568,3 +638,93 @@ def test_prometheus_metrics_match_the_stats_endpoint(app):
         assert time.monotonic() < deadline, f"metrics {seen} never matched the stats {expected}"
         time.sleep(1)
     assert samples["ray_nasd_request_tokens_per_step_count"] == total["num_requests"]
+
+
+# ----------------------------------------------------------------------- fuzzing
+# Odd JSON values any field may get: wrong types, out of range, huge, NaN, a lone surrogate.
+ODD = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=4),
+    st.just("\ud800"),
+    st.lists(st.integers(-5, 60_000), max_size=3),
+    st.dictionaries(st.text(max_size=3), st.integers(-200, 200), max_size=2),
+)
+# Small lengths only: a valid huge max_tokens (or min_tokens) would just run long.
+LENGTH = st.one_of(st.integers(-3, 6), st.sampled_from([2**31, 2**70, 10**6]), st.text(max_size=2))
+FIELDS = {
+    "model": st.sampled_from([MODEL, *EMBEDDED_MODEL_ALIASES, "gpt-4", ""]),
+    "max_tokens": LENGTH,
+    "max_completion_tokens": LENGTH,
+    "temperature": st.one_of(st.floats(0, 2), ODD),
+    "top_p": st.one_of(st.floats(0, 1), ODD),
+    "top_k": st.one_of(st.integers(-1, 50), ODD),
+    "stop": st.one_of(st.sampled_from(["\n", ".", ["a", "the"], []]), ODD),
+    "seed": st.one_of(st.integers(-(2**65), 2**65), ODD),
+    "n": st.one_of(st.integers(0, 3), ODD),
+    "stream": st.booleans(),
+    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), ODD),
+    "user": st.one_of(st.text(max_size=6), ODD),
+    "speculation": st.one_of(st.sampled_from(["auto", "on", "off"]), ODD),
+    "num_draft_tokens": st.one_of(st.integers(-1, 8), ODD),
+    "presence_penalty": st.one_of(st.floats(-2.5, 2.5), ODD),
+    "frequency_penalty": st.one_of(st.floats(-2.5, 2.5), ODD),
+    "repetition_penalty": st.one_of(st.floats(-0.5, 3), ODD),
+    "logit_bias": st.one_of(
+        st.dictionaries(st.integers(-2, 50_000).map(str), st.floats(-150, 150), max_size=3), ODD
+    ),
+    "min_tokens": st.one_of(st.integers(-1, 6), ODD),
+    "stop_token_ids": st.one_of(st.lists(st.integers(-1, 50_000), max_size=3), ODD),
+    "ignore_eos": st.one_of(st.booleans(), ODD),
+    "logprobs": st.one_of(st.booleans(), st.integers(-1, 22), ODD),
+    "top_logprobs": st.one_of(st.integers(-1, 22), ODD),
+    "echo": st.one_of(st.booleans(), ODD),
+    "tools": st.one_of(st.just([]), st.just([{"type": "function"}]), ODD),
+    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]), ODD),
+    "best_of": st.one_of(st.integers(0, 3), ODD),
+}
+PROMPT_VALUES = st.one_of(
+    st.sampled_from(PROMPTS), st.text(max_size=30), st.lists(st.integers(-2, 50_000), max_size=6), ODD
+)
+MESSAGES = st.one_of(
+    st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant", "wizard"]), "content": PROMPT_VALUES}
+        ),
+        max_size=3,
+    ),
+    ODD,
+)
+
+
+@st.composite
+def fuzzed_requests(draw) -> tuple[str, dict]:
+    """A valid request with some of its fields (every one the routes know) replaced."""
+    path = draw(st.sampled_from([COMPLETIONS_PATH, CHAT_PATH]))
+    body = {"max_tokens": 4, "temperature": 0}
+    body |= {"prompt": draw(PROMPT_VALUES)} if path == COMPLETIONS_PATH else {"messages": draw(MESSAGES)}
+    names = draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=6, unique=True))
+    body |= {name: draw(FIELDS[name]) for name in names}
+    return path, body
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(request=fuzzed_requests())
+def test_fuzzed_requests_get_an_answer_or_an_openai_error_never_a_500(app, request):
+    path, body = request
+    response = app.request("POST", path, body)
+    assert response.status < 500, (body, response.body)
+    if response.status >= 400:
+        error = response.body["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    elif body.get("stream") is True:
+        assert response.body.rstrip().endswith("data: [DONE]") and "server_error" not in response.body
+
+
+def test_the_replica_survives_the_fuzzing(app, replica_ids):
+    """Runs after the fuzz test (file order): the same replica still answers."""
+    assert app.request("POST", COMPLETIONS_PATH, {"prompt": "hi", "max_tokens": 2}).status == 200
+    stats = app.request("GET", "/v1/nasd/stats").body
+    assert {replica["replica_id"] for replica in stats["replicas"]} == replica_ids

@@ -244,3 +244,45 @@ def test_engines_on_one_model_start_from_what_earlier_engines_learned(model, tok
     newcomer = second.requests[request_id].acceptance
     assert all(newcomer.rates(length) == pooled.rates(length) for length in learned)
     assert any(newcomer.rates(length) != AcceptanceEstimator().rates(length) for length in learned)
+
+
+def test_choices_of_one_prompt_share_its_prefill(model, tokenizer, single_runs):
+    """``prefill_from``: a second choice copies the first's prompt keys and values instead of
+    prefilling them; its greedy output is the prompt's, sampled choices keep their seeds."""
+    engine = Engine(model, tokenizer, EngineConfig(prefill_chunk_tokens=8))
+    prompt, max_tokens = PROMPTS[2], MAX_TOKENS[2]
+    first = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
+    greedy = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), prefill_from=first)
+    sampled = [
+        engine.add_request(
+            prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=seed), prefill_from=first
+        )
+        for seed in (1, 2)
+    ]
+    prefilled: list[int] = []
+    forward = engine.runner.forward
+
+    def counting_forward(rows):
+        prefilled.extend(len(row.token_ids) for row in rows if row.num_logits == 0)
+        return forward(rows)
+
+    engine.runner.forward = counting_forward
+    while not engine.is_finished():
+        engine.step()
+    prompt_length = len(engine.requests[first].prompt_ids)
+    assert sum(prefilled) == prompt_length - 1  # the prompt went through the model once
+    assert engine.pop_result(first).token_ids == engine.pop_result(greedy).token_ids == single_runs[2]
+    for request_id, seed in zip(sampled, (1, 2)):
+        alone = generate(model, tokenizer, prompt, SamplingParams(max_tokens=8, temperature=1.0, seed=seed))
+        assert engine.pop_result(request_id).token_ids == alone.token_ids
+    with pytest.raises(InvalidRequestError):
+        engine.add_request("another prompt", prefill_from=engine.add_request(prompt))
+
+
+def test_a_choice_whose_source_finished_first_prefills_itself(model, tokenizer, single_runs):
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=1))  # the choice waits for the row
+    first = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS[1]))
+    second = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=MAX_TOKENS[1]), prefill_from=first)
+    while not engine.is_finished():
+        engine.step()
+    assert engine.pop_result(first).token_ids == engine.pop_result(second).token_ids == single_runs[1]

@@ -249,3 +249,22 @@ def test_a_row_is_drafted_only_if_its_gain_also_pays_for_building_the_draft():
     assert choose_batch_draft_lengths(rows, step_time)[0] > 0
     # Building the draft costs as much as a few positions of verification: not worth it.
     assert choose_batch_draft_lengths(rows, step_time, drafting_s_per_row=0.02) == [0] * 16
+
+
+def test_drafts_beside_prompt_chunks_are_priced_against_a_decode_step():
+    """A step carrying 800 prompt positions costs 17x a decode step; an accepted draft still
+    saves only a share of a decode step, so a weak draft is not worth a position there either."""
+    step_time = StepTimeModel()
+    for num_rows in (16, 17):  # 16 decoding rows, + 1 row of prompt chunk
+        for extra in (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 768, 832, 1024):
+            step_time.observe(num_rows, num_rows + extra, 0.1 + 0.002 * extra)  # 2 ms a position
+    weak = AcceptanceEstimator()  # ~23% of first drafts accepted: worth ~1.4 ms of a 6.25 ms token
+    for attempt in range(40):
+        weak.record(3, 1, int(attempt % 5 == 0))
+    rows = [RowDraft("auto", 1, 3, weak) for _ in range(16)]
+    assert choose_batch_draft_lengths(rows, step_time) == [0] * 16
+    assert choose_batch_draft_lengths(rows, step_time, num_other_rows=1, num_other_positions=800) == [0] * 16
+    strong = [row("auto", 4, 6, accepted_all=True) for _ in range(16)]
+    assert (
+        choose_batch_draft_lengths(strong, step_time, num_other_rows=1, num_other_positions=800) == [4] * 16
+    )

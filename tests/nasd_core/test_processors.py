@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nasd_core import InvalidRequestError, SamplingParams, SpecConfig, generate
-from nasd_core.config import build
+from nasd_core.config import EngineConfig, build
 from nasd_core.engine import Engine
 
 PROMPT = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat on the"
@@ -148,3 +148,42 @@ def test_out_of_range_processor_fields_are_typed_errors(model, tokenizer, fields
     with pytest.raises(InvalidRequestError) as error:
         generate(model, tokenizer, PROMPT, build(SamplingParams, **fields))
     assert error.value.param == param
+
+
+def test_prompt_logprobs_score_the_prompt_in_chunks_beside_running_rows(model, tokenizer):
+    """What lm-eval's log-likelihood requests need: every prompt token's logprob (``echo``),
+    here cut into 5-token prefill chunks that share steps with a decoding row."""
+    prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    with torch.inference_mode():
+        full = model(torch.tensor([prompt_ids])).logits[0].float()
+    reference = torch.log_softmax(full[:-1], dim=-1)
+    engine = Engine(model, tokenizer, EngineConfig(prefill_chunk_tokens=5))
+    decoding = engine.add_request("one, two, three,", SamplingParams(max_tokens=12))
+    engine.step()
+    engine.step()
+    scored = engine.add_request(prompt_ids, SamplingParams(max_tokens=3, prompt_logprobs=2))
+    scored_only = engine.add_request(prompt_ids, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    while not engine.is_finished():
+        engine.step()
+    results = {request_id: engine.pop_result(request_id) for request_id in (scored, scored_only, decoding)}
+    for request_id, num_top in [(scored, 2), (scored_only, 0)]:
+        entries = results[request_id].prompt_logprobs
+        assert len(entries) == len(prompt_ids) and entries[0] is None
+        assert [entry.token_id for entry in entries[1:]] == prompt_ids[1:]
+        expected = reference[torch.arange(len(prompt_ids) - 1), torch.tensor(prompt_ids[1:])]
+        assert [entry.logprob for entry in entries[1:]] == pytest.approx(expected.tolist(), abs=1e-3)
+        assert all(len(entry.top) == num_top for entry in entries[1:])
+        if num_top:
+            assert [entry.top[0][0] for entry in entries[1:]] == reference.argmax(-1).tolist()
+    assert results[scored_only].token_ids == [] and results[scored_only].finish_reason == "length"
+    # Scoring changes nothing else: the scored request and the row beside it decode as alone.
+    alone = generate(model, tokenizer, prompt_ids, SamplingParams(max_tokens=3))
+    assert results[scored].token_ids == alone.token_ids and results[scored].logprobs is None
+    beside = generate(model, tokenizer, "one, two, three,", SamplingParams(max_tokens=12))
+    assert results[decoding].token_ids == beside.token_ids
+
+
+def test_max_tokens_zero_needs_prompt_logprobs(model, tokenizer):
+    with pytest.raises(InvalidRequestError) as error:
+        build(SamplingParams, max_tokens=0)
+    assert error.value.param == "max_tokens"
