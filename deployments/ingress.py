@@ -113,11 +113,12 @@ def _replica_failure(exc: Exception) -> GenerateChunk:
 
 def _total(replicas: list[dict[str, Any]]) -> dict[str, Any]:
     """Counters summed over replicas, with the rates recomputed from the sums."""
-    total: dict[str, Any] = {name: 0 for name in ("num_requests", *_SUMMED)}
+    total: dict[str, Any] = {name: 0 for name in ("num_requests", "num_scoring_requests", *_SUMMED)}
     by_source: dict[str, dict[str, int]] = {"drafted_by_source": {}, "accepted_by_source": {}}
     widths: dict[str, int] = {}
     for stats in replicas:
         total["num_requests"] += stats["num_requests"]
+        total["num_scoring_requests"] += stats.get("num_scoring_requests", 0)
         for name in _SUMMED:
             total[name] += stats["spec"][name]
         for name, sums in by_source.items():

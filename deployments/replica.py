@@ -182,6 +182,7 @@ class NASDServer:
         self.pools: SharedPools | None = None
         self.totals = SpecStats()  # finished requests, merged on the event loop
         self.num_requests = 0
+        self.num_scoring_requests = 0  # finished with no decode step (echo with max_tokens 0)
         self.started_at: float | None = None
         # Set by the Serve deployment, where Ray exports them; None when used as a library.
         self.metrics: ReplicaMetrics | None = None
@@ -294,6 +295,7 @@ class NASDServer:
             "model": self.config.served_model_name,
             "updated_at": time.time(),
             "num_requests": self.num_requests,
+            "num_scoring_requests": self.num_scoring_requests,
             "num_running": len(engine.running),
             "num_waiting": len(engine.waiting) + len(engine.prefilling),
             "spec": self.totals.to_dict(),
@@ -411,6 +413,8 @@ class NASDServer:
         """Publish the finished sequence to the pool, count it, and build the last chunk."""
         self.pools.publish(request.user, prompt_ids + output_ids)
         self.num_requests += 1
+        if step.stats is not None and step.stats.num_steps == 0:
+            self.num_scoring_requests += 1
         if step.stats is not None:
             self.totals.merge(step.stats)
             if self.metrics is not None:

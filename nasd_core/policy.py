@@ -344,8 +344,9 @@ def choose_batch_draft_lengths(
     gains over all rows; the step's total is then the one with the most expected tokens per
     second, ``(rows + sum of gains) / t(rows, positions)``. ``on`` rows always verify their
     whole draft, ``off`` rows none. ``num_other_rows`` / ``num_other_positions``: prompt
-    chunks riding in the same step (their cost is sunk: drafts are priced by what they add). ``max_draft_positions`` caps the
-    step's total draft positions (the engine passes ``draft_position_cap``).
+    chunks riding in the same step (their cost is sunk: drafts are priced by what they add).
+    ``max_draft_positions`` caps the step's total draft positions (the engine passes
+    ``draft_position_cap``).
     ``drafting_s_per_row``: what building one row's draft costs, charged once per row that
     gets drafts (the engine passes it when deciding which rows to draft at all; once the
     drafts are built their cost is spent and it passes 0).
