@@ -183,15 +183,19 @@ class OpenAIIngress:
             GenerateRequest.from_completion(body),
             body.stream,
             lambda first, chunks: self._completion_events(request_id, body, first, chunks),
-            lambda text, last: CompletionResponse(
+            lambda choices, last: CompletionResponse(
                 id=request_id,
                 model=self.served_model_name,
                 choices=[
                     CompletionChoice(
-                        text=text,
-                        finish_reason=last.finish_reason,
-                        logprobs=completion_logprobs(last.logprobs) if last.logprobs is not None else None,
+                        index=choice.index,
+                        text=choice.text,
+                        finish_reason=choice.finish_reason,
+                        logprobs=completion_logprobs(choice.logprobs)
+                        if choice.logprobs is not None
+                        else None,
                     )
+                    for choice in choices
                 ],
                 usage=last.usage,
                 nasd=last.nasd,
@@ -206,15 +210,19 @@ class OpenAIIngress:
             GenerateRequest.from_chat(body),
             body.stream,
             lambda first, chunks: self._chat_events(request_id, body, first, chunks),
-            lambda text, last: ChatCompletionResponse(
+            lambda choices, last: ChatCompletionResponse(
                 id=request_id,
                 model=self.served_model_name,
                 choices=[
                     ChatChoice(
-                        message=AssistantMessage(content=text),
-                        finish_reason=last.finish_reason,
-                        logprobs=ChatLogprobs(content=last.logprobs) if last.logprobs is not None else None,
+                        index=choice.index,
+                        message=AssistantMessage(content=choice.text),
+                        finish_reason=choice.finish_reason,
+                        logprobs=ChatLogprobs(content=choice.logprobs)
+                        if choice.logprobs is not None
+                        else None,
                     )
+                    for choice in choices
                 ],
                 usage=last.usage,
                 nasd=last.nasd,
@@ -261,7 +269,7 @@ class OpenAIIngress:
         request: GenerateRequest,
         stream: bool,
         events: Callable[[GenerateChunk, DeploymentResponseGenerator], AsyncIterator[str]],
-        whole: Callable[[str, GenerateChunk], BaseModel],
+        whole: Callable[[list[GenerateChunk], GenerateChunk], BaseModel],
     ) -> Response:
         """One generation route: check the model, start the request on a replica, then answer
         with ``events`` (SSE) or, once it is done, the ``whole`` response; errors as JSON."""
@@ -272,10 +280,10 @@ class OpenAIIngress:
             return error_response(first.status_code, first.error)
         if stream:
             return self._stream(events(first, chunks))
-        last, text = await self._collect(first, chunks)
+        last, choices = await self._collect(first, chunks)
         if last.error is not None:
             return error_response(last.status_code, last.error)
-        return JSONResponse(whole(text, last).model_dump())
+        return JSONResponse(whole(choices, last).model_dump())
 
     async def _tokens_call(self, model: str | None, method, body: BaseModel) -> TokensResult | Response:
         """A tokenize / detokenize call on a replica; an error as an OpenAI error response."""
@@ -344,27 +352,27 @@ class OpenAIIngress:
         try:
             while chunk is not None:
                 yield chunk
-                if chunk.finish_reason is not None or chunk.error is not None:
+                if chunk.usage is not None or chunk.error is not None:  # the request's last chunk
                     return
                 chunk = await self._next(chunks)
         finally:
-            if chunk is None or (chunk.finish_reason is None and chunk.error is None):
+            if chunk is None or (chunk.usage is None and chunk.error is None):
                 chunks.cancel()
 
     async def _collect(
         self, first: GenerateChunk, chunks: DeploymentResponseGenerator
-    ) -> tuple[GenerateChunk, str]:
-        """The last chunk (or an error chunk, as it came) and the whole text; the last chunk
-        carries every chunk's logprobs."""
-        text, last, logprobs = "", first, None
+    ) -> tuple[GenerateChunk, list[GenerateChunk]]:
+        """The last chunk (or an error chunk, as it came) and each choice in index order, as
+        one chunk with its whole text, logprobs and finish reason."""
+        last, choices = first, {}
         async for chunk in self._chunks(first, chunks):
-            text += chunk.text
             last = chunk
+            choice = choices.setdefault(chunk.index, GenerateChunk(index=chunk.index))
+            choice.text += chunk.text
             if chunk.logprobs is not None:
-                logprobs = (logprobs or []) + chunk.logprobs
-        if last.error is None and logprobs is not None:
-            last = last.model_copy(update={"logprobs": logprobs})
-        return last, text
+                choice.logprobs = (choice.logprobs or []) + chunk.logprobs
+            choice.finish_reason = chunk.finish_reason or choice.finish_reason
+        return last, [choices[index] for index in sorted(choices)]
 
     def _remember(self, stats: dict[str, Any] | None) -> None:
         if stats is not None and stats.get("replica_id"):
@@ -390,18 +398,19 @@ class OpenAIIngress:
                 )
             )
 
-        text_offset = 0
+        text_offsets = [0] * body.n  # per choice: where its next logprob token starts
         async for chunk in self._chunks(first, chunks):
             if chunk.error is not None:
                 yield _sse(ErrorResponse(error=chunk.error))
                 break
-            logprobs = (
-                completion_logprobs(chunk.logprobs, text_offset) if chunk.logprobs is not None else None
+            logprobs = None
+            if chunk.logprobs is not None:
+                logprobs = completion_logprobs(chunk.logprobs, text_offsets[chunk.index])
+                text_offsets[chunk.index] += sum(len(token) for token in logprobs.tokens)
+            choice = CompletionChoice(
+                index=chunk.index, text=chunk.text, finish_reason=chunk.finish_reason, logprobs=logprobs
             )
-            text_offset += sum(len(token) for token in logprobs.tokens) if logprobs is not None else 0
-            yield event(
-                [CompletionChoice(text=chunk.text, finish_reason=chunk.finish_reason, logprobs=logprobs)]
-            )
+            yield event([choice])
             if chunk.usage is not None and body.include_usage:
                 yield event([], usage=chunk.usage)
         yield "data: [DONE]\n\n"
@@ -422,17 +431,20 @@ class OpenAIIngress:
                 )
             )
 
-        # OpenAI opens a chat stream with the role, then sends content deltas.
-        yield event([ChatChunkChoice(delta=Delta(role="assistant", content=""))])
+        # OpenAI opens each choice of a chat stream with the role, then sends content deltas.
+        for index in range(body.n):
+            yield event([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
         async for chunk in self._chunks(first, chunks):
             if chunk.error is not None:
                 yield _sse(ErrorResponse(error=chunk.error))
                 break
             if chunk.text or chunk.logprobs:
                 logprobs = ChatLogprobs(content=chunk.logprobs) if chunk.logprobs is not None else None
-                yield event([ChatChunkChoice(delta=Delta(content=chunk.text), logprobs=logprobs)])
+                delta = Delta(content=chunk.text)
+                yield event([ChatChunkChoice(index=chunk.index, delta=delta, logprobs=logprobs)])
             if chunk.finish_reason is not None:
-                yield event([ChatChunkChoice(delta=Delta(), finish_reason=chunk.finish_reason)])
+                finish = ChatChunkChoice(index=chunk.index, delta=Delta(), finish_reason=chunk.finish_reason)
+                yield event([finish])
             if chunk.usage is not None and body.include_usage:
                 yield event([], usage=chunk.usage)
         yield "data: [DONE]\n\n"

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -238,51 +239,94 @@ class NASDServer:
 
     # ------------------------------------------------------------ handle API
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[GenerateChunk]:
-        """Stream one request (a ``GenerateRequest`` as a dict).
+        """Stream one request (a ``GenerateRequest`` as a dict), its ``n`` choices as rows.
 
         With ``stream`` set, yields a chunk per engine step that produced text; otherwise one
-        chunk at the end. The last chunk has the finish reason, usage and counters. Any
-        failure is yielded as a chunk with ``error`` set, never raised.
+        chunk per choice at its end. A choice's last chunk has its finish reason; the request's
+        last chunk has the usage and counters (for one choice, the same chunk). Any failure is
+        yielded as a chunk with ``error`` set, never raised.
         """
         try:
             parsed = GenerateRequest.model_validate(request)
             prompt_ids = self._prompt_ids(parsed)
             params, spec = self._params(parsed, len(prompt_ids))
-            text = TextStream(self.tokenizer, params.stop)
-            # Echo: the prompt leads the answer (the text as sent, or the decoded ids).
-            pending = self._echo_text(parsed, prompt_ids) if parsed.echo else ""
-            pending_logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-            steps = self.async_engine.generate(
-                prompt_ids, params, spec, shared=self.pools.sources_for(parsed.user)
-            )
-            # Closing the engine stream cancels the request at once when the client goes away.
+            echo = self._echo_text(parsed, prompt_ids) if parsed.echo else ""
+            choices = [ChoiceOutput(self.tokenizer, params, echo) for _ in range(parsed.n)]
+            stats = SpecStats()
+            steps = self._choice_steps(prompt_ids, params, spec, parsed)
             async with contextlib.aclosing(steps):
-                async for step in steps:
+                async for index, step in steps:
                     if step.finish_reason == "cancelled":  # the engine aborted it (shutdown, failed step)
+                        message = "the engine stopped this request; retry"
                         yield GenerateChunk(
-                            error=ErrorInfo(
-                                message="the engine stopped this request; retry", type="server_error"
-                            ),
-                            status_code=503,
+                            error=ErrorInfo(message=message, type="server_error"), status_code=503
                         )
                         return
-                    finished = step.finish_reason is not None
-                    pending += text.push(step.token_ids, finished)
-                    if pending_logprobs is not None and parsed.echo and step.prompt_logprobs is not None:
-                        pending_logprobs += prompt_entries(self.tokenizer, prompt_ids, step.prompt_logprobs)
-                    if pending_logprobs is not None and step.logprobs:
-                        pending_logprobs += logprob_entries(self.tokenizer, step.logprobs)
-                    if finished:
-                        last = self._finish(parsed, prompt_ids, text.output_ids, step, pending)
-                        yield last.model_copy(update={"logprobs": pending_logprobs})
-                    elif parsed.stream and (pending or pending_logprobs):
-                        yield GenerateChunk(text=pending, logprobs=pending_logprobs)
-                        pending = ""
-                        pending_logprobs = [] if pending_logprobs is not None else None
+                    choice = choices[index]
+                    choice.add(step, prompt_ids if parsed.echo else None)
+                    if step.finish_reason is not None:
+                        stats.merge(step.stats)
+                        self.pools.publish(parsed.user, prompt_ids + choice.text.output_ids)
+                        chunk = choice.chunk(index, step.finish_reason)
+                        if all(other.finish_reason for other in choices):  # the request's last chunk
+                            yield self._finish(prompt_ids, choices, stats, chunk)
+                        else:
+                            yield chunk
+                    elif parsed.stream and choice.has_pending:
+                        yield choice.chunk(index, None)
         except Exception as exc:  # reported, never raised: a bad request must not kill the replica
             if not isinstance(exc, InvalidRequestError | ValidationError | EngineOverloadedError):
                 logger.exception("request failed")
             yield error_chunk(exc)
+
+    async def _choice_steps(
+        self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig, request: GenerateRequest
+    ) -> AsyncIterator[tuple[int, StreamChunk]]:
+        """Every choice's engine steps as they come, tagged with the choice's index. The first
+        choice starts alone; the others join after its first step and copy its prefill. Choice
+        i samples with seed + i. Leaving early (the client went away) cancels every choice."""
+        shared = self.pools.sources_for(request.user)
+        first_id = f"choice0-{uuid.uuid4().hex}"
+        queue: asyncio.Queue[tuple[int, StreamChunk | None, BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            seeded = (
+                params if params.seed is None else params.model_copy(update={"seed": params.seed + index})
+            )
+            steps = self.async_engine.generate(
+                prompt_ids,
+                seeded,
+                spec,
+                request_id=first_id if index == 0 else None,
+                shared=shared,
+                prefill_from=first_id if index else None,
+            )
+            try:
+                # Closing the engine stream cancels the request at once.
+                async with contextlib.aclosing(steps):
+                    async for step in steps:
+                        await queue.put((index, step, None))
+            except Exception as exc:
+                await queue.put((index, None, exc))
+            await queue.put((index, None, None))
+
+        tasks = [asyncio.create_task(pump(0))]
+        num_done = 0
+        try:
+            while num_done < request.n:
+                index, step, error = await queue.get()
+                if index == 0 and len(tasks) == 1 and request.n > 1:
+                    tasks += [asyncio.create_task(pump(other)) for other in range(1, request.n)]
+                if error is not None:
+                    raise error
+                if step is None:
+                    num_done += 1
+                    continue
+                yield index, step
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     def stats(self) -> dict[str, Any]:
         """JSON-able counters of this replica: speculation totals, policy widths, queue, pool."""
@@ -403,33 +447,56 @@ class NASDServer:
         return build(SamplingParams, **sampling), spec
 
     def _finish(
-        self,
-        request: GenerateRequest,
-        prompt_ids: list[int],
-        output_ids: list[int],
-        step: StreamChunk,
-        text: str,
+        self, prompt_ids: list[int], choices: list[ChoiceOutput], stats: SpecStats, last: GenerateChunk
     ) -> GenerateChunk:
-        """Publish the finished sequence to the pool, count it, and build the last chunk."""
-        self.pools.publish(request.user, prompt_ids + output_ids)
+        """Count the finished request and complete its last chunk with usage and counters."""
         self.num_requests += 1
-        if step.stats is not None and step.stats.num_steps == 0:
+        if stats.num_steps == 0:
             self.num_scoring_requests += 1
-        if step.stats is not None:
-            self.totals.merge(step.stats)
-            if self.metrics is not None:
-                self.metrics.record_request(step.finish_reason, len(prompt_ids), step.stats)
-        return GenerateChunk(
-            text=text,
-            finish_reason=step.finish_reason,
-            usage=Usage(
-                prompt_tokens=len(prompt_ids),
-                completion_tokens=len(output_ids),
-                total_tokens=len(prompt_ids) + len(output_ids),
-            ),
-            nasd=step.stats.to_dict() if step.stats is not None else None,
-            replica=self.stats(),
+        self.totals.merge(stats)
+        if self.metrics is not None:
+            self.metrics.record_request(last.finish_reason, len(prompt_ids), stats)
+        num_output = sum(len(choice.text.output_ids) for choice in choices)
+        usage = Usage(
+            prompt_tokens=len(prompt_ids),
+            completion_tokens=num_output,
+            total_tokens=len(prompt_ids) + num_output,
         )
+        return last.model_copy(update={"usage": usage, "nasd": stats.to_dict(), "replica": self.stats()})
+
+
+class ChoiceOutput:
+    """One choice's text and logprobs on their way out: what is pending until the next chunk."""
+
+    def __init__(self, tokenizer, params: SamplingParams, echo: str) -> None:
+        self.tokenizer = tokenizer
+        self.text = TextStream(tokenizer, params.stop)
+        self.pending = echo  # echo: the prompt leads the answer
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self.pending or self.logprobs)
+
+    def add(self, step: StreamChunk, echoed_prompt: list[int] | None) -> None:
+        self.pending += self.text.push(step.token_ids, step.finish_reason is not None)
+        if self.logprobs is None:
+            return
+        if echoed_prompt is not None and step.prompt_logprobs is not None:
+            self.logprobs += prompt_entries(self.tokenizer, echoed_prompt, step.prompt_logprobs)
+        if step.logprobs:
+            self.logprobs += logprob_entries(self.tokenizer, step.logprobs)
+
+    def chunk(self, index: int, finish_reason: str | None) -> GenerateChunk:
+        """The pending text and logprobs as a chunk (the choice's last with ``finish_reason``)."""
+        chunk = GenerateChunk(
+            index=index, text=self.pending, logprobs=self.logprobs, finish_reason=finish_reason
+        )
+        self.pending = ""
+        self.logprobs = [] if self.logprobs is not None else None
+        self.finish_reason = finish_reason
+        return chunk
 
 
 class NASDReplica(NASDServer):

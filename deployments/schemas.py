@@ -20,6 +20,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # OpenAI's default; send temperature 0 for greedy (token-identical to plain decoding) output.
 DEFAULT_TEMPERATURE = 1.0
 
+# Most choices (``n``) one request may ask for: each is a row of the engine.
+MAX_CHOICES = 16
 SpeculationMode = Literal["auto", "on", "off"]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length"]
@@ -62,7 +64,7 @@ class SamplingFields(_Request):
     top_k: int = Field(0, description="Keep the k most likely tokens; 0 or -1 = all (extra field).")
     stop: str | list[str] | None = Field(None, description="Stop strings; the text ends before them.")
     seed: int | None = Field(None, description="Seed of this request's sampler.")
-    n: int = Field(1, description="Choices per request; only 1 is supported.")
+    n: int = Field(1, description="Choices per request; they share the prompt's prefill.")
     presence_penalty: float = Field(
         0.0, description="In [-2, 2]: subtracted from tokens already in the output."
     )
@@ -86,9 +88,9 @@ class SamplingFields(_Request):
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
+    def _choices_in_range(cls, value: int) -> int:
+        if not 1 <= value <= MAX_CHOICES:
+            raise ValueError(f"n must be in [1, {MAX_CHOICES}]")
         return value
 
     # Known OpenAI fields this server does not implement: declared so that using one is a 400
@@ -296,10 +298,11 @@ class GenerateChunk(BaseModel):
     """What a replica yields: new text, or at the end the finish reason, usage and counters;
     or an error (then ``status_code`` says which HTTP status the ingress answers)."""
 
+    index: int = Field(0, description="The choice this chunk belongs to.")
     text: str = Field("", description="New text since the previous chunk.")
     logprobs: list[TokenLogprob] | None = Field(None, description="Of the tokens since the previous chunk.")
-    finish_reason: FinishReason | None = Field(None, description="Set on the last chunk.")
-    usage: Usage | None = Field(None, description="Set on the last chunk.")
+    finish_reason: FinishReason | None = Field(None, description="Set on a choice's last chunk.")
+    usage: Usage | None = Field(None, description="Set on the request's last chunk (all choices).")
     nasd: dict[str, Any] | None = Field(None, description="This request's speculation counters (last chunk).")
     replica: dict[str, Any] | None = Field(None, description="The replica's stats after it (last chunk).")
     error: ErrorInfo | None = Field(None, description="Set when the request failed.")

@@ -90,10 +90,12 @@ class AsyncEngine:
         spec: SpecConfig | None = None,
         request_id: str | None = None,
         shared: Sequence[tuple[str, NGramIndex]] | None = None,
+        prefill_from: str | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream one request's tokens. Leaving the iteration early cancels the request.
 
-        ``shared`` overrides the engine's shared draft sources for this request.
+        ``shared`` overrides the engine's shared draft sources for this request;
+        ``prefill_from``: another choice of the same prompt whose prefill this one copies.
 
         Raises:
             InvalidRequestError, EngineOverloadedError: from ``Engine.add_request``.
@@ -117,7 +119,15 @@ class AsyncEngine:
             loop.call_soon_threadsafe(chunks.put_nowait, chunk)
 
         def add(engine: Engine) -> str:
-            return engine.add_request(prompt, params, spec, request_id, on_tokens=on_tokens, shared=shared)
+            return engine.add_request(
+                prompt,
+                params,
+                spec,
+                request_id,
+                on_tokens=on_tokens,
+                shared=shared,
+                prefill_from=prefill_from,
+            )
 
         added_id = await asyncio.wrap_future(self.call(add))
         finished = False

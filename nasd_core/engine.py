@@ -110,7 +110,7 @@ class Engine:
         request-local index to use (and grow) instead of a fresh one (the seeds' storage).
         ``prefill_from``: a queued or running request with the same prompt (another choice of it,
         OpenAI's ``n``): this one copies that one's prompt keys and values once they are in
-        instead of prefilling them again.
+        instead of prefilling them again (if that request is already gone, it prefills itself).
 
         Raises:
             InvalidRequestError: bad prompt or parameters (nothing is queued).
@@ -176,7 +176,7 @@ class Engine:
             return None
         source = self.requests.get(prefill_from)
         if source is None or source.is_finished:
-            raise InvalidRequestError(f"no queued or running request {prefill_from!r}", param="prefill_from")
+            return None  # gone before this one came (a 1-token answer): nothing to share
         if source.prompt_ids != prompt_ids:
             raise InvalidRequestError(
                 "prefill_from needs a request with the same prompt", param="prefill_from"

@@ -284,6 +284,47 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(app, model, tokenizer):
     ]
 
 
+def test_n_choices_are_rows_of_one_request(app, model, tokenizer, reference, chat_prompt):
+    """n greedy choices are the greedy answer n times; seeded sampled choice i is the library's
+    answer with seed + i; streamed choices assemble to the whole ones; usage counts them all."""
+    expected = reference(PROMPTS[3])
+    whole = app.client().completions.create(
+        model=MODEL, prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0, n=3
+    )
+    assert [choice.index for choice in whole.choices] == [0, 1, 2]
+    assert all(choice.text == expected.text for choice in whole.choices)
+    assert whole.usage.completion_tokens == 3 * len(expected.token_ids)
+    assert whole.usage.prompt_tokens == len(expected.prompt_ids)
+    streamed = app.client().completions.create(
+        model=MODEL, prompt=PROMPTS[3], max_tokens=MAX_TOKENS, temperature=0, n=3, stream=True
+    )
+    texts, finishes = ["", "", ""], [None, None, None]
+    for chunk in streamed:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [expected.text] * 3 and finishes == [expected.finish_reason] * 3
+    sampled = app.client().chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0, seed=5, n=2
+    )
+    for choice in sampled.choices:
+        library = generate(
+            model,
+            tokenizer,
+            chat_prompt,
+            SamplingParams(max_tokens=8, temperature=1.0, seed=5 + choice.index),
+        )
+        assert choice.message.content == library.text
+    chat_stream = app.client().chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=8, temperature=1.0, seed=5, n=2, stream=True
+    )
+    contents = ["", ""]
+    for chunk in chat_stream:
+        for choice in chunk.choices:
+            contents[choice.index] += choice.delta.content or ""
+    assert contents == [choice.message.content for choice in sampled.choices]
+
+
 def test_tokenize_and_detokenize_agree_with_the_generation_routes(app, tokenizer):
     tokenized = app.request("POST", "/tokenize", {"prompt": PROMPTS[2]})
     assert tokenized.status == 200
@@ -408,7 +449,8 @@ BAD_INPUT = {
     ),
     "top_p_zero": (COMPLETIONS_PATH, {"prompt": "hi", "top_p": 0}, 400, "top_p", None),
     "top_p_above_one": (CHAT_PATH, {"messages": HI, "top_p": 1.5}, 400, "top_p", None),
-    "n_above_one": (COMPLETIONS_PATH, {"prompt": "hi", "n": 2}, 400, "n", None),
+    "n_zero": (COMPLETIONS_PATH, {"prompt": "hi", "n": 0}, 400, "n", None),
+    "n_above_max": (CHAT_PATH, {"messages": HI, "n": 17}, 400, "n", None),
     "batched_prompts": (COMPLETIONS_PATH, {"prompt": ["a", "b"]}, 400, "prompt", None),
     "empty_prompt": (COMPLETIONS_PATH, {"prompt": ""}, 400, "prompt", None),
     "empty_token_prompt": (COMPLETIONS_PATH, {"prompt": []}, 400, "prompt", None),

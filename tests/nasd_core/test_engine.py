@@ -277,6 +277,10 @@ def test_choices_of_one_prompt_share_its_prefill(model, tokenizer, single_runs):
         assert engine.pop_result(request_id).token_ids == alone.token_ids
     with pytest.raises(InvalidRequestError):
         engine.add_request("another prompt", prefill_from=engine.add_request(prompt))
+    alone = engine.add_request(prompt, SamplingParams(max_tokens=2), prefill_from="gone")  # prefills itself
+    while not engine.is_finished():
+        engine.step()
+    assert engine.pop_result(alone).token_ids == single_runs[2][:2]
 
 
 def test_a_choice_whose_source_finished_first_prefills_itself(model, tokenizer, single_runs):
