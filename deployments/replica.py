@@ -146,6 +146,11 @@ def prompt_entries(
     ]
 
 
+def tokens_error(exc: BaseException) -> TokensResult:
+    """A failed tokenize / detokenize call, reported as ``error_chunk`` reports a generation."""
+    return TokensResult(**error_chunk(exc).model_dump(include={"error", "status_code"}))
+
+
 def error_chunk(exc: BaseException) -> GenerateChunk:
     """The chunk that reports ``exc`` to the ingress, with the HTTP status it maps to."""
     if isinstance(exc, InvalidRequestError):
@@ -351,18 +356,13 @@ class NASDServer:
         """Token ids of a ``TokenizeRequest``'s prompt or messages, encoded as ``generate`` does."""
         try:
             parsed = TokenizeRequest.model_validate(request)
-            if parsed.messages is not None:
-                messages = [{"role": message.role, "content": message.text()} for message in parsed.messages]
-                tokens = self._prompt_ids(GenerateRequest(messages=messages))
-            elif parsed.prompt is not None and parsed.add_special_tokens:
-                encode_prompt(self.tokenizer, parsed.prompt, self.model.config.vocab_size)  # the checks
-                tokens = self.tokenizer.encode(parsed.prompt, add_special_tokens=True)
-            else:
-                tokens = self._prompt_ids(GenerateRequest(prompt=parsed.prompt))
+            messages = parsed.messages and [message.as_template_input() for message in parsed.messages]
+            prompt = GenerateRequest(prompt=parsed.prompt, messages=messages)
+            tokens = self._prompt_ids(prompt, add_special_tokens=parsed.add_special_tokens)
             limit = getattr(self.model.config, "max_position_embeddings", None)
             return TokensResult(tokens=tokens, max_model_len=limit)
         except Exception as exc:
-            return TokensResult(**error_chunk(exc).model_dump(include={"error", "status_code"}))
+            return tokens_error(exc)
 
     def detokenize(self, request: dict[str, Any]) -> TokensResult:
         """The text of a ``DetokenizeRequest``'s token ids."""
@@ -372,7 +372,7 @@ class NASDServer:
                 encode_prompt(self.tokenizer, parsed.tokens, self.model.config.vocab_size, param="tokens")
             return TokensResult(text=self.tokenizer.decode(parsed.tokens))
         except Exception as exc:
-            return TokensResult(**error_chunk(exc).model_dump(include={"error", "status_code"}))
+            return tokens_error(exc)
 
     def model_info(self) -> dict[str, Any]:
         """Name, context length and vocabulary size of the served model."""
@@ -392,7 +392,7 @@ class NASDServer:
             )
 
     # ------------------------------------------------------------- helpers
-    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+    def _prompt_ids(self, request: GenerateRequest, add_special_tokens: bool = False) -> list[int]:
         vocab_size = self.model.config.vocab_size
         if request.messages is not None:
             try:
@@ -403,10 +403,10 @@ class NASDServer:
                 raise InvalidRequestError(
                     f"the chat template rejected the messages: {exc}", "messages"
                 ) from None
-            return encode_prompt(self.tokenizer, prompt, vocab_size, param="messages")
+            return encode_prompt(self.tokenizer, prompt, vocab_size, "messages", add_special_tokens)
         if request.prompt is None:
             raise InvalidRequestError("a prompt or messages are required", param="prompt")
-        return encode_prompt(self.tokenizer, request.prompt, vocab_size)
+        return encode_prompt(self.tokenizer, request.prompt, vocab_size, "prompt", add_special_tokens)
 
     def _echo_text(self, request: GenerateRequest, prompt_ids: list[int]) -> str:
         return request.prompt if isinstance(request.prompt, str) else self.tokenizer.decode(prompt_ids)

@@ -153,6 +153,10 @@ class ChatMessage(_Request):
     content: str | list[TextPart] | None = Field(None, description="Text, or a list of text parts.")
     name: str | None = Field(None, description="Optional author name.")
 
+    def as_template_input(self) -> dict[str, str]:
+        """What the chat template renders of this message: role, content as text, name if any."""
+        return {"role": self.role, "content": self.text()} | ({"name": self.name} if self.name else {})
+
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
         if self.content is None:
@@ -228,11 +232,7 @@ class GenerateRequest(SamplingFields):
 
     @classmethod
     def from_chat(cls, request: ChatCompletionRequest) -> GenerateRequest:
-        messages = [
-            {"role": message.role, "content": message.text()}
-            | ({"name": message.name} if message.name else {})
-            for message in request.messages
-        ]
+        messages = [message.as_template_input() for message in request.messages]
         fields = request.model_dump(include=_SAMPLING_FIELDS)
         if request.max_completion_tokens is not None:
             fields["max_tokens"] = request.max_completion_tokens

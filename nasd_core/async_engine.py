@@ -103,17 +103,18 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[StreamChunk] = asyncio.Queue()
 
-        sent_prompt_logprobs: list[bool] = []  # set by the engine thread once, read there only
+        prompt_logprobs_sent = False  # set and read on the engine thread only
 
         def on_tokens(request: Request, token_ids: list[int]) -> None:
+            nonlocal prompt_logprobs_sent
             chunk = StreamChunk(
                 request.request_id, list(token_ids), num_prompt_tokens=len(request.prompt_ids)
             )
             if request.logprobs is not None:
                 chunk.logprobs = request.logprobs[len(request.logprobs) - len(token_ids) :]
-            if request.prompt_logprobs is not None and not sent_prompt_logprobs:
+            if request.prompt_logprobs is not None and not prompt_logprobs_sent:
                 chunk.prompt_logprobs = request.prompt_logprobs
-                sent_prompt_logprobs.append(True)
+                prompt_logprobs_sent = True
             if request.stopper.is_finished or request.cancelled:
                 chunk.finish_reason, chunk.stats = request.finish_reason, request.stats
             loop.call_soon_threadsafe(chunks.put_nowait, chunk)

@@ -46,6 +46,13 @@ def build(config_cls: type[_Config], **fields: object) -> _Config:
         raise InvalidRequestError(f"{param}: {first['msg']}", param=param) from None
 
 
+def at_most(name: str, value: int, bound_name: str, bound: int) -> int:
+    """``value`` if it does not exceed ``bound`` (a validator's check of one field against another)."""
+    if value > bound:
+        raise ValueError(f"{name} ({value}) must be <= {bound_name} ({bound})")
+    return value
+
+
 class SamplingParams(_Config):
     """How one request is decoded. ``temperature == 0`` means greedy."""
 
@@ -120,10 +127,7 @@ class SamplingParams(_Config):
     @field_validator("min_tokens")
     @classmethod
     def _min_le_max_tokens(cls, value: int, info) -> int:  # type: ignore[no-untyped-def]
-        max_tokens = info.data.get("max_tokens", DEFAULT_MAX_TOKENS)
-        if value > max_tokens:
-            raise ValueError(f"min_tokens ({value}) must be <= max_tokens ({max_tokens})")
-        return value
+        return at_most("min_tokens", value, "max_tokens", info.data.get("max_tokens", DEFAULT_MAX_TOKENS))
 
     @property
     def is_greedy(self) -> bool:
@@ -160,10 +164,7 @@ class SpecConfig(_Config):
     @field_validator("min_ngram")
     @classmethod
     def _min_le_max(cls, value: int, info) -> int:  # type: ignore[no-untyped-def]
-        max_ngram = info.data.get("max_ngram", DEFAULT_MAX_NGRAM)
-        if value > max_ngram:
-            raise ValueError(f"min_ngram ({value}) must be <= max_ngram ({max_ngram})")
-        return value
+        return at_most("min_ngram", value, "max_ngram", info.data.get("max_ngram", DEFAULT_MAX_NGRAM))
 
     @property
     def is_speculating(self) -> bool:

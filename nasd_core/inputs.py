@@ -8,10 +8,15 @@ from nasd_core.errors import ContextLengthError, InvalidRequestError
 
 
 def encode_prompt(
-    tokenizer, prompt: str | Sequence[int], vocab_size: int, param: str = "prompt"
+    tokenizer,
+    prompt: str | Sequence[int],
+    vocab_size: int,
+    param: str = "prompt",
+    add_special_tokens: bool = False,
 ) -> list[int]:
     """Token ids of a text or id-list prompt; raises InvalidRequestError (naming ``param``) on
-    empty, non-Unicode or out-of-vocabulary input."""
+    empty, non-Unicode or out-of-vocabulary input. ``add_special_tokens``: let the tokenizer
+    add its own (a BOS token...) to a text prompt; generation feeds the text as it is."""
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", param=param)
@@ -23,7 +28,7 @@ def encode_prompt(
             raise InvalidRequestError(
                 f"{param} is not valid Unicode text: {exc.reason} at character {exc.start}", param=param
             ) from None
-        prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+        prompt_ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     else:
         prompt_ids = list(prompt)
         if any(not isinstance(token, int) or isinstance(token, bool) for token in prompt_ids):

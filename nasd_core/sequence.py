@@ -51,7 +51,6 @@ class Request:
     tokens: list[int] = field(default_factory=list)
     acceptance: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     stats: SpecStats = field(default_factory=SpecStats)
-    logprobs: list[TokenLogprob] | None = None
     num_prefilled: int = 0
     cancelled: bool = False
     arrival_time: float = 0.0
