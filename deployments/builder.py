@@ -33,7 +33,7 @@ DEFAULT_NUM_REPLICAS = 1
 # CPUs (and torch threads) of each replica when several share a machine, or beside a GPU.
 DEFAULT_NUM_CPUS_PER_REPLICA = 1.0
 # A lone CPU replica leaves this many of the cores to Ray's own processes (raylet, GCS, the
-# HTTP proxy, the ingress): on 2 cores the server did 18 tok/s with 1 torch thread and 16.7
+# HTTP proxy, the ingress): on 2 cores (issue 25) the server did 18 tok/s with 1 torch thread and 16.7
 # with 2, the model's threads then fighting Ray's for the cores.
 RAY_RESERVED_CPUS = 1
 # The ingress only awaits replicas, so the replicas' queues bound concurrency, not the ingress
