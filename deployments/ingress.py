@@ -8,6 +8,7 @@ with a 4xx status for a bad request (FastAPI's own 422 validation answer is repl
 # No `from __future__ import annotations` here: serve.ingress pickles the FastAPI app when the
 # class is decorated, and FastAPI must then resolve the route annotations as real types. For
 # the same reason every helper the routes use is defined above the class.
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -46,6 +47,7 @@ from deployments.schemas import (
     TokenizeRequest,
     TokenLogprob,
     TokensResult,
+    Usage,
     new_id,
 )
 
@@ -111,28 +113,99 @@ def _replica_failure(exc: Exception) -> GenerateChunk:
     return GenerateChunk(error=info, status_code=503)
 
 
-def _total(replicas: list[dict[str, Any]]) -> dict[str, Any]:
-    """Counters summed over replicas, with the rates recomputed from the sums."""
-    total: dict[str, Any] = {name: 0 for name in ("num_requests", "num_scoring_requests", *_SUMMED)}
-    by_source: dict[str, dict[str, int]] = {"drafted_by_source": {}, "accepted_by_source": {}}
-    widths: dict[str, int] = {}
-    for stats in replicas:
-        total["num_requests"] += stats["num_requests"]
-        total["num_scoring_requests"] += stats.get("num_scoring_requests", 0)
-        for name in _SUMMED:
-            total[name] += stats["spec"][name]
-        for name, sums in by_source.items():
-            for source, count in stats["spec"][name].items():
-                sums[source] = sums.get(source, 0) + count
-        for width, count in stats["width_histogram"].items():
-            widths[width] = widths.get(width, 0) + count
+def _sum_counts(counts: list[dict[str, int]]) -> dict[str, int]:
+    sums: dict[str, int] = {}
+    for count in counts:
+        for key, value in count.items():
+            sums[key] = sums.get(key, 0) + value
+    return sums
+
+
+def sum_spec(specs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Speculation counters (``SpecStats.to_dict``) summed, with the rates recomputed from the
+    sums: over the replicas in the stats endpoint, over the prompts of a batched request."""
+    total: dict[str, Any] = {name: sum(spec[name] for spec in specs) for name in _SUMMED}
     total["tokens_per_step"] = (
         round(total["num_emitted"] / total["num_steps"], 4) if total["num_steps"] else 0.0
     )
     total["acceptance_rate"] = (
         round(total["num_accepted"] / total["num_drafted"], 4) if total["num_drafted"] else 0.0
     )
-    return {**total, **by_source, "width_histogram": widths}
+    for name in ("drafted_by_source", "accepted_by_source"):
+        total[name] = _sum_counts([spec[name] for spec in specs])
+    return total
+
+
+def _total(replicas: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counters summed over replicas."""
+    return {
+        "num_requests": sum(stats["num_requests"] for stats in replicas),
+        "num_scoring_requests": sum(stats.get("num_scoring_requests", 0) for stats in replicas),
+        **sum_spec([stats["spec"] for stats in replicas]),
+        "width_histogram": _sum_counts([stats["width_histogram"] for stats in replicas]),
+    }
+
+
+async def _collect(chunks: AsyncIterator[GenerateChunk]) -> tuple[GenerateChunk, list[GenerateChunk]]:
+    """The last chunk (or an error chunk, as it came) and each choice in index order, as one
+    chunk with its whole text, logprobs and finish reason."""
+    last, choices = GenerateChunk(), {}
+    async for chunk in chunks:
+        last = chunk
+        choice = choices.setdefault(chunk.index, GenerateChunk(index=chunk.index))
+        choice.text += chunk.text
+        if chunk.logprobs is not None:
+            choice.logprobs = (choice.logprobs or []) + chunk.logprobs
+        choice.finish_reason = chunk.finish_reason or choice.finish_reason
+    return last, [choices[index] for index in sorted(choices)]
+
+
+async def _merged(
+    streams: list[AsyncIterator[GenerateChunk]], num_choices: int
+) -> AsyncIterator[GenerateChunk]:
+    """The chunks of a batch's requests (one per prompt) as one request's, in arrival order:
+    choice i of prompt p becomes choice p * num_choices + i, and only the last chunk carries
+    usage and counters, summed over the prompts. An error ends the whole; leaving early
+    cancels every prompt's request."""
+    queue: asyncio.Queue[tuple[int, GenerateChunk | None]] = asyncio.Queue()
+
+    async def pump(prompt_index: int, stream: AsyncIterator[GenerateChunk]) -> None:
+        try:
+            async for chunk in stream:
+                await queue.put((prompt_index, chunk))
+        finally:
+            await queue.put((prompt_index, None))
+
+    pumps = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    usages: list[Usage] = []
+    specs: list[dict[str, Any]] = []
+    num_open = len(streams)
+    try:
+        while num_open:
+            prompt_index, chunk = await queue.get()
+            if chunk is None:
+                num_open -= 1
+                continue
+            chunk.index += prompt_index * num_choices
+            if chunk.error is not None:
+                yield chunk
+                return
+            if chunk.usage is not None:  # this prompt's last chunk
+                usages.append(chunk.usage)
+                specs.append(chunk.nasd or {})
+                if len(usages) < len(streams):
+                    chunk.usage = chunk.nasd = None
+                else:
+                    chunk.usage = Usage(
+                        prompt_tokens=sum(usage.prompt_tokens for usage in usages),
+                        completion_tokens=sum(usage.completion_tokens for usage in usages),
+                        total_tokens=sum(usage.total_tokens for usage in usages),
+                    )
+                    chunk.nasd = sum_spec(specs) if all(specs) else None
+            yield chunk
+    finally:
+        for task in pumps:
+            task.cancel()
 
 
 @serve.ingress(app)
@@ -180,9 +253,9 @@ class OpenAIIngress:
         request_id = new_id("cmpl")
         return await self._answer(
             body.model,
-            GenerateRequest.from_completion(body),
+            [GenerateRequest.from_completion(body, prompt) for prompt in body.prompts],
             body.stream,
-            lambda first, chunks: self._completion_events(request_id, body, first, chunks),
+            lambda chunks: self._completion_events(request_id, body, chunks),
             lambda choices, last: CompletionResponse(
                 id=request_id,
                 model=self.served_model_name,
@@ -207,9 +280,9 @@ class OpenAIIngress:
         request_id = new_id("chatcmpl")
         return await self._answer(
             body.model,
-            GenerateRequest.from_chat(body),
+            [GenerateRequest.from_chat(body)],
             body.stream,
-            lambda first, chunks: self._chat_events(request_id, body, first, chunks),
+            lambda chunks: self._chat_events(request_id, body, chunks),
             lambda choices, last: ChatCompletionResponse(
                 id=request_id,
                 model=self.served_model_name,
@@ -247,6 +320,15 @@ class OpenAIIngress:
             return result
         return JSONResponse({"prompt": result.text})
 
+    @app.get("/tokenizer_info", response_model=None)
+    async def tokenizer_info(self) -> Response:
+        """vLLM's route: the tokenizer's special tokens, chat template and settings."""
+        try:
+            return JSONResponse(await self.replica.tokenizer_info.remote())
+        except Exception as exc:
+            failure = _replica_failure(exc)
+            return error_response(failure.status_code, failure.error)
+
     @app.get("/v1/nasd/stats")
     async def nasd_stats(self) -> dict[str, Any]:
         """Speculation counters per replica (the latest each one reported) and summed."""
@@ -266,21 +348,28 @@ class OpenAIIngress:
     async def _answer(
         self,
         model: str | None,
-        request: GenerateRequest,
+        requests: list[GenerateRequest],
         stream: bool,
-        events: Callable[[GenerateChunk, DeploymentResponseGenerator], AsyncIterator[str]],
+        events: Callable[[AsyncIterator[GenerateChunk]], AsyncIterator[str]],
         whole: Callable[[list[GenerateChunk], GenerateChunk], BaseModel],
     ) -> Response:
-        """One generation route: check the model, start the request on a replica, then answer
-        with ``events`` (SSE) or, once it is done, the ``whole`` response; errors as JSON."""
+        """One generation route: check the model, start the requests (one per prompt) on
+        replicas, then answer with ``events`` (SSE) or, once they are done, the ``whole``
+        response; errors as JSON."""
         if (error := self._check_model(model)) is not None:
             return error
-        chunks, first = await self._start(request)
-        if first.error is not None:
-            return error_response(first.status_code, first.error)
+        started = await asyncio.gather(*(self._start(request) for request in requests))
+        failed = [first for _, first in started if first.error is not None]
+        if failed:  # none of the batch is answered: cancel the prompts that did start
+            for chunks, first in started:
+                if chunks is not None and first.error is None:
+                    chunks.cancel()
+            return error_response(failed[0].status_code, failed[0].error)
+        streams = [self._chunks(first, chunks) for chunks, first in started]
+        merged = streams[0] if len(streams) == 1 else _merged(streams, requests[0].n)
         if stream:
-            return self._stream(events(first, chunks))
-        last, choices = await self._collect(first, chunks)
+            return self._stream(events(merged))
+        last, choices = await _collect(merged)
         if last.error is not None:
             return error_response(last.status_code, last.error)
         return JSONResponse(whole(choices, last).model_dump())
@@ -359,21 +448,6 @@ class OpenAIIngress:
             if chunk is None or (chunk.usage is None and chunk.error is None):
                 chunks.cancel()
 
-    async def _collect(
-        self, first: GenerateChunk, chunks: DeploymentResponseGenerator
-    ) -> tuple[GenerateChunk, list[GenerateChunk]]:
-        """The last chunk (or an error chunk, as it came) and each choice in index order, as
-        one chunk with its whole text, logprobs and finish reason."""
-        last, choices = first, {}
-        async for chunk in self._chunks(first, chunks):
-            last = chunk
-            choice = choices.setdefault(chunk.index, GenerateChunk(index=chunk.index))
-            choice.text += chunk.text
-            if chunk.logprobs is not None:
-                choice.logprobs = (choice.logprobs or []) + chunk.logprobs
-            choice.finish_reason = chunk.finish_reason or choice.finish_reason
-        return last, [choices[index] for index in sorted(choices)]
-
     def _remember(self, stats: dict[str, Any] | None) -> None:
         if stats is not None and stats.get("replica_id"):
             self.replica_stats[stats["replica_id"]] = stats
@@ -383,11 +457,7 @@ class OpenAIIngress:
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def _completion_events(
-        self,
-        request_id: str,
-        body: CompletionRequest,
-        first: GenerateChunk,
-        chunks: DeploymentResponseGenerator,
+        self, request_id: str, body: CompletionRequest, chunks: AsyncIterator[GenerateChunk]
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -398,8 +468,8 @@ class OpenAIIngress:
                 )
             )
 
-        text_offsets = [0] * body.n  # per choice: where its next logprob token starts
-        async for chunk in self._chunks(first, chunks):
+        text_offsets = [0] * (len(body.prompts) * body.n)  # per choice: where its next token starts
+        async for chunk in chunks:
             if chunk.error is not None:
                 yield _sse(ErrorResponse(error=chunk.error))
                 break
@@ -416,11 +486,7 @@ class OpenAIIngress:
         yield "data: [DONE]\n\n"
 
     async def _chat_events(
-        self,
-        request_id: str,
-        body: ChatCompletionRequest,
-        first: GenerateChunk,
-        chunks: DeploymentResponseGenerator,
+        self, request_id: str, body: ChatCompletionRequest, chunks: AsyncIterator[GenerateChunk]
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -434,7 +500,7 @@ class OpenAIIngress:
         # OpenAI opens each choice of a chat stream with the role, then sends content deltas.
         for index in range(body.n):
             yield event([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
-        async for chunk in self._chunks(first, chunks):
+        async for chunk in chunks:
             if chunk.error is not None:
                 yield _sse(ErrorResponse(error=chunk.error))
                 break

@@ -384,6 +384,24 @@ class NASDServer:
             "created": int(self.started_at or time.time()),
         }
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's ``/tokenizer_info``: the tokenizer's class, special tokens, chat template and
+        settings (what lm-evaluation-harness reads to tokenize through the server)."""
+        info: dict[str, Any] = {"tokenizer_class": type(self.tokenizer).__name__}
+        for key, value in self.tokenizer.init_kwargs.items():
+            if key in ("name_or_path", "vocab_file", "tokenizer_file"):  # paths on the replica's disk
+                continue
+            if hasattr(value, "content"):  # an AddedToken: its text, as the tokenizer config writes it
+                value = value.content
+            if value is None or isinstance(value, str | int | float | bool):
+                info[key] = value
+        # The tokenizer's own limit is often a "no limit" sentinel; the model's is the real one.
+        model_limit = getattr(self.model.config, "max_position_embeddings", None)
+        if model_limit is not None:
+            info["model_max_length"] = min(info.get("model_max_length", model_limit), model_limit)
+        info["chat_template"] = self.tokenizer.chat_template
+        return info
+
     def check_health(self) -> None:
         """Raise when the engine thread is gone (Serve then replaces this replica)."""
         if self.async_engine is None or not self.async_engine.is_running:

@@ -22,6 +22,9 @@ DEFAULT_TEMPERATURE = 1.0
 
 # Most choices (``n``) one request may ask for: each is a row of the engine.
 MAX_CHOICES = 16
+# Most prompts one completions request may batch: each is a request of its own to a replica
+# (as in vLLM), so a batch spreads over replicas and joins their running batches.
+MAX_PROMPTS = 64
 SpeculationMode = Literal["auto", "on", "off"]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length"]
@@ -123,7 +126,8 @@ class CompletionRequest(SamplingFields):
 
     model: str | None = Field(None, description="Served model name (default: the served model).")
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="One prompt: text or token ids (a list holding one prompt is accepted)."
+        description=f"A prompt (text or token ids) or a batch of up to {MAX_PROMPTS}: prompt p's "
+        "choice i is answered as choice p * n + i."
     )
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, description="Most tokens to generate.")
     logprobs: int | None = Field(
@@ -135,12 +139,17 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _single_prompt(cls, value: str | list) -> str | list[int]:
-        if isinstance(value, list) and value and isinstance(value[0], str | list):
-            if len(value) != 1:
-                raise ValueError("send one prompt per request (batched prompts are not supported)")
-            return value[0]
+    def _batch_size(cls, value: str | list) -> str | list:
+        if isinstance(value, list) and len(value) > MAX_PROMPTS and isinstance(value[0], str | list):
+            raise ValueError(f"a batch holds at most {MAX_PROMPTS} prompts (got {len(value)})")
         return value
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of this request: one, or each of a batch."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
+            return list(self.prompt)
+        return [self.prompt]
 
 
 class TextPart(_Request):
@@ -222,9 +231,10 @@ class GenerateRequest(SamplingFields):
     echo: bool = Field(False, description="Send the prompt first (and its logprobs with logprobs).")
 
     @classmethod
-    def from_completion(cls, request: CompletionRequest) -> GenerateRequest:
+    def from_completion(cls, request: CompletionRequest, prompt: str | list[int]) -> GenerateRequest:
+        """The replica request of ``prompt``, one of ``request.prompts``."""
         return cls(
-            prompt=request.prompt,
+            prompt=prompt,
             logprobs=request.logprobs,
             echo=request.echo,
             **request.model_dump(include=_SAMPLING_FIELDS),

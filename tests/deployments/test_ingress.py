@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deployments.schemas import MAX_PROMPTS
 from nasd_core import SamplingParams, SpecConfig, generate
 from nasd_core.config import EMBEDDED_MODEL, EMBEDDED_MODEL_ALIASES
 from tests.deployments.conftest import serve_apps
@@ -325,6 +326,55 @@ def test_n_choices_are_rows_of_one_request(app, model, tokenizer, reference, cha
     assert contents == [choice.message.content for choice in sampled.choices]
 
 
+def test_batched_prompts_answer_each_prompt_as_its_own_request(app, reference):
+    """A batch of prompts with n choices: prompt p's choice i is choice p * n + i and equals
+    that prompt's own greedy answer; usage sums the prompts; streamed choices assemble to the
+    whole ones, usage in the last chunk only; a batch of token-id prompts answers alike."""
+    prompts = [PROMPTS[0], PROMPTS[4], PROMPTS[5]]
+    expected = [reference(prompt) for prompt in prompts]
+    whole = app.client().completions.create(
+        model=MODEL, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0, n=2
+    )
+    assert [choice.index for choice in whole.choices] == list(range(6))
+    assert [choice.text for choice in whole.choices] == [result.text for result in expected for _ in "ab"]
+    assert whole.usage.prompt_tokens == sum(len(result.prompt_ids) for result in expected)
+    assert whole.usage.completion_tokens == 2 * sum(len(result.token_ids) for result in expected)
+    assert whole.model_extra["nasd"]["num_emitted"] == whole.usage.completion_tokens
+    chunks = list(
+        app.client().completions.create(
+            model=MODEL,
+            prompt=prompts,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            n=2,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    texts = [""] * 6
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [choice.text for choice in whole.choices]
+    assert [chunk.usage for chunk in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].usage == whole.usage
+    by_ids = app.client().completions.create(
+        model=MODEL, prompt=[result.prompt_ids for result in expected], max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert [choice.text for choice in by_ids.choices] == [result.text for result in expected]
+
+
+def test_tokenizer_info_lets_a_client_tokenize_through_the_server(app, tokenizer):
+    """vLLM's /tokenizer_info (lm-evaluation-harness's remote tokenizer reads it)."""
+    info = app.request("GET", "/tokenizer_info")
+    assert info.status == 200
+    assert info.body["eos_token"] == tokenizer.eos_token and info.body["bos_token"] == tokenizer.bos_token
+    assert info.body["chat_template"] == tokenizer.chat_template
+    assert info.body["model_max_length"] == 8192
+    eos = app.request("POST", "/tokenize", {"prompt": info.body["eos_token"]})
+    assert eos.body["tokens"] == [tokenizer.eos_token_id]
+
+
 def test_tokenize_and_detokenize_agree_with_the_generation_routes(app, tokenizer):
     tokenized = app.request("POST", "/tokenize", {"prompt": PROMPTS[2]})
     assert tokenized.status == 200
@@ -451,7 +501,8 @@ BAD_INPUT = {
     "top_p_above_one": (CHAT_PATH, {"messages": HI, "top_p": 1.5}, 400, "top_p", None),
     "n_zero": (COMPLETIONS_PATH, {"prompt": "hi", "n": 0}, 400, "n", None),
     "n_above_max": (CHAT_PATH, {"messages": HI, "n": 17}, 400, "n", None),
-    "batched_prompts": (COMPLETIONS_PATH, {"prompt": ["a", "b"]}, 400, "prompt", None),
+    "batch_above_max": (COMPLETIONS_PATH, {"prompt": ["a"] * (MAX_PROMPTS + 1)}, 400, "prompt", None),
+    "batch_with_a_bad_prompt": (COMPLETIONS_PATH, {"prompt": ["hi", ""]}, 400, "prompt", None),
     "empty_prompt": (COMPLETIONS_PATH, {"prompt": ""}, 400, "prompt", None),
     "empty_token_prompt": (COMPLETIONS_PATH, {"prompt": []}, 400, "prompt", None),
     "token_id_beyond_vocab": (COMPLETIONS_PATH, {"prompt": [49152]}, 400, "prompt", None),
@@ -730,8 +781,14 @@ FIELDS = {
     "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]), ODD),
     "best_of": st.one_of(st.integers(0, 3), ODD),
 }
+TOKEN_IDS = st.lists(st.integers(-2, 50_000), max_size=6)
 PROMPT_VALUES = st.one_of(
-    st.sampled_from(PROMPTS), st.text(max_size=30), st.lists(st.integers(-2, 50_000), max_size=6), ODD
+    st.sampled_from(PROMPTS),
+    st.text(max_size=30),
+    TOKEN_IDS,
+    st.lists(st.one_of(st.sampled_from(PROMPTS), st.text(max_size=8)), max_size=3),  # batches
+    st.lists(TOKEN_IDS, max_size=3),
+    ODD,
 )
 MESSAGES = st.one_of(
     st.lists(
