@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import re
+import socket
 import time
 import urllib.request
 
@@ -362,6 +364,33 @@ def test_batched_prompts_answer_each_prompt_as_its_own_request(app, reference):
         model=MODEL, prompt=[result.prompt_ids for result in expected], max_tokens=MAX_TOKENS, temperature=0
     )
     assert [choice.text for choice in by_ids.choices] == [result.text for result in expected]
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[7], PROMPTS[5:8]], ids=["one_prompt", "batch"])
+def test_a_client_leaving_a_stream_frees_its_rows(app, prompt):
+    """Closing the connection mid-stream cancels every prompt's request on the replica."""
+    body = {"prompt": prompt, "max_tokens": 2000, "ignore_eos": True, "temperature": 0, "stream": True}
+    host, port = app.base_url.removeprefix("http://").split("/")[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as connection:
+        payload = json.dumps(body).encode()
+        connection.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        received = b""
+        while received.count(b"data: ") < 4:  # the answer is streaming
+            received += connection.recv(65536)
+        replicas = app.request("GET", "/v1/nasd/stats").body["replicas"]
+        running = [replica["num_running"] for replica in replicas]
+        assert running == [len(prompt) if isinstance(prompt, list) else 1]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        replicas = app.request("GET", "/v1/nasd/stats").body["replicas"]
+        if all(replica["num_running"] == 0 and replica["num_waiting"] == 0 for replica in replicas):
+            break
+        time.sleep(0.2)
+    assert [(replica["num_running"], replica["num_waiting"]) for replica in replicas] == [(0, 0)]
 
 
 def test_tokenizer_info_lets_a_client_tokenize_through_the_server(app, tokenizer):
