@@ -14,6 +14,7 @@ import torch
 from scipy.stats import chisquare
 
 from nasd_core.config import SamplingParams
+from nasd_core.processors import LogitsProcessors
 from nasd_core.sampling import TokenDraws, logits_to_probs, sample_tokens
 from nasd_core.verify import VerifyRow, accept_prefix, verify_rows, verify_sampled
 
@@ -129,3 +130,55 @@ def test_top_p_and_top_k_restrict_the_support():
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=float(full[0]) + 1e-4))
     assert torch.nonzero(probs[0]).flatten().tolist() == [0, 1]
     assert torch.allclose(probs.sum(), torch.tensor(1.0))
+
+
+def test_sampled_rows_under_penalties_keep_the_penalised_plain_distribution():
+    """A sampled row with penalties: the first position follows the penalised distribution of
+    the output so far, the position after an accepted draft token the distribution with that
+    token counted, exactly what plain sampling would see. The same test rejects verification
+    that forgets to count the draft."""
+    # Small vocabulary, draft token 0 likely at both positions, so its penalty shows.
+    logits = torch.tensor([[2.0, 1.6, 1.2, 0.4, 0.0], [2.2, 1.0, 1.4, 0.2, 0.6], [1.0, 0.5, 0.0, 0.3, 0.1]])
+    draft = [0, 2]
+    params = SamplingParams(temperature=1.0, frequency_penalty=1.0, presence_penalty=0.3)
+    stop_ids: list[int] = []
+
+    def processors() -> LogitsProcessors:
+        return LogitsProcessors(params, prompt_ids=[3], vocab_size=5, stop_ids=stop_ids)
+
+    def plain_probs(position: int, output: list[int]) -> torch.Tensor:
+        # Plain decoding's view: one position, the output so far observed.
+        reference = processors()
+        reference.observe(output)
+        processed = reference.apply(logits[position : position + 1], [], len(output))
+        return logits_to_probs(processed, params)[0]
+
+    def run(count_drafts: bool) -> tuple[Counter, Counter]:
+        first, second = Counter(), Counter()
+        row_processors = processors()
+        for trial in range(NUM_TRIALS):
+            draws = TokenDraws(1000 + trial)
+            if count_drafts:
+                emitted = verify_rows(logits, [draft], [VerifyRow(params, draws, 0, row_processors)])[0]
+            else:  # lossy: every position processed as if the drafts were not in the output
+                targets = [
+                    int(
+                        sample_tokens(
+                            logits_to_probs(row_processors.apply(logits[j : j + 1], [], 0), params),
+                            torch.from_numpy(draws.uniforms(j, 1)),
+                        )[0]
+                    )
+                    for j in range(len(draft) + 1)
+                ]
+                emitted = accept_prefix(targets, draft)
+            first[emitted[0]] += 1
+            if emitted[0] == draft[0] and len(emitted) > 1:
+                second[emitted[1]] += 1
+        return first, second
+
+    first, second = run(count_drafts=True)
+    assert chi_square_p(first, plain_probs(0, [])) > 1e-3
+    assert sum(second.values()) > 1000
+    assert chi_square_p(second, plain_probs(1, [draft[0]])) > 1e-3
+    _, lossy_second = run(count_drafts=False)
+    assert chi_square_p(lossy_second, plain_probs(1, [draft[0]])) < 1e-6
