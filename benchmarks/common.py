@@ -19,7 +19,8 @@ PLOTS_DIR = Path(__file__).resolve().parent / "plots"
 
 
 def run_metadata(model, dtype: str, module: str) -> dict[str, object]:
-    """Where and how a result was produced, so a table can be traced back to its run."""
+    """Where and how a result was produced, so a table can be traced back to its run
+    (``model`` None: a run that loads none, such as a replay of recorded traces)."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
@@ -35,7 +36,7 @@ def run_metadata(model, dtype: str, module: str) -> dict[str, object]:
         "cpu_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        "model": (getattr(model.config, "_name_or_path", "") or type(model).__name__) if model else None,
         "dtype": dtype,
     }
 

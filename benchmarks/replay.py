@@ -1,0 +1,323 @@
+"""Drafter replay: greedy traces of the embedded model recorded once, replayed offline through
+every drafter in seconds (no model in the loop).
+
+A trace is a prompt's token ids and the model's greedy continuation. Replaying a drafter over
+it is exactly what speculative decoding with greedy verification would do: at each step the
+drafter proposes up to ``MAX_DRAFT`` tokens after the context so far, the step keeps the
+longest prefix that equals the trace's next tokens plus one more (the model's own token at the
+first mismatch, or the bonus after a fully accepted draft), and the drafter sees what was kept.
+No cost policy runs here: every drafter verifies all it proposes, so "drafted per step" is what
+its own sizing rule asks the verification step to carry.
+
+Two scopes: ``local`` (each request alone: its prompt and its own output) and ``cross``
+(requests in order, each drafter also holding every earlier finished request, as a replica's
+index does). Workloads: the benchmark generators (repetitive and creative chat) and long chats
+of 600-1600 prompt tokens built from several conversations (``long_chat``).
+
+    python -m benchmarks.replay --record   # greedy traces -> benchmarks/traces/ (minutes)
+    python -m benchmarks.replay            # replay the recorded traces (seconds per drafter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from benchmarks.common import publish_run, run_metadata
+from benchmarks.workloads import WORKLOADS, make_workload
+from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
+from nasd_core.drafter import RequestDrafter
+from nasd_core.ngram import NGramIndex, prompt_lookup
+from nasd_core.suffix import SuffixIndex, best_draft
+
+TRACES = Path(__file__).resolve().parent / "traces" / "greedy_float32.json"
+MAX_DRAFT = 16
+NUM_PROMPTS = 16
+MAX_TOKENS = 128
+# Long chats: several workload conversations joined, cut to these prompt lengths in turn.
+LONG_CHAT_TOKENS = (600, 1000, 1600)
+SCOPES = ("local", "cross")
+
+
+# ----------------------------------------------------------------------------- recording
+def long_chats(tokenizer, count: int) -> list[list[int]]:
+    """Chat prompts of mixed lengths (``LONG_CHAT_TOKENS`` in turn): earlier conversations of
+    every workload as history, a workload's request as the last turn."""
+    conversations = [conv for name in WORKLOADS for conv in make_workload(name, 8, seed=11)]
+    prompts = []
+    for index in range(count):
+        target = LONG_CHAT_TOKENS[index % len(LONG_CHAT_TOKENS)]
+        messages: list[dict[str, str]] = []
+        offset = index
+        while True:
+            messages.extend(conversations[offset % len(conversations)])
+            offset += 7
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            if len(ids) >= target:
+                break
+        prompts.append(list(ids))
+    return prompts
+
+
+def record(num_prompts: int, max_tokens: int) -> dict:
+    """Greedy continuations of every workload's prompts (speculation off, batched)."""
+    from nasd_core.config import EngineConfig, SamplingParams
+    from nasd_core.config import SpecConfig as Spec
+    from nasd_core.engine import Engine
+    from nasd_core.models import load_model
+
+    model, tokenizer = load_model()
+    prompts = {
+        name: [
+            tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for conv in make_workload(name, num_prompts, seed=7)
+        ]
+        for name in WORKLOADS
+    }
+    prompts["long_chat"] = long_chats(tokenizer, num_prompts)
+    traces: dict[str, list[dict[str, list[int]]]] = {}
+    for name, workload in prompts.items():
+        engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=16, max_waiting=len(workload)))
+        ids = [
+            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), Spec(mode="off"))
+            for prompt in workload
+        ]
+        while not engine.is_finished():
+            engine.step()
+        traces[name] = [
+            {"prompt": list(prompt), "output": engine.pop_result(request_id).token_ids}
+            for prompt, request_id in zip(workload, ids)
+        ]
+        print(f"recorded {name}: {sum(len(t['output']) for t in traces[name])} tokens", flush=True)
+    return {"meta": run_metadata(model, "float32", "benchmarks.replay"), "traces": traces}
+
+
+# ------------------------------------------------------------------------------- drafters
+class ReplayDrafter(Protocol):
+    """What the replay drives: one request at a time, then what it learns when it finishes."""
+
+    def start(self, prompt: list[int]) -> None: ...
+
+    def propose(self, context: list[int], max_tokens: int) -> list[int]: ...
+
+    def observe(self, context: list[int]) -> None: ...
+
+    def finish(self, sequence: list[int]) -> None: ...
+
+
+class PromptLookup:
+    """Prompt lookup decoding (vLLM's ``ngram`` method): copy what followed the latest earlier
+    occurrence of the context's last 1-3 tokens."""
+
+    def __init__(self, scope: str, max_ngram: int = 3) -> None:
+        self.max_ngram = max_ngram
+
+    def start(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, context: list[int], max_tokens: int) -> list[int]:
+        return prompt_lookup(context, max_tokens, self.max_ngram, 1)[0]
+
+    def observe(self, context: list[int]) -> None:
+        pass
+
+    def finish(self, sequence: list[int]) -> None:
+        pass
+
+
+class NGramDrafter:
+    """This project's drafter (``RequestDrafter``, the server's default settings); in the
+    ``cross`` scope with a replica index of every finished request, as a replica keeps."""
+
+    def __init__(self, scope: str) -> None:
+        self.spec = SpecConfig(mode="on", num_draft_tokens=MAX_DRAFT)
+        self.replica = (
+            NGramIndex(IndexConfig(max_entries=DEFAULT_INDEX_MAX_ENTRIES)) if scope == "cross" else None
+        )
+        self.drafter: RequestDrafter | None = None
+
+    def start(self, prompt: list[int]) -> None:
+        shared = [("replica", self.replica)] if self.replica is not None else []
+        self.drafter = RequestDrafter(self.spec, shared)
+        self.drafter.observe(prompt)
+
+    def propose(self, context: list[int], max_tokens: int) -> list[int]:
+        return self.drafter.propose(context, max_tokens).tokens
+
+    def observe(self, context: list[int]) -> None:
+        self.drafter.observe(context)
+
+    def finish(self, sequence: list[int]) -> None:
+        if self.replica is not None:
+            self.replica.update(sequence)
+
+
+class SuffixDrafter:
+    """``nasd_core.suffix``: the longest suffix match (up to 64 tokens) in the request's own
+    tokens and, in the ``cross`` scope, in every finished request; drafts sized by confidence."""
+
+    def __init__(self, scope: str) -> None:
+        self.shared = SuffixIndex() if scope == "cross" else None
+        self.local = SuffixIndex()
+
+    def start(self, prompt: list[int]) -> None:
+        self.local = SuffixIndex()
+        self.local.add_sequence(prompt)
+
+    def propose(self, context: list[int], max_tokens: int) -> list[int]:
+        local = self.local.draft(context, max_tokens, exclude=len(self.local) - 1)
+        if self.shared is None:
+            return local.tokens
+        return best_draft([local, self.shared.draft(context, max_tokens)]).tokens
+
+    def observe(self, context: list[int]) -> None:
+        self.local.extend(context[len(self.local) :])
+
+    def finish(self, sequence: list[int]) -> None:
+        if self.shared is not None:
+            self.shared.add_sequence(sequence)
+
+
+DRAFTERS: dict[str, type] = {"prompt_lookup": PromptLookup, "ngram": NGramDrafter, "suffix": SuffixDrafter}
+
+
+# --------------------------------------------------------------------------------- replay
+@dataclass
+class ReplayStats:
+    num_steps: int = 0
+    num_emitted: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+    drafting_s: float = 0.0
+    step_drafts: list[int] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float]:
+        steps = max(1, self.num_steps)
+        return {
+            "tokens_per_step": round(self.num_emitted / steps, 3),
+            "drafted_per_step": round(self.num_drafted / steps, 2),
+            "acceptance": round(self.num_accepted / max(1, self.num_drafted), 3),
+            "us_per_row_step": round(1e6 * self.drafting_s / steps, 1),
+            "steps": self.num_steps,
+        }
+
+
+def accepted_prefix(draft: Sequence[int], truth: Sequence[int]) -> int:
+    """How many leading draft tokens equal the trace's next tokens."""
+    num_accepted = 0
+    for drafted, actual in zip(draft, truth):
+        if drafted != actual:
+            break
+        num_accepted += 1
+    return num_accepted
+
+
+def replay(drafter: ReplayDrafter, traces: list[dict[str, list[int]]]) -> ReplayStats:
+    """Greedy speculative decoding of every trace, in order, through ``drafter``."""
+    stats = ReplayStats()
+    clock = time.perf_counter
+    for trace in traces:
+        prompt, output = trace["prompt"], trace["output"]
+        started = clock()
+        drafter.start(prompt)
+        stats.drafting_s += clock() - started
+        context = list(prompt)
+        position = 0
+        while position < len(output):
+            started = clock()
+            draft = drafter.propose(context, min(MAX_DRAFT, len(output) - position))
+            stats.drafting_s += clock() - started
+            num_accepted = accepted_prefix(draft, output[position:])
+            emitted = output[position : position + num_accepted + 1]
+            stats.num_steps += 1
+            stats.num_emitted += len(emitted)
+            stats.num_drafted += len(draft)
+            stats.num_accepted += num_accepted
+            context.extend(emitted)
+            position += len(emitted)
+            started = clock()
+            drafter.observe(context)
+            stats.drafting_s += clock() - started
+        drafter.finish(context)
+    return stats
+
+
+def run(traces: dict[str, list[dict[str, list[int]]]], drafters: Sequence[str]) -> dict:
+    results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for workload, workload_traces in traces.items():
+        for scope in SCOPES:
+            for name in drafters:
+                summary = replay(DRAFTERS[name](scope), workload_traces).summary()
+                results.setdefault(workload, {}).setdefault(scope, {})[name] = summary
+    return results
+
+
+def markdown_table(payload: dict) -> str:
+    drafters = payload["meta"]["drafters"]
+    lines = [
+        "| workload | scope | " + " | ".join(f"{name} tok/step / drafted / µs" for name in drafters) + " |",
+        "|---|---|" + "---|" * len(drafters),
+    ]
+    for workload, scopes in payload["results"].items():
+        for scope, by_drafter in scopes.items():
+            cells = [
+                f"{cell['tokens_per_step']:.2f} / {cell['drafted_per_step']:.1f} / "
+                f"{cell['us_per_row_step']:.0f}"
+                for cell in (by_drafter[name] for name in drafters)
+            ]
+            lines.append(f"| {workload} | {scope} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(payload: dict):
+    from benchmarks.common import grouped_bars, new_figure
+
+    figure, axes = new_figure(len(SCOPES))
+    drafters = payload["meta"]["drafters"]
+    workloads = list(payload["results"])
+    for axis, scope in zip(axes, SCOPES):
+        series = {
+            name: [payload["results"][workload][scope][name]["tokens_per_step"] for workload in workloads]
+            for name in drafters
+        }
+        grouped_bars(axis, workloads, series, "tokens per step")
+        axis.set_title(f"replay, {scope} scope (max draft {MAX_DRAFT})")
+    figure.tight_layout()
+    return figure
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--record", action="store_true", help="record the greedy traces first")
+    parser.add_argument("--quick", action="store_true", help="the first 4 traces of each workload")
+    parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
+    args = parser.parse_args()
+    if args.record:
+        TRACES.parent.mkdir(parents=True, exist_ok=True)
+        TRACES.write_text(json.dumps(record(NUM_PROMPTS, MAX_TOKENS)) + "\n")
+    recorded = json.loads(TRACES.read_text())
+    traces = {name: workload[:4] if args.quick else workload for name, workload in recorded["traces"].items()}
+    payload = {
+        "benchmark": "replay",
+        "meta": {
+            **run_metadata(None, "float32", "benchmarks.replay"),
+            "traces_recorded": recorded["meta"],
+            "drafters": args.drafters,
+            "max_draft": MAX_DRAFT,
+        },
+        "results": run(traces, args.drafters),
+    }
+    publish_run("replay", "float32", args.quick, payload, plot, markdown_table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Suffix-match draft source: the longest earlier occurrence of the context's suffix (up to
+``MAX_MATCH`` tokens) in stored sequences, and a draft sized by how often its continuation
+followed that suffix (SuffixDecoding's rule, without its tree).
+
+Storage is zlib's matcher, hash chains: sequences are appended to one flat token list; for
+each anchor length L in ``ANCHOR_LENGTHS``, ``heads[L][window]`` is the latest position where
+an L-token window ends and ``prev[L][position]`` the previous position where the same window
+ends, so the occurrences of a context's last L tokens are read newest first. The longest
+anchor that occurs gives the candidates; each is extended backwards token by token to its
+full match length. Memory: one int per stored token per anchor length, one dict entry per
+distinct window, no node per suffix.
+
+Drafting from the longest match's occurrences (its *support*): at each drafted position the
+most frequent next token among the occurrences still agreeing with the draft (ties: the most
+recent), its probability the product of those frequencies; the draft stops below
+``MIN_TOKEN_PROB`` or at ``MAX_SPEC_FACTOR`` times the match length, so a one-token match on
+fresh text proposes at most a token or two while a 30-token copy proposes a long draft.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ANCHOR_LENGTHS = (1, 2, 4, 8, 16)
+MAX_MATCH = 64
+# Occurrences of one anchor read per lookup, newest first.
+MAX_CANDIDATES = 32
+# SuffixDecoding's defaults (ArcticInference / vLLM's `suffix` method).
+MAX_SPEC_FACTOR = 1.0
+MIN_TOKEN_PROB = 0.1
+SEPARATOR = -1
+
+
+@dataclass(frozen=True)
+class SuffixDraft:
+    """Drafted tokens, each one's estimated chance of being right (falling), and the length of
+    the context the draft matched."""
+
+    tokens: list[int]
+    probs: list[float]
+    match_length: int
+
+    @property
+    def expected_accepted(self) -> float:
+        return sum(self.probs)
+
+
+EMPTY = SuffixDraft([], [], 0)
+
+
+class SuffixIndex:
+    """Stored token sequences, matched by suffix.
+
+    Args:
+        max_tokens: token budget; past it the oldest sequences are dropped (None: unbounded).
+    """
+
+    def __init__(self, max_tokens: int | None = None) -> None:
+        self.max_tokens = max_tokens
+        self.tokens: list[int] = []
+        self._heads: dict[int, dict[tuple[int, ...], int]] = {length: {} for length in ANCHOR_LENGTHS}
+        self._prev: dict[int, list[int]] = {length: [] for length in ANCHOR_LENGTHS}
+        self._sequence_start = 0
+        self._sequence_starts: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    # ------------------------------------------------------------------ updates
+    def add_sequence(self, tokens: Sequence[int]) -> None:
+        """Store a whole sequence (a finished request, a pool entry)."""
+        self.start_sequence()
+        self.extend(tokens)
+        self._enforce_budget()
+
+    def start_sequence(self) -> None:
+        """Begin a new sequence: no match crosses into the previous one."""
+        if self.tokens and self.tokens[-1] != SEPARATOR:
+            self._append(SEPARATOR)
+        self._sequence_start = len(self.tokens)
+        self._sequence_starts.append(self._sequence_start)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the current sequence."""
+        for token in tokens:
+            self._append(token)
+
+    def _append(self, token: int) -> None:
+        tokens = self.tokens
+        position = len(tokens)
+        tokens.append(token)
+        for length in ANCHOR_LENGTHS:
+            prev = self._prev[length]
+            start = position + 1 - length
+            if token == SEPARATOR or start < self._sequence_start:
+                prev.append(-1)
+                continue
+            window = tuple(tokens[start : position + 1])
+            heads = self._heads[length]
+            prev.append(heads.get(window, -1))
+            heads[window] = position
+
+    def _enforce_budget(self) -> None:
+        """Past the budget, keep the newest sequences that fit in half of it (rebuilt: the
+        chains hold absolute positions)."""
+        if self.max_tokens is None or len(self.tokens) <= self.max_tokens:
+            return
+        keep_from = len(self.tokens) - self.max_tokens // 2
+        starts = [start for start in self._sequence_starts if start >= keep_from]
+        kept = [
+            self.tokens[start : end - 1] for start, end in zip(starts, [*starts[1:], len(self.tokens) + 1])
+        ]
+        self.__init__(self.max_tokens)
+        for sequence in kept:
+            self.start_sequence()
+            self.extend(sequence)
+
+    # ------------------------------------------------------------------ lookups
+    def match(self, context: Sequence[int], exclude: int = -1) -> tuple[int, list[int]]:
+        """(length of the longest stored suffix of ``context``, the positions where its
+        occurrences end, newest first); ``exclude``: a position not to count (the context's
+        own end when the context is the stored sequence itself)."""
+        for length in reversed(ANCHOR_LENGTHS):
+            if len(context) < length:
+                continue
+            position = self._heads[length].get(tuple(context[len(context) - length :]), -1)
+            prev = self._prev[length]
+            found: list[tuple[int, int]] = []
+            while position >= 0 and len(found) < MAX_CANDIDATES:
+                if position != exclude:
+                    found.append((self._extend_back(context, position, length), position))
+                position = prev[position]
+            if found:
+                best = max(matched for matched, _ in found)
+                return best, [position for matched, position in found if matched == best]
+        return 0, []
+
+    def _extend_back(self, context: Sequence[int], position: int, matched: int) -> int:
+        tokens = self.tokens
+        limit = min(MAX_MATCH, len(context), position + 1)
+        while matched < limit and tokens[position - matched] == context[len(context) - 1 - matched]:
+            matched += 1
+        return matched
+
+    def draft(self, context: Sequence[int], max_tokens: int, exclude: int = -1) -> SuffixDraft:
+        """The draft following ``context`` (see the module docstring for the sizing rule)."""
+        match_length, support = self.match(context, exclude)
+        if not support or max_tokens <= 0:
+            return EMPTY
+        limit = min(max_tokens, math.ceil(MAX_SPEC_FACTOR * match_length))
+        tokens = self.tokens
+        drafted: list[int] = []
+        probs: list[float] = []
+        prob = 1.0
+        alive = support
+        for offset in range(1, limit + 1):
+            counts: dict[int, int] = {}
+            for position in alive:  # newest first: a tie keeps the most recent continuation
+                if position + offset < len(tokens) and (token := tokens[position + offset]) != SEPARATOR:
+                    counts[token] = counts.get(token, 0) + 1
+            if not counts:
+                break
+            token = max(counts, key=counts.__getitem__)
+            prob *= counts[token] / len(alive)
+            if prob < MIN_TOKEN_PROB:
+                break
+            drafted.append(token)
+            probs.append(prob)
+            alive = [position for position in alive if tokens[position + offset] == token]
+        return SuffixDraft(drafted, probs, match_length)
+
+
+def best_draft(drafts: Sequence[SuffixDraft]) -> SuffixDraft:
+    """The draft expected to have the most tokens accepted (ties: the earlier source)."""
+    best = EMPTY
+    for draft in drafts:
+        if draft.expected_accepted > best.expected_accepted:
+            best = draft
+    return best
