@@ -185,7 +185,50 @@ class SuffixDrafter:
             self.shared.add_sequence(sequence)
 
 
-DRAFTERS: dict[str, type] = {"prompt_lookup": PromptLookup, "ngram": NGramDrafter, "suffix": SuffixDrafter}
+class SuffixDecoding:
+    """ArcticInference's SuffixDecoding with vLLM's defaults for its ``suffix`` method (tree
+    depth 24, ``max_spec_factor`` 1, ``min_token_prob`` 0.1, path drafts): the request's own
+    tokens and, in the ``cross`` scope, every earlier response (``benchmarks.baselines``)."""
+
+    cache_class = None  # SuffixDecodingCache, set by ``available``
+    MAX_TREE_DEPTH = 24
+
+    @classmethod
+    def available(cls) -> str | None:
+        """None when the baseline can run, else why not."""
+        from benchmarks.baselines import suffix_decoding
+
+        cls.cache_class, why = suffix_decoding.load()
+        return why
+
+    def __init__(self, scope: str) -> None:
+        self.cache = self.cache_class(self.MAX_TREE_DEPTH, -1 if scope == "cross" else 0)
+        self.request_id = 0
+        self.num_known = 0
+
+    def start(self, prompt: list[int]) -> None:
+        self.request_id += 1
+        self.cache.start_request(self.request_id, prompt)
+        self.num_known = len(prompt)
+
+    def propose(self, context: list[int], max_tokens: int) -> list[int]:
+        tail = context[-self.MAX_TREE_DEPTH :]
+        return list(self.cache.speculate(self.request_id, tail, max_spec_tokens=max_tokens).token_ids)
+
+    def observe(self, context: list[int]) -> None:
+        self.cache.add_active_response(self.request_id, context[self.num_known :])
+        self.num_known = len(context)
+
+    def finish(self, sequence: list[int]) -> None:
+        self.cache.stop_request(self.request_id)
+
+
+DRAFTERS: dict[str, type] = {
+    "prompt_lookup": PromptLookup,
+    "ngram": NGramDrafter,
+    "suffix": SuffixDrafter,
+    "suffix_decoding": SuffixDecoding,
+}
 
 
 # --------------------------------------------------------------------------------- replay
@@ -304,6 +347,10 @@ def main() -> None:
     if args.record:
         TRACES.parent.mkdir(parents=True, exist_ok=True)
         TRACES.write_text(json.dumps(record(NUM_PROMPTS, MAX_TOKENS)) + "\n")
+    drafters = list(args.drafters)
+    if "suffix_decoding" in drafters and (why := SuffixDecoding.available()) is not None:
+        print(f"skipping suffix_decoding: {why}")
+        drafters.remove("suffix_decoding")
     recorded = json.loads(TRACES.read_text())
     traces = {name: workload[:4] if args.quick else workload for name, workload in recorded["traces"].items()}
     payload = {
@@ -311,10 +358,10 @@ def main() -> None:
         "meta": {
             **run_metadata(None, "float32", "benchmarks.replay"),
             "traces_recorded": recorded["meta"],
-            "drafters": args.drafters,
+            "drafters": drafters,
             "max_draft": MAX_DRAFT,
         },
-        "results": run(traces, args.drafters),
+        "results": run(traces, drafters),
     }
     publish_run("replay", "float32", args.quick, payload, plot, markdown_table)
 

@@ -168,7 +168,11 @@ class SuffixIndex:
                 break
             drafted.append(token)
             probs.append(prob)
-            alive = [position for position in alive if tokens[position + offset] == token]
+            alive = [
+                position
+                for position in alive
+                if position + offset < len(tokens) and tokens[position + offset] == token
+            ]
         return SuffixDraft(drafted, probs, match_length)
 
 

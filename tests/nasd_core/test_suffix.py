@@ -65,6 +65,14 @@ def test_draft_probabilities_are_continuation_frequencies_and_short_matches_draf
     assert index.draft([7, 3], max_tokens=16).tokens == [5]  # a one-token match drafts one
 
 
+def test_an_occurrence_at_the_end_of_the_store_stops_contributing_where_it_ends():
+    index = SuffixIndex()
+    index.add_sequence([1, 2, 3, 4, 5])
+    index.start_sequence()
+    index.extend([1, 2, 3, 4])  # the newest occurrence has no continuation beyond 4
+    assert index.draft([1, 2, 3], max_tokens=3).tokens == [4, 5]
+
+
 def test_improbable_continuations_are_not_drafted():
     index = SuffixIndex()
     for follower in range(20):  # 20 different continuations: none reaches MIN_TOKEN_PROB
