@@ -319,6 +319,18 @@ def markdown_table(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def ratios(payload: dict, like: dict | None = None) -> dict[str, float]:
+    """Each drafter's tokens per step over prompt lookup's on the same traces, keyed for
+    comparing two runs (a quick run replays the first 4 traces of each workload)."""
+    return {
+        f"{workload}/{scope}/{name}": cell["tokens_per_step"] / by_drafter["prompt_lookup"]["tokens_per_step"]
+        for workload, scopes in payload["results"].items()
+        for scope, by_drafter in scopes.items()
+        for name, cell in by_drafter.items()
+        if name != "prompt_lookup"
+    }
+
+
 def plot(payload: dict):
     from benchmarks.common import grouped_bars, new_figure
 
@@ -357,6 +369,7 @@ def main() -> None:
         "benchmark": "replay",
         "meta": {
             **run_metadata(None, "float32", "benchmarks.replay"),
+            "model": f"{recorded['meta']['model']} (recorded greedy traces)",
             "traces_recorded": recorded["meta"],
             "drafters": drafters,
             "max_draft": MAX_DRAFT,
