@@ -24,7 +24,7 @@ import argparse
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -239,7 +239,6 @@ class ReplayStats:
     num_drafted: int = 0
     num_accepted: int = 0
     drafting_s: float = 0.0
-    step_drafts: list[int] = field(default_factory=list)
 
     def summary(self) -> dict[str, float]:
         steps = max(1, self.num_steps)
