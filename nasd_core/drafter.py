@@ -88,22 +88,24 @@ class RequestDrafter:
             return draft
         return self._fill_unknown(tokens, draft, max_tokens)
 
-    def match_length(self, tokens: Sequence[int]) -> int:
-        """The longest context the next draft can match, from dictionary lookups alone.
+    def longest_match(self, tokens: Sequence[int]) -> tuple[int, str | None]:
+        """The longest context the next draft can match and the source that holds it (the
+        earlier layer on a tie, as ``propose`` prefers), from dictionary lookups alone.
 
         Cheaper than ``propose`` (no prompt-lookup scan, no draft built), so the engine can
         skip drafting a step that would not speculate even with the best drafts possible.
         Never less than the draft's ``match_length``: prompt lookup only matches a context
         the request's own index holds too, except beyond the index's longest context.
         """
-        longest = 0
-        for _, index in self._indexes():
+        longest, source = 0, None
+        for name, index in self._indexes():
             match = index.lookup(tokens)
-            if match is not None:
-                longest = max(longest, match.context_length)
-        if self.use_lookup and (self.local_index is None or longest >= self.local_index.max_ngram):
-            longest = max(longest, self.spec.lookup_max_ngram)
-        return longest
+            if match is not None and match.context_length > longest:
+                longest, source = match.context_length, name
+        lookup_reaches = self.local_index is None or longest >= self.local_index.max_ngram
+        if self.use_lookup and lookup_reaches and self.spec.lookup_max_ngram > longest:
+            longest, source = self.spec.lookup_max_ngram, LOCAL_SOURCE
+        return longest, source
 
     def _best_draft(self, tokens: Sequence[int], max_tokens: int) -> Draft:
         spec = self.spec

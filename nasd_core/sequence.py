@@ -94,10 +94,10 @@ class Request:
     def best_case(self) -> RowDraft:
         """What the batch policy would see if this step's draft were as long and as well
         matched as it can be (dictionary lookups only: no draft is built)."""
-        match_length = self.drafter.match_length(self.tokens) if self.draft_cap else 0
+        match_length, source = self.drafter.longest_match(self.tokens) if self.draft_cap else (0, None)
         # Without a match there is no draft, unless unknown contexts are filled with guesses.
         available = self.draft_cap if match_length or not self.spec.stop_if_unknown else 0
-        return RowDraft(self.mode, available, match_length, self.acceptance)
+        return RowDraft(self.mode, available, match_length, self.acceptance, source)
 
     @property
     def mode(self) -> str:
@@ -106,7 +106,7 @@ class Request:
 
     def row_draft(self, draft: Draft) -> RowDraft:
         """What the batch policy knows about this row given this step's ``draft``."""
-        return RowDraft(self.mode, len(draft.tokens), draft.match_length, self.acceptance)
+        return RowDraft(self.mode, len(draft.tokens), draft.match_length, self.acceptance, draft.source)
 
     def verify_row(self) -> VerifyRow:
         """What verification needs of this row this step."""
@@ -117,7 +117,7 @@ class Request:
         ``emitted`` came out. Updates the output, the drafter, acceptance and counters;
         returns the tokens actually kept (a stop condition can cut the step short)."""
         num_accepted = len(emitted) - 1
-        self.acceptance.record(draft.match_length, num_drafted, num_accepted)
+        self.acceptance.record(draft.match_length, num_drafted, num_accepted, draft.source)
         num_taken = self.stopper.extend(emitted)
         kept = emitted[:num_taken]
         self.tokens.extend(kept)

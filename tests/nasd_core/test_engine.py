@@ -10,7 +10,7 @@ from nasd_core import SamplingParams, SpecConfig, generate
 from nasd_core.async_engine import AsyncEngine
 from nasd_core.calibration import model_acceptance
 from nasd_core.config import EngineConfig
-from nasd_core.drafter import RequestDrafter
+from nasd_core.drafter import LOCAL_SOURCE, RequestDrafter
 from nasd_core.engine import Engine
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
 from nasd_core.policy import AcceptanceEstimator, StepTimeModel
@@ -236,14 +236,18 @@ def test_engines_on_one_model_start_from_what_earlier_engines_learned(model, tok
     first, second = Engine(model, tokenizer), Engine(model, tokenizer)
     assert first.acceptance is second.acceptance is model_acceptance(model)
     pooled = first.acceptance
-    before = {length: pooled.rates(length) for length in range(1, 8)}
+    before = {length: pooled.rates(length, LOCAL_SOURCE) for length in range(1, 8)}
     first.generate([PROMPTS[1]], SamplingParams(max_tokens=24), SpecConfig(mode="on"))
-    learned = [length for length in before if pooled.rates(length) != before[length]]
+    learned = [length for length in before if pooled.rates(length, LOCAL_SOURCE) != before[length]]
     assert learned  # the "on" run verified drafts and the pool counted them
     request_id = second.add_request(PROMPTS[6], SamplingParams(max_tokens=4))
     newcomer = second.requests[request_id].acceptance
-    assert all(newcomer.rates(length) == pooled.rates(length) for length in learned)
-    assert any(newcomer.rates(length) != AcceptanceEstimator().rates(length) for length in learned)
+    assert all(
+        newcomer.rates(length, LOCAL_SOURCE) == pooled.rates(length, LOCAL_SOURCE) for length in learned
+    )
+    assert any(
+        newcomer.rates(length, LOCAL_SOURCE) != AcceptanceEstimator().rates(length) for length in learned
+    )
 
 
 def test_choices_of_one_prompt_share_its_prefill(model, tokenizer, single_runs):

@@ -49,6 +49,23 @@ def flat_then_expensive() -> StepTimeModel:
     return step_time
 
 
+def test_acceptance_is_learned_per_draft_source():
+    """Matches of one length from other requests' tokens can be far less reliable than from
+    the request's own: each source keeps its own counts, and the batch policy prices a row's
+    draft by its source's rates."""
+    estimator = AcceptanceEstimator()
+    for _ in range(30):
+        estimator.record(3, num_drafted=4, num_accepted=4, source="request")
+        estimator.record(3, num_drafted=4, num_accepted=0, source="replica")
+    assert estimator.rates(3, "request")[0] > 0.8 > 0.2 > estimator.rates(3, "replica")[0]
+    assert estimator.rates(3) == AcceptanceEstimator().rates(3)  # an unnamed source: the prior
+    step_time = StepTimeModel()
+    for per_row in range(1, 6):
+        step_time.observe(2, 2 * per_row, 0.05 * (1 + 0.05 * 2 * (per_row - 1)), num_samples=3)
+    rows = [RowDraft("auto", 4, 3, estimator, "request"), RowDraft("auto", 4, 3, estimator, "replica")]
+    assert choose_batch_draft_lengths(rows, step_time) == [4, 0]
+
+
 def test_policy_skips_unlikely_drafts_and_takes_likely_ones():
     step_time = flat_then_expensive()
     unlikely, likely = AcceptanceEstimator(), AcceptanceEstimator()
