@@ -9,9 +9,10 @@ with a 4xx status for a bad request (FastAPI's own 422 validation answer is repl
 # class is decorated, and FastAPI must then resolve the route annotations as real types. For
 # the same reason every helper the routes use is defined above the class.
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -50,6 +51,7 @@ from deployments.schemas import (
     Usage,
     new_id,
 )
+from deployments.streams import interleave
 
 logger = logging.getLogger(__name__)
 
@@ -161,31 +163,16 @@ async def _collect(chunks: AsyncIterator[GenerateChunk]) -> tuple[GenerateChunk,
 
 
 async def _merged(
-    streams: list[AsyncIterator[GenerateChunk]], num_choices: int
+    streams: list[AsyncGenerator[GenerateChunk, None]], num_choices: int
 ) -> AsyncIterator[GenerateChunk]:
     """The chunks of a batch's requests (one per prompt) as one request's, in arrival order:
     choice i of prompt p becomes choice p * num_choices + i, and only the last chunk carries
     usage and counters, summed over the prompts. An error ends the whole; leaving early
     cancels every prompt's request."""
-    queue: asyncio.Queue[tuple[int, GenerateChunk | None]] = asyncio.Queue()
-
-    async def pump(prompt_index: int, stream: AsyncIterator[GenerateChunk]) -> None:
-        try:
-            async for chunk in stream:
-                await queue.put((prompt_index, chunk))
-        finally:
-            await queue.put((prompt_index, None))
-
-    pumps = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
     usages: list[Usage] = []
     specs: list[dict[str, Any]] = []
-    num_open = len(streams)
-    try:
-        while num_open:
-            prompt_index, chunk = await queue.get()
-            if chunk is None:
-                num_open -= 1
-                continue
+    async with contextlib.aclosing(interleave(streams)) as chunks:
+        async for prompt_index, chunk in chunks:
             chunk.index += prompt_index * num_choices
             if chunk.error is not None:
                 yield chunk
@@ -203,9 +190,6 @@ async def _merged(
                     )
                     chunk.nasd = sum_spec(specs) if all(specs) else None
             yield chunk
-    finally:
-        for task in pumps:
-            task.cancel()
 
 
 @serve.ingress(app)

@@ -33,6 +33,7 @@ from deployments.schemas import (
     TokensResult,
     Usage,
 )
+from deployments.streams import interleave
 from nasd_core import logprobs as engine_logprobs
 from nasd_core.async_engine import AsyncEngine, StreamChunk
 from nasd_core.calibration import calibrate
@@ -284,7 +285,7 @@ class NASDServer:
                 logger.exception("request failed")
             yield error_chunk(exc)
 
-    async def _choice_steps(
+    def _choice_steps(
         self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig, request: GenerateRequest
     ) -> AsyncIterator[tuple[int, StreamChunk]]:
         """Every choice's engine steps as they come, tagged with the choice's index. The first
@@ -292,46 +293,18 @@ class NASDServer:
         i samples with seed + i. Leaving early (the client went away) cancels every choice."""
         shared = self.pools.sources_for(request.user)
         first_id = f"choice0-{uuid.uuid4().hex}"
-        queue: asyncio.Queue[tuple[int, StreamChunk | None, BaseException | None]] = asyncio.Queue()
-
-        async def pump(index: int) -> None:
-            seeded = (
-                params if params.seed is None else params.model_copy(update={"seed": params.seed + index})
-            )
-            steps = self.async_engine.generate(
+        streams = [
+            self.async_engine.generate(
                 prompt_ids,
-                seeded,
+                params if params.seed is None else params.model_copy(update={"seed": params.seed + index}),
                 spec,
                 request_id=first_id if index == 0 else None,
                 shared=shared,
                 prefill_from=first_id if index else None,
             )
-            try:
-                # Closing the engine stream cancels the request at once.
-                async with contextlib.aclosing(steps):
-                    async for step in steps:
-                        await queue.put((index, step, None))
-            except Exception as exc:
-                await queue.put((index, None, exc))
-            await queue.put((index, None, None))
-
-        tasks = [asyncio.create_task(pump(0))]
-        num_done = 0
-        try:
-            while num_done < request.n:
-                index, step, error = await queue.get()
-                if index == 0 and len(tasks) == 1 and request.n > 1:
-                    tasks += [asyncio.create_task(pump(other)) for other in range(1, request.n)]
-                if error is not None:
-                    raise error
-                if step is None:
-                    num_done += 1
-                    continue
-                yield index, step
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for index in range(request.n)
+        ]
+        return interleave(streams, first_alone=True)
 
     def stats(self) -> dict[str, Any]:
         """JSON-able counters of this replica: speculation totals, policy widths, queue, pool."""
