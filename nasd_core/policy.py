@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Prior chance the first draft is accepted, by matched context length (longer = likelier);
@@ -148,6 +149,9 @@ class StepTimeModel:
         # extra positions -> rows -> seconds: estimates read one column at a time.
         self._seconds: dict[int, dict[int, float]] = {}
         self._num_samples: dict[tuple[int, int], int] = {}
+        # curve() per row count, valid until the next observation (a step prices its drafts
+        # with two policy calls and a decode estimate: one curve serves them all).
+        self._curves: dict[int, Callable[[int], float]] = {}
 
     def observe(self, num_rows: int, num_positions: int, seconds: float, num_samples: int = 1) -> None:
         """Record one step of ``num_rows`` rows feeding ``num_positions`` positions in all.
@@ -155,6 +159,7 @@ class StepTimeModel:
         repeats is trusted at once, so the policy does not spend steps retiming it)."""
         extra = snap_extra(max(0, num_positions - num_rows))
         shape = (num_rows, extra)
+        self._curves.clear()
         self._num_samples[shape] = self._num_samples.get(shape, 0) + num_samples
         column = self._seconds.setdefault(extra, {})
         previous = column.get(num_rows)
@@ -182,9 +187,15 @@ class StepTimeModel:
         """Seconds for a step of ``num_rows`` rows feeding ``num_positions`` positions in all."""
         return self.curve(num_rows)(num_positions)
 
-    def curve(self, num_rows: int):
+    def curve(self, num_rows: int) -> Callable[[int], float]:
         """``estimate`` at a fixed row count as a function of total positions (the per-column
         work done once: the policy prices many totals per step)."""
+        curve = self._curves.get(num_rows)
+        if curve is None:
+            curve = self._curves[num_rows] = self._build_curve(num_rows)
+        return curve
+
+    def _build_curve(self, num_rows: int) -> Callable[[int], float]:
         if not self._seconds:
             return lambda num_positions: _prior_shape(num_rows, num_positions - num_rows)
         # Each measured column at num_rows: interpolated where its measurements span the row
@@ -384,6 +395,8 @@ def choose_batch_draft_lengths(
         for _ in range(row.num_available):
             gains.append((reach, index))
             reach *= a_next
+    if not gains:  # nothing to choose (every row off, forced or without a draft): no pricing
+        return forced
     gains.sort(key=lambda gain: -gain[0])  # stable: equal gains keep row order
     if max_draft_positions is not None:
         gains = gains[:max_draft_positions]

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nasd_core.config import IndexConfig
+from nasd_core.config import IndexConfig, SpecConfig
+from nasd_core.drafter import RequestDrafter
 from nasd_core.ngram import Match, NGramIndex, prompt_lookup
 
 token_lists = st.lists(st.integers(min_value=0, max_value=7), min_size=0, max_size=60)
@@ -197,3 +198,44 @@ def test_prompt_lookup_copies_a_real_earlier_continuation(sequence, max_tokens):
     starts = [i for i in occurrences(sequence[:-1], suffix)]
     latest = max(starts)
     assert draft == sequence[latest + length : latest + length + max_tokens]
+
+
+def brute_force_prompt_lookup(sequence: list[int], max_tokens: int, max_ngram: int, min_ngram: int):
+    """The definition, spelled out: the longest suffix (max_ngram down to min_ngram) with an
+    occurrence ending before the last token, its latest such occurrence, what followed it."""
+    for length in range(min(max_ngram, len(sequence) - 1), min_ngram - 1, -1):
+        starts = occurrences(sequence[:-1], sequence[len(sequence) - length :])
+        if starts:
+            follow = starts[-1] + length
+            return sequence[follow : follow + max_tokens], length
+    return [], 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    sequence=st.lists(st.integers(0, 3), min_size=0, max_size=60),
+    max_tokens=st.integers(1, 8),
+    max_ngram=st.integers(1, 9),
+    min_ngram=st.integers(1, 4),
+)
+def test_prompt_lookup_equals_its_definition(sequence, max_tokens, max_ngram, min_ngram):
+    assert prompt_lookup(sequence, max_tokens, max_ngram, min_ngram) == brute_force_prompt_lookup(
+        sequence, max_tokens, max_ngram, min_ngram
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    own=st.lists(st.integers(0, 5), min_size=1, max_size=60),
+    shared=st.lists(st.integers(0, 5), min_size=0, max_size=60),
+    local_index=st.sampled_from(["hybrid", "prompt_lookup", "multi_level"]),
+)
+def test_longest_match_is_the_length_the_draft_matches(own, shared, local_index):
+    """The engine decides which rows to draft for from ``longest_match`` alone: it must be the
+    match length the built draft reports (an optimistic guess built drafts the policy dropped)."""
+    replica = NGramIndex(IndexConfig())
+    replica.update(shared)
+    drafter = RequestDrafter(SpecConfig(local_index=local_index), [("replica", replica)])
+    drafter.observe(own)
+    length, _ = drafter.longest_match(own)
+    assert length == drafter.propose(own, 8).match_length
