@@ -416,7 +416,9 @@ class Engine:
         """This step's drafts, built only for the rows that could get draft positions even if
         their drafts were as long and well matched as possible, counting the time to build
         them (a large batch of poorly matching rows drafts little or nothing: building every
-        row's draft each step cost 1% of a creative-text step at 16 rows, for ~1% more tokens)."""
+        row's draft each step cost 1% of a creative-text step at 16 rows, for ~1% more tokens).
+        A row whose best case got nothing rests a few steps before its next lookup
+        (``policy.dormant_steps``)."""
         if not rows:
             return []
         best = self._draft_lengths(
@@ -425,6 +427,9 @@ class Engine:
             num_other_positions,
             self.drafting_s_per_row,
         )
+        num_rows = len(rows) + num_other_rows
+        for request, length in zip(rows, best):
+            request.rest(length, num_rows)
         num_drafted = sum(1 for length in best if length)
         started = time.perf_counter()
         drafts = [request.propose() if length else EMPTY_DRAFT for request, length in zip(rows, best)]

@@ -10,7 +10,7 @@ from nasd_core.config import SamplingParams, SpecConfig
 from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
 from nasd_core.logprobs import TokenLogprob
 from nasd_core.metrics import SpecStats
-from nasd_core.policy import AcceptanceEstimator, RowDraft
+from nasd_core.policy import AcceptanceEstimator, RowDraft, dormant_steps
 from nasd_core.processors import LogitsProcessors
 from nasd_core.sampling import TokenDraws
 from nasd_core.stopping import FinishReason, StopChecker
@@ -52,6 +52,10 @@ class Request:
     acceptance: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     stats: SpecStats = field(default_factory=SpecStats)
     num_prefilled: int = 0
+    # Drafting backoff (policy.dormant_steps): best cases in a row without a draft position,
+    # and steps left before the next lookup.
+    num_misses: int = 0
+    num_dormant: int = 0
     cancelled: bool = False
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -93,11 +97,23 @@ class Request:
 
     def best_case(self) -> RowDraft:
         """What the batch policy would see if this step's draft were as long and as well
-        matched as it can be (dictionary lookups only: no draft is built)."""
+        matched as it can be (lookups only: no draft is built); nothing while the row rests."""
+        if self.num_dormant:
+            return RowDraft("off", 0, 0, self.acceptance)
         match_length, source = self.drafter.longest_match(self.tokens) if self.draft_cap else (0, None)
         # Without a match there is no draft, unless unknown contexts are filled with guesses.
         available = self.draft_cap if match_length or not self.spec.stop_if_unknown else 0
         return RowDraft(self.mode, available, match_length, self.acceptance, source)
+
+    def rest(self, num_positions: int, num_rows: int) -> None:
+        """Record what this step's best case gave the row: a miss makes it rest longer."""
+        if self.num_dormant:
+            self.num_dormant -= 1
+        elif num_positions or self.mode != "auto":  # "on" drafts whatever its odds
+            self.num_misses = 0
+        else:
+            self.num_misses += 1
+            self.num_dormant = dormant_steps(num_rows, self.num_misses)
 
     @property
     def mode(self) -> str:

@@ -204,17 +204,24 @@ class FixedStepTimes(StepTimeModel):
 @pytest.mark.parametrize("cost", ["linear_in_positions", "flat"])
 def test_auto_builds_no_draft_when_no_draft_could_pay(model, tokenizer, single_runs, monkeypatch, cost):
     """Where every extra position costs as much as a whole step, no draft can pay for itself,
-    so auto must not even build drafts (that was 4% of a step at 16 rows); where extra
-    positions are free it must speculate. Greedy outputs are unchanged either way."""
+    so auto must not even build drafts (that was 4% of a step at 16 rows), and rows rest between
+    lookups; where extra positions are free it must speculate. Greedy outputs are unchanged."""
     built: list[int] = []
-    propose = RequestDrafter.propose
+    propose, longest_match = RequestDrafter.propose, RequestDrafter.longest_match
+    num_lookups = 0
 
     def counting_propose(self, tokens, max_tokens):
         draft = propose(self, tokens, max_tokens)
         built.append(len(draft.tokens))
         return draft
 
+    def counting_longest_match(self, tokens):
+        nonlocal num_lookups
+        num_lookups += 1
+        return longest_match(self, tokens)
+
     monkeypatch.setattr(RequestDrafter, "propose", counting_propose)
+    monkeypatch.setattr(RequestDrafter, "longest_match", counting_longest_match)
     engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=12))
     linear = cost == "linear_in_positions"
     # "linear": each extra position quadruples the step (a draft adds at most one token per row,
@@ -224,8 +231,11 @@ def test_auto_builds_no_draft_when_no_draft_could_pay(model, tokenizer, single_r
     )
     outputs = run_staggered(engine, PROMPTS, MAX_TOKENS, SpecConfig(mode="auto", num_draft_tokens=5))
     assert [outputs[i] for i in range(len(PROMPTS))] == single_runs
+    num_row_steps = engine.stats.num_steps  # every decode step of every row
     if linear:
         assert built == [] and engine.stats.num_drafted == 0
+        # Rows that never get a draft rest between lookups (policy.dormant_steps).
+        assert num_lookups < 0.6 * num_row_steps
     else:
         assert sum(built) > 0 and engine.stats.num_accepted > 0
 

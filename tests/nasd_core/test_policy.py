@@ -14,6 +14,7 @@ from nasd_core.policy import (
     choose_batch_draft_lengths,
     choose_draft_length,
     cold_start_cap,
+    dormant_steps,
     draft_position_cap,
     expected_tokens,
     pooled_acceptance,
@@ -297,3 +298,11 @@ def test_drafts_beside_prompt_chunks_are_priced_against_a_decode_step():
     assert (
         choose_batch_draft_lengths(strong, step_time, num_other_rows=1, num_other_positions=800) == [4] * 16
     )
+
+
+def test_rows_without_a_paying_draft_rest_longer_each_miss_and_never_alone():
+    # 1, 2, 4, 8 steps after consecutive misses at 32 rows; capped by rows / 4 and by the maximum.
+    assert [dormant_steps(32, misses) for misses in range(6)] == [0, 1, 2, 4, 8, 8]
+    assert [dormant_steps(8, misses) for misses in range(1, 5)] == [1, 2, 2, 2]
+    # Below 4 rows a lookup is cheap against the step and a missed draft is not: never rest.
+    assert all(dormant_steps(rows, misses) == 0 for rows in (1, 2, 3) for misses in range(6))
