@@ -33,10 +33,8 @@ from nasd_core.ngram import NGramIndex
 from nasd_core.policy import (
     AcceptanceEstimator,
     RowDraft,
-    SelectionCalibration,
     choose_batch_draft_lengths,
     draft_position_cap,
-    expected_tokens,
 )
 from nasd_core.processors import LogitsProcessors, needs_processing
 from nasd_core.sampling import TokenDraws
@@ -88,8 +86,6 @@ class Engine:
         # Seconds to build one row's draft (moving average): the policy weighs it when
         # choosing which rows to draft for at all.
         self.drafting_s_per_row = 0.0
-        # Tokens the chosen drafts added over those expected: the policy discounts its estimates.
-        self.selection = SelectionCalibration()
         # Acceptance pooled over the model's requests: the prior of each new request's own.
         self.acceptance = model_acceptance(model)
         self._ids = itertools.count()
@@ -333,12 +329,10 @@ class Engine:
         started = time.perf_counter()
         num_chunk_positions = sum(len(row.token_ids) for _, row in chunks)
         drafts = self._propose(rows, len(chunks), num_chunk_positions)
-        row_drafts = [request.row_draft(draft) for request, draft in zip(rows, drafts)]
-        lengths = self._draft_lengths(row_drafts, len(chunks), num_chunk_positions)
-        num_expected = sum(
-            expected_tokens(*row.acceptance.rates(row.match_length, row.source), length) - 1.0
-            for row, length in zip(row_drafts, lengths)
-            if length
+        lengths = self._draft_lengths(
+            [request.row_draft(draft) for request, draft in zip(rows, drafts)],
+            len(chunks),
+            num_chunk_positions,
         )
         drafting_s = time.perf_counter() - started
         step_rows = [row for _, row in chunks] + [
@@ -358,7 +352,6 @@ class Engine:
             [request.verify_row() for request in rows],
         )
         step_s = time.perf_counter() - forward_started
-        self.selection.record(num_expected, sum(len(emitted) - 1 for emitted in emitted_rows))
         num_positions = sum(len(row.token_ids) for row in step_rows)
         self.step_time.observe(len(step_rows), num_positions, step_s)
         if rows:
@@ -464,7 +457,6 @@ class Engine:
             num_other_rows,
             num_other_positions,
             drafting_s_per_row,
-            self.selection.scale,
         )
 
     def _retire(self) -> list[Request]:

@@ -49,12 +49,6 @@ EXPLORE_MARGIN = 0.1
 # There the policy's chosen drafts promised a median 2% (90th percentile 6%) and the runs came
 # out 2-5% under plain decoding; on repetitive text they promised 1.3x-3.3x (10th-90th pct).
 MIN_DRAFT_GAIN = 0.05
-# SelectionCalibration: each drafted step's weight decays by this per later drafted step (the
-# last ~50 count most); a prior of this many expected-and-accepted tokens keeps it near 1 until
-# drafts were verified; and the factor stays within these bounds.
-CALIBRATION_DECAY = 0.98
-CALIBRATION_PRIOR = 8.0
-MIN_GAIN_SCALE, MAX_GAIN_SCALE = 0.5, 1.5
 
 
 # A row whose best case got no draft position skips its lookups for the next 1, 2, 4, ... steps
@@ -137,36 +131,6 @@ class AcceptanceEstimator:
         a_first = (first.accepted + PRIOR_WEIGHT * prior_first) / (first.trials + PRIOR_WEIGHT)
         a_next = (following.accepted + PRIOR_WEIGHT * prior_next) / (following.trials + PRIOR_WEIGHT)
         return a_first, a_next
-
-
-class SelectionCalibration:
-    """How many tokens the drafts the policy chose really added, over how many it expected.
-
-    Why: the policy takes the drafts whose estimated acceptance is highest, and estimates that
-    came out high by chance are among them, so the chosen drafts are accepted less often than
-    estimated (the winner's curse). Traced at 32 creative-text rows: the chosen drafts added
-    82-93% of the tokens expected, and full 32-row steps ran at 636 tok/s with their drafts
-    against 644 without, where the policy had promised at least 5% more. The policy scales
-    every draft's expected gain by ``scale``: the ratio over the recent drafted steps.
-    """
-
-    def __init__(self, decay: float = CALIBRATION_DECAY) -> None:
-        self.decay = decay
-        self.expected = 0.0
-        self.accepted = 0.0
-
-    def record(self, num_expected: float, num_accepted: int) -> None:
-        """One verified step's drafts: ``num_expected`` extra tokens estimated, ``num_accepted`` kept."""
-        if num_expected <= 0:
-            return
-        self.expected = self.decay * self.expected + num_expected
-        self.accepted = self.decay * self.accepted + num_accepted
-
-    @property
-    def scale(self) -> float:
-        """The factor on expected gains (1 until drafts were seen; within MIN/MAX_GAIN_SCALE)."""
-        ratio = (self.accepted + CALIBRATION_PRIOR) / (self.expected + CALIBRATION_PRIOR)
-        return min(MAX_GAIN_SCALE, max(MIN_GAIN_SCALE, ratio))
 
 
 def pooled_acceptance() -> AcceptanceEstimator:
@@ -415,7 +379,6 @@ def choose_batch_draft_lengths(
     num_other_rows: int = 0,
     num_other_positions: int = 0,
     drafting_s_per_row: float = 0.0,
-    gain_scale: float = 1.0,
 ) -> list[int]:
     """Per-row draft lengths for one ragged step (each row pays only for its own positions).
 
@@ -430,7 +393,6 @@ def choose_batch_draft_lengths(
     ``drafting_s_per_row``: what building one row's draft costs, charged once per row that
     gets drafts (the engine passes it when deciding which rows to draft at all; once the
     drafts are built their cost is spent and it passes 0).
-    ``gain_scale``: the factor on every expected gain (``SelectionCalibration.scale``).
     """
     if not rows:
         return []
@@ -444,9 +406,9 @@ def choose_batch_draft_lengths(
             continue
         a_first, a_next = row.acceptance.rates(row.match_length, row.source)
         if row.mode == "on":
-            base_tokens += gain_scale * (expected_tokens(a_first, a_next, row.num_available) - 1.0)
+            base_tokens += expected_tokens(a_first, a_next, row.num_available) - 1.0
             continue
-        reach = gain_scale * a_first
+        reach = a_first
         for _ in range(row.num_available):
             gains.append((reach, index))
             reach *= a_next

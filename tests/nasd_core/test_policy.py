@@ -7,11 +7,9 @@ import pytest
 from nasd_core.metrics import SpecStats
 from nasd_core.policy import (
     MAX_SAMPLE_RATIO,
-    MIN_GAIN_SCALE,
     MIN_TRUSTED_SAMPLES,
     AcceptanceEstimator,
     RowDraft,
-    SelectionCalibration,
     StepTimeModel,
     choose_batch_draft_lengths,
     choose_draft_length,
@@ -308,24 +306,3 @@ def test_rows_without_a_paying_draft_rest_longer_each_miss_and_never_alone():
     assert [dormant_steps(8, misses) for misses in range(1, 5)] == [1, 2, 2, 2]
     # Below 4 rows a lookup is cheap against the step and a missed draft is not: never rest.
     assert all(dormant_steps(rows, misses) == 0 for rows in (1, 2, 3) for misses in range(6))
-
-
-def test_selection_calibration_discounts_gains_by_what_the_chosen_drafts_delivered():
-    calibration = SelectionCalibration()
-    assert calibration.scale == 1.0  # no evidence: estimates as they are
-    for _ in range(200):  # the chosen drafts deliver 60% of what was expected of them
-        calibration.record(num_expected=5.0, num_accepted=3)
-    assert calibration.scale == pytest.approx(0.6, abs=0.02)
-    calibration.record(num_expected=0.0, num_accepted=0)  # a step without drafts is no evidence
-    assert calibration.scale == pytest.approx(0.6, abs=0.02)
-    for _ in range(400):  # nothing accepted for a long while: bounded, drafting can resume
-        calibration.record(num_expected=5.0, num_accepted=0)
-    assert calibration.scale == MIN_GAIN_SCALE
-    # The policy prices drafts with the discounted gains: a draft clearly worth it at face value
-    # (first-token odds ~0.93 for 2.5% of the step each) is dropped at a third of that.
-    step_time = StepTimeModel()
-    for per_row in range(1, 6):
-        step_time.observe(32, 32 * per_row, 0.1 * (1 + 0.025 * 32 * (per_row - 1)), num_samples=3)
-    rows = [row("auto", 4, 8, True) for _ in range(16)] + [row("auto", 4, 1, False) for _ in range(16)]
-    assert choose_batch_draft_lengths(rows, step_time) == [4] * 16 + [0] * 16
-    assert choose_batch_draft_lengths(rows, step_time, gain_scale=0.3) == [0] * 32
