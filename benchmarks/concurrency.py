@@ -1,9 +1,10 @@
 """Engine concurrency sweep: throughput and per-token latency for speculation off / on / auto.
 
-For each mix and concurrency C, the engine runs with ``max_batch_rows=C`` and is handed
-``2*C`` requests at once, so continuous batching keeps C of them in flight. All modes run in
-the same process on the same prompts; the report gives ratios to ``off``. ``off`` and
-``auto`` run twice per cell, interleaved (``run_order``), and their figures pool both runs.
+For each mix (repetitive, creative, long chats) and concurrency C, the engine runs with
+``max_batch_rows=C`` and is handed ``2*C`` requests at once, so continuous batching keeps C
+of them in flight. All modes run in the same process on the same prompts; the report gives
+ratios to ``off``. ``off`` and ``auto`` run twice per cell, interleaved (``run_order``), and
+their figures pool both runs.
 
     python -m benchmarks.concurrency            # C = 1, 4, 16, 32; 2C requests of 64 tokens
     python -m benchmarks.concurrency --quick    # the full run's C = 1, 4 cells, each mode once
@@ -26,6 +27,7 @@ from benchmarks.common import (
     publish_run,
     run_metadata,
 )
+from benchmarks.replay import long_chats
 from benchmarks.workloads import make_workload
 from nasd_core.calibration import calibrate
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
@@ -37,6 +39,11 @@ MIXES = {
     "repetitive": ("code_edit", "rag_quote", "json_reformat", "translation"),
     "non_repetitive": ("creative",),
 }
+# The engine sweep's third mix (not the HTTP sweep's: its prompts are token ids): chats of
+# 600, 1000 and 1600 prompt tokens in turn, every workload's conversations as history and one
+# workload's request last (``benchmarks.replay.long_chats``), the inputs of a long chat service.
+LONG_CHAT = "long_chat"
+SWEEP_MIXES = (*MIXES, LONG_CHAT)
 MODES = ("off", "on", "auto")
 
 
@@ -130,13 +137,9 @@ def run_sweep(
     calibrate(model, max(levels))
     sweep: dict[str, dict] = {}
     order = run_order(repeats)
-    cells = [(mix, level) for mix in MIXES for level in levels]
+    cells = [(mix, level) for mix in SWEEP_MIXES for level in levels]
     for mix, level in tqdm(cells, desc="concurrency", unit="cell"):
-        conversations = [conv for name in MIXES[mix] for conv in make_workload(name, 8, seed=3)]
-        prompts = [
-            tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
-            for conv in islice(cycle(conversations), requests_per_level * level)
-        ]
+        prompts = mix_prompts(tokenizer, mix, requests_per_level * level)
         runs = {mode: CellRun() for mode in MODES}
         for mode in order:
             run_cell(model, tokenizer, prompts, level, mode, max_tokens, runs[mode])
@@ -158,6 +161,17 @@ def run_sweep(
         },
         "sweep": sweep,
     }
+
+
+def mix_prompts(tokenizer, mix: str, count: int) -> list[list[int]]:
+    """``count`` prompts (token ids) of one of ``SWEEP_MIXES``."""
+    if mix == LONG_CHAT:
+        return long_chats(tokenizer, count)
+    conversations = [conv for name in MIXES[mix] for conv in make_workload(name, 8, seed=3)]
+    return [
+        tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+        for conv in islice(cycle(conversations), count)
+    ]
 
 
 def markdown_table(payload: dict) -> str:
