@@ -27,8 +27,7 @@ from benchmarks.common import (
     publish_run,
     run_metadata,
 )
-from benchmarks.replay import long_chats
-from benchmarks.workloads import make_workload
+from benchmarks.workloads import long_chats, make_workload
 from nasd_core.calibration import calibrate
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine import Engine
@@ -41,7 +40,7 @@ MIXES = {
 }
 # The engine sweep's third mix (not the HTTP sweep's: its prompts are token ids): chats of
 # 600, 1000 and 1600 prompt tokens in turn, every workload's conversations as history and one
-# workload's request last (``benchmarks.replay.long_chats``), the inputs of a long chat service.
+# workload's request last (``benchmarks.workloads.long_chats``), the inputs of a long chat service.
 LONG_CHAT = "long_chat"
 SWEEP_MIXES = (*MIXES, LONG_CHAT)
 MODES = ("off", "on", "auto")

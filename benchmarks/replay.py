@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Protocol
 
 from benchmarks.common import publish_run, run_metadata
-from benchmarks.workloads import WORKLOADS, make_workload
+from benchmarks.workloads import WORKLOADS, long_chats, make_workload
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
 from nasd_core.drafter import RequestDrafter
 from nasd_core.ngram import NGramIndex, prompt_lookup
@@ -39,33 +39,10 @@ TRACES = Path(__file__).resolve().parent / "traces" / "greedy_float32.json"
 MAX_DRAFT = 16
 NUM_PROMPTS = 16
 MAX_TOKENS = 128
-# Long chats: several workload conversations joined, cut to these prompt lengths in turn.
-LONG_CHAT_TOKENS = (600, 1000, 1600)
 SCOPES = ("local", "cross")
 
 
 # ----------------------------------------------------------------------------- recording
-def long_chats(tokenizer, count: int) -> list[list[int]]:
-    """Chat prompts of mixed lengths (``LONG_CHAT_TOKENS`` in turn): earlier conversations of
-    every workload as history, a workload's request as the last turn."""
-    conversations = [conv for name in WORKLOADS for conv in make_workload(name, 8, seed=11)]
-    prompts = []
-    for index in range(count):
-        target = LONG_CHAT_TOKENS[index % len(LONG_CHAT_TOKENS)]
-        messages: list[dict[str, str]] = []
-        offset = index
-        while True:
-            messages.extend(conversations[offset % len(conversations)])
-            offset += 7
-            ids = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            if len(ids) >= target:
-                break
-        prompts.append(list(ids))
-    return prompts
-
-
 def record(num_prompts: int, max_tokens: int) -> dict:
     """Greedy continuations of every workload's prompts (speculation off, batched)."""
     from nasd_core.config import EngineConfig, SamplingParams

@@ -9,6 +9,8 @@ Each workload is a list of chat conversations (OpenAI message lists). One line e
 * summarisation  - summarise a short report (partial repetition of its phrases).
 * translation    - reformat a list of sentences into numbered, quoted lines (translation-style copying).
 * creative       - free-form creative text: the no-repetition control.
+
+``long_chats`` joins them into long chat prompts (token ids) of 600-1600 tokens.
 """
 
 from __future__ import annotations
@@ -266,4 +268,29 @@ def distinct_prompts(names: Sequence[str], num_prompts: int, seed: int = 0) -> l
             take([*history, {**last, "content": f"{last['content']} {instruction}"}])
     if len(prompts) < num_prompts:
         raise ValueError(f"{names} give only {len(prompts)} different conversations, not {num_prompts}")
+    return prompts
+
+
+# Long chats: several workload conversations joined, cut to these prompt lengths in turn.
+LONG_CHAT_TOKENS = (600, 1000, 1600)
+
+
+def long_chats(tokenizer, count: int) -> list[list[int]]:
+    """Chat prompts of mixed lengths (``LONG_CHAT_TOKENS`` in turn): earlier conversations of
+    every workload as history, a workload's request as the last turn."""
+    conversations = [conv for name in WORKLOADS for conv in make_workload(name, 8, seed=11)]
+    prompts = []
+    for index in range(count):
+        target = LONG_CHAT_TOKENS[index % len(LONG_CHAT_TOKENS)]
+        messages: list[dict[str, str]] = []
+        offset = index
+        while True:
+            messages.extend(conversations[offset % len(conversations)])
+            offset += 7
+            ids = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            if len(ids) >= target:
+                break
+        prompts.append(list(ids))
     return prompts

@@ -90,7 +90,7 @@ class RequestDrafter:
 
     def longest_match(self, tokens: Sequence[int]) -> tuple[int, str | None]:
         """The longest context the next draft can match and the source that holds it (the
-        earlier layer on a tie, as ``propose`` prefers), from dictionary lookups alone.
+        earlier layer on a tie, as ``propose`` prefers), from lookups alone.
 
         Cheaper than ``propose`` (no draft built), so the engine can skip drafting a step that
         would not speculate even with the best drafts possible. The same length as the draft's
