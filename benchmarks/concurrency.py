@@ -3,8 +3,8 @@
 For each mix (repetitive, creative, long chats) and concurrency C, the engine runs with
 ``max_batch_rows=C`` and is handed ``2*C`` requests at once, so continuous batching keeps C
 of them in flight. All modes run in the same process on the same prompts; the report gives
-ratios to ``off``. ``off`` and ``auto`` run twice per cell, interleaved (``run_order``), and
-their figures pool both runs.
+ratios to ``off``. ``off`` and ``auto`` run four times per cell (twice for long chats),
+interleaved (``run_order``), and their figures pool the runs.
 
     python -m benchmarks.concurrency            # C = 1, 4, 16, 32; 2C requests of 64 tokens
     python -m benchmarks.concurrency --quick    # the full run's C = 1, 4 cells, each mode once
@@ -43,6 +43,12 @@ MIXES = {
 # workload's request last (``benchmarks.workloads.long_chats``), the inputs of a long chat service.
 LONG_CHAT = "long_chat"
 SWEEP_MIXES = (*MIXES, LONG_CHAT)
+# Runs of off and auto per cell of the full sweep. Why four: two runs of the same work here
+# differ by up to 10% (``off_spread``), and where auto drafts little (creative text at 16-32
+# rows) it differs from off by less than that. Long chats twice: their C=32 cell alone runs ~4
+# minutes per pair, and there auto's differences from off are not that small.
+REPEATS = 4
+LONG_CHAT_REPEATS = 2
 MODES = ("off", "on", "auto")
 
 
@@ -130,14 +136,20 @@ def run_order(repeats: int) -> list[str]:
 
 
 def run_sweep(
-    levels: list[int], max_tokens: int, dtype: str, requests_per_level: int = 2, repeats: int = 2
+    levels: list[int],
+    max_tokens: int,
+    dtype: str,
+    requests_per_level: int = 2,
+    repeats: int = REPEATS,
+    long_chat_repeats: int = LONG_CHAT_REPEATS,
 ) -> dict:
     model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
     calibrate(model, max(levels))
     sweep: dict[str, dict] = {}
-    order = run_order(repeats)
+    orders = {mix: run_order(long_chat_repeats if mix == LONG_CHAT else repeats) for mix in SWEEP_MIXES}
     cells = [(mix, level) for mix in SWEEP_MIXES for level in levels]
     for mix, level in tqdm(cells, desc="concurrency", unit="cell"):
+        order = orders[mix]
         prompts = mix_prompts(tokenizer, mix, requests_per_level * level)
         runs = {mode: CellRun() for mode in MODES}
         for mode in order:
@@ -156,7 +168,7 @@ def run_sweep(
             **run_metadata(model, dtype, "benchmarks.concurrency"),
             "max_tokens": max_tokens,
             "requests_per_level": requests_per_level,
-            "run_order": order,
+            "run_order": orders,
         },
         "sweep": sweep,
     }
@@ -240,9 +252,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         # The full run's C = 1 and 4 cells, as defined there, each mode run once.
-        payload = run_sweep([1, 4], 64, args.dtype, requests_per_level=2, repeats=1)
+        payload = run_sweep([1, 4], 64, args.dtype, requests_per_level=2, repeats=1, long_chat_repeats=1)
     else:
-        payload = run_sweep([1, 4, 16, 32], 64, args.dtype, requests_per_level=2, repeats=2)
+        payload = run_sweep([1, 4, 16, 32], 64, args.dtype)
     publish_run("concurrency", args.dtype, args.quick, payload, plot, markdown_table)
 
 

@@ -15,7 +15,13 @@ from collections.abc import Sequence
 import torch
 
 from nasd_core.model_runner import ModelRunner, StepRow
-from nasd_core.policy import MIN_TRUSTED_SAMPLES, AcceptanceEstimator, StepTimeModel, pooled_acceptance
+from nasd_core.policy import (
+    MIN_TRUSTED_SAMPLES,
+    AcceptanceEstimator,
+    DraftPayoff,
+    StepTimeModel,
+    pooled_acceptance,
+)
 
 # Positions per row the probe times: every small width the policy weighs often, and sparse
 # wide ones up to the default draft cap (16) that the model interpolates between.
@@ -24,6 +30,7 @@ PROBE_POSITIONS = (1, 2, 3, 4, 5, 6, 9, 17)
 # What the engines on a model learn outlives each engine: later engines start calibrated.
 _STEP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ACCEPTANCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PAYOFFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # by step-time model
 
 
 def model_step_time(model) -> StepTimeModel:
@@ -46,6 +53,15 @@ def model_acceptance(model) -> AcceptanceEstimator:
     if model not in _ACCEPTANCE:
         _ACCEPTANCE[model] = pooled_acceptance()
     return _ACCEPTANCE[model]
+
+
+def step_time_payoff(step_time: StepTimeModel) -> DraftPayoff:
+    """The check of drafted steps' promises made with ``step_time``'s estimates (it reads
+    steps against them), shared by every engine using it: a 32-row batch drafts in a handful
+    of steps per wave of requests, too few for one engine to learn from before it is done."""
+    if step_time not in _PAYOFFS:
+        _PAYOFFS[step_time] = DraftPayoff()
+    return _PAYOFFS[step_time]
 
 
 @torch.inference_mode()

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from nasd_core.calibration import model_acceptance, model_step_time
+from nasd_core.calibration import model_acceptance, model_step_time, step_time_payoff
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
 from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
@@ -32,9 +32,11 @@ from nasd_core.model_runner import ModelRunner, StepRow
 from nasd_core.ngram import NGramIndex
 from nasd_core.policy import (
     AcceptanceEstimator,
+    DraftPayoff,
+    DraftPlan,
     RowDraft,
-    choose_batch_draft_lengths,
     draft_position_cap,
+    plan_batch_drafts,
 )
 from nasd_core.processors import LogitsProcessors, needs_processing
 from nasd_core.sampling import TokenDraws
@@ -245,6 +247,11 @@ class Engine:
             self.step()
         return [self.pop_result(request_id) for request_id in ids]
 
+    @property
+    def payoff(self) -> DraftPayoff:
+        """What drafted steps priced by this engine's step-time model deliver (``DraftPayoff``)."""
+        return step_time_payoff(self.step_time)
+
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> list[Request]:
@@ -329,11 +336,12 @@ class Engine:
         started = time.perf_counter()
         num_chunk_positions = sum(len(row.token_ids) for _, row in chunks)
         drafts = self._propose(rows, len(chunks), num_chunk_positions)
-        lengths = self._draft_lengths(
+        plan = self._plan(
             [request.row_draft(draft) for request, draft in zip(rows, drafts)],
             len(chunks),
             num_chunk_positions,
         )
+        lengths = plan.lengths
         drafting_s = time.perf_counter() - started
         step_rows = [row for _, row in chunks] + [
             StepRow(request.request_id, [request.tokens[-1], *draft.tokens[:length]], 1 + length)
@@ -353,6 +361,14 @@ class Engine:
         )
         step_s = time.perf_counter() - forward_started
         num_positions = sum(len(row.token_ids) for row in step_rows)
+        if rows and not chunks and sum(lengths) == plan.num_chosen:  # no "on" row's drafts
+            self.payoff.record(
+                len(rows),
+                plan,
+                self.step_time.estimate(len(rows), num_positions),
+                time.perf_counter() - started,
+                sum(len(emitted) for emitted in emitted_rows),
+            )
         self.step_time.observe(len(step_rows), num_positions, step_s)
         if rows:
             widest = max(lengths)
@@ -421,12 +437,12 @@ class Engine:
         (``policy.dormant_steps``)."""
         if not rows:
             return []
-        best = self._draft_lengths(
+        best = self._plan(
             [request.best_case() for request in rows],
             num_other_rows,
             num_other_positions,
             self.drafting_s_per_row,
-        )
+        ).lengths
         num_rows = len(rows) + num_other_rows
         for request, length in zip(rows, best):
             request.rest(length, num_rows)
@@ -438,25 +454,25 @@ class Engine:
             self.drafting_s_per_row += DRAFTING_COST_WEIGHT * (per_row - self.drafting_s_per_row)
         return drafts
 
-    def _draft_lengths(
+    def _plan(
         self,
         row_drafts: list[RowDraft],
         num_other_rows: int,
         num_other_positions: int,
         drafting_s_per_row: float = 0.0,
-    ) -> list[int]:
+    ) -> DraftPlan:
         """The policy's draft length per row, the step's total draft positions capped by what
-        has been timed (``draft_position_cap``)."""
-        if not row_drafts:
-            return []
+        has been timed (``draft_position_cap``), promises discounted by what drafted steps of
+        this many rows delivered (``DraftPayoff``)."""
         num_rows = len(row_drafts) + num_other_rows
-        return choose_batch_draft_lengths(
+        return plan_batch_drafts(
             row_drafts,
             self.step_time,
             draft_position_cap(num_rows, self.step_time),
             num_other_rows,
             num_other_positions,
             drafting_s_per_row,
+            self.payoff.factor(num_rows),
         )
 
     def _retire(self) -> list[Request]:

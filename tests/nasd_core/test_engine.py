@@ -13,7 +13,7 @@ from nasd_core.config import EngineConfig
 from nasd_core.drafter import LOCAL_SOURCE, RequestDrafter
 from nasd_core.engine import Engine
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
-from nasd_core.policy import AcceptanceEstimator, StepTimeModel
+from nasd_core.policy import MIN_PAYOFF, AcceptanceEstimator, DraftPlan, StepTimeModel
 
 PROMPTS = [
     "one, two, three, four, five,",
@@ -238,6 +238,29 @@ def test_auto_builds_no_draft_when_no_draft_could_pay(model, tokenizer, single_r
         assert num_lookups < 0.6 * num_row_steps
     else:
         assert sum(built) > 0 and engine.stats.num_accepted > 0
+
+
+def test_auto_drafts_less_where_drafted_steps_have_not_delivered(model, tokenizer, single_runs):
+    """The engine prices drafts with its step-time model's ``DraftPayoff``: where drafted steps
+    of 2+ rows delivered next to nothing, auto drafts less at those row counts (one-row steps
+    are never discounted), and the engine reads its own steps into it. Outputs unchanged."""
+    drafted = {}
+    for discounted in (True, False):
+        engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=12))
+        engine.step_time = FixedStepTimes(lambda *_: 0.1)  # extra positions free: drafts promise much
+        if discounted:
+            for num_rows in (2, 4, 8, 16):
+                for _ in range(500):
+                    engine.payoff.record(
+                        num_rows, DraftPlan([1] * num_rows, num_rows, 2.0 * num_rows, 1.2), 0.1, 0.1, 1
+                    )
+            assert engine.payoff.factor(12) == MIN_PAYOFF and engine.payoff.factor(1) == 1.0
+        outputs = run_staggered(engine, PROMPTS, MAX_TOKENS, SpecConfig(mode="auto", num_draft_tokens=5))
+        assert [outputs[i] for i in range(len(PROMPTS))] == single_runs
+        drafted[discounted] = engine.stats.num_drafted
+        if not discounted:
+            assert engine.payoff.num_read >= engine.stats.num_steps // len(PROMPTS)  # read its steps
+    assert drafted[True] < drafted[False]
 
 
 def test_engines_on_one_model_start_from_what_earlier_engines_learned(model, tokenizer):

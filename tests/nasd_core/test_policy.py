@@ -6,9 +6,13 @@ import pytest
 
 from nasd_core.metrics import SpecStats
 from nasd_core.policy import (
+    MAX_READ_GAIN,
     MAX_SAMPLE_RATIO,
+    MIN_PAYOFF,
     MIN_TRUSTED_SAMPLES,
     AcceptanceEstimator,
+    DraftPayoff,
+    DraftPlan,
     RowDraft,
     StepTimeModel,
     choose_batch_draft_lengths,
@@ -17,6 +21,7 @@ from nasd_core.policy import (
     dormant_steps,
     draft_position_cap,
     expected_tokens,
+    plan_batch_drafts,
     pooled_acceptance,
     snap_extra,
 )
@@ -306,3 +311,73 @@ def test_rows_without_a_paying_draft_rest_longer_each_miss_and_never_alone():
     assert [dormant_steps(8, misses) for misses in range(1, 5)] == [1, 2, 2, 2]
     # Below 4 rows a lookup is cheap against the step and a missed draft is not: never rest.
     assert all(dormant_steps(rows, misses) == 0 for rows in (1, 2, 3) for misses in range(6))
+
+
+def marginal_rows(num_rows: int) -> tuple[list[RowDraft], StepTimeModel]:
+    """``num_rows`` rows whose drafts promise a modest gain: a 2-token draft per row at the
+    cold-start prior of a 3-token match, each extra position 1% of a plain step."""
+    step_time = StepTimeModel()
+    for per_row in (1, 2, 3):
+        step_time.observe(num_rows, num_rows * per_row, 0.1 * (1 + 0.01 * num_rows * (per_row - 1)), 3)
+    rows = [RowDraft("auto", 2, 3, AcceptanceEstimator()) for _ in range(num_rows)]
+    return rows, step_time
+
+
+def test_plan_reports_what_it_promises():
+    rows, step_time = marginal_rows(16)
+    plan = plan_batch_drafts(rows, step_time)
+    a_first, a_next = AcceptanceEstimator().rates(3)
+    assert plan.lengths == [2] * 16 and plan.num_chosen == 32
+    assert plan.expected_tokens == pytest.approx(16 * expected_tokens(a_first, a_next, 2))
+    plain_rate = 16 / step_time.estimate(16, 16)
+    assert plan.gain == pytest.approx(plan.expected_tokens / step_time.estimate(16, 48) / plain_rate)
+    assert 1.05 < plan.gain < MAX_READ_GAIN
+
+
+def test_drafts_that_deliver_less_than_promised_stop_at_that_row_count():
+    """Drafted 16-row steps that emit 60% of the tokens they promised in their estimated time
+    discount the next promises at 16 rows (the marginal ones no longer draft) and nowhere else."""
+    rows, step_time = marginal_rows(16)
+    payoff = DraftPayoff()
+    plan = plan_batch_drafts(rows, step_time, payoff=payoff.factor(16))
+    assert plan.num_chosen
+    delivered = round(0.6 * plan.expected_tokens)
+    for _ in range(200):
+        payoff.record(16, plan, 0.1, 0.1, delivered)
+    assert payoff.factor(16) == pytest.approx(delivered / plan.expected_tokens, rel=0.02)
+    assert plan_batch_drafts(rows, step_time, payoff=payoff.factor(16)).lengths == [0] * 16
+    assert payoff.factor(4) == payoff.factor(64) == 1.0
+
+
+def test_payoff_compares_drafted_steps_with_plain_steps_as_they_ran():
+    """If every step runs 20% over the step-time model (its probe kept the fastest reading),
+    drafted steps that deliver their promised tokens are not discounted; if only drafted steps
+    run over, they are; a drafted step never counts for more than its promise."""
+    rows, step_time = marginal_rows(16)
+    plan = plan_batch_drafts(rows, step_time)
+    tokens = round(plan.expected_tokens)
+    both_slow, drafted_slow, drafted_fast = DraftPayoff(), DraftPayoff(), DraftPayoff()
+    for _ in range(200):
+        both_slow.record(16, DraftPlan([0] * 16), 0.1, 0.12, 16)
+        both_slow.record(16, plan, 0.1, 0.12, tokens)
+        drafted_slow.record(16, DraftPlan([0] * 16), 0.1, 0.1, 16)
+        drafted_slow.record(16, plan, 0.1, 0.12, tokens)
+        drafted_fast.record(16, plan, 0.1, 0.05, tokens)
+    assert both_slow.factor(16) == pytest.approx(tokens / plan.expected_tokens, rel=0.02)
+    assert drafted_slow.factor(16) == pytest.approx(tokens / plan.expected_tokens / 1.2, rel=0.02)
+    assert drafted_fast.factor(16) == 1.0
+
+
+def test_payoff_reads_only_promises_near_the_bar_and_never_a_single_row():
+    rows, step_time = marginal_rows(16)
+    strong = DraftPlan([4] * 16, 64, 40.0, MAX_READ_GAIN + 0.5)
+    weak_one_row = DraftPlan([2], 2, 1.5, 1.2)
+    payoff = DraftPayoff()
+    for _ in range(200):
+        payoff.record(16, strong, 0.1, 0.1, 20)  # delivered half, but far above the bar
+        payoff.record(1, weak_one_row, 0.1, 0.2, 1)
+    assert payoff.factor(16) == payoff.factor(1) == 1.0
+    marginal = plan_batch_drafts(rows, step_time)
+    for _ in range(500):
+        payoff.record(16, marginal, 0.1, 0.1, 1)  # next to nothing delivered
+    assert payoff.factor(16) == MIN_PAYOFF
