@@ -27,7 +27,7 @@ import time
 from tqdm import tqdm
 
 from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
-from benchmarks.workloads import Messages, make_workload
+from benchmarks.workloads import Messages, make_workload, paraphrase
 from nasd_core.async_engine import AsyncEngine
 from nasd_core.calibration import calibrate
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams
@@ -51,11 +51,6 @@ def _questions(num: int) -> list[Messages]:
     summaries = make_workload("summarisation", num, seed=7)
     mixed = [conv for triple in zip(packing, stories, summaries) for conv in triple]
     return mixed[:num]
-
-
-def _paraphrase(conversation: Messages) -> Messages:
-    content = conversation[-1]["content"]
-    return [*conversation[:-1], {"role": "user", "content": f"Please help me with this. {content}"}]
 
 
 class Replica:
@@ -121,7 +116,7 @@ def workloads(num: int) -> dict[str, tuple[list[Messages], list[Messages] | None
     questions = _questions(num)
     return {
         "repeat_question": (questions, questions),
-        "paraphrase": (questions, [_paraphrase(conv) for conv in questions]),
+        "paraphrase": (questions, [paraphrase(conv) for conv in questions]),
         "multi_turn": ([conv[:1] for conv in make_workload("multi_turn", num, seed=11)], None),
         "unrelated": (make_workload("creative", num, seed=21), make_workload("summarisation", num, seed=22)),
     }

@@ -225,6 +225,13 @@ def make_workload(name: str, num_prompts: int, seed: int = 0) -> list[Messages]:
     return [WORKLOADS[name](rng) for _ in range(num_prompts)]
 
 
+def paraphrase(conversation: Messages) -> Messages:
+    """The conversation with its last question reworded (the same request in other words):
+    its answer overlaps the original's without equalling it."""
+    content = conversation[-1]["content"]
+    return [*conversation[:-1], {"role": "user", "content": f"Please help me with this. {content}"}]
+
+
 # Appended to the last message of earlier conversations once the generators run out of new
 # ones (the creative generator makes 64), so a benchmark can still send only new prompts.
 _EXTRA_INSTRUCTIONS = (

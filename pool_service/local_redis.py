@@ -82,3 +82,7 @@ class LocalRedis:
     def commands_processed(self) -> int:
         """Commands this server has processed since it started (INFO stats)."""
         return int(redis.Redis.from_url(self.url).info("stats")["total_commands_processed"])
+
+    def net_output_bytes(self) -> int:
+        """Bytes this server has sent to its clients since it started (INFO stats)."""
+        return int(redis.Redis.from_url(self.url).info("stats")["total_net_output_bytes"])

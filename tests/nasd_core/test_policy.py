@@ -381,3 +381,18 @@ def test_payoff_reads_only_promises_near_the_bar_and_never_a_single_row():
     for _ in range(500):
         payoff.record(16, marginal, 0.1, 0.1, 1)  # next to nothing delivered
     assert payoff.factor(16) == MIN_PAYOFF
+
+
+def test_one_row_drafts_whatever_pays_and_a_batch_needs_the_margin():
+    """A one-token draft at a one-token match (prior 15% acceptance) where the extra position
+    costs 12% of the step promises ~3% more tokens per second: one row takes it; two rows with
+    the same draft each need MIN_DRAFT_GAIN (rows fall out of step, drafting costs add up)."""
+    one_row, two_rows = StepTimeModel(), StepTimeModel()
+    one_row.observe(1, 1, 0.1, 3)
+    one_row.observe(1, 2, 0.112, 3)
+    for extra in range(3):
+        two_rows.observe(2, 2 + extra, 0.1 * (1 + 0.06 * extra), 3)
+    row = RowDraft("auto", 1, 1, AcceptanceEstimator())
+    plan = plan_batch_drafts([row], one_row)
+    assert plan.lengths == [1] and 1.0 < plan.gain < 1.05
+    assert plan_batch_drafts([row, RowDraft("auto", 1, 1, AcceptanceEstimator())], two_rows).lengths == [0, 0]
