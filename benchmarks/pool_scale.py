@@ -31,6 +31,8 @@ unrelated (the long tail), in ``KIND_SHARES``. Designs:
 * ``tenant_split``: as ``tenant``, but a tenant that needs more than ``SPLIT_REPLICAS``
   replicas is split by a hash of the prompt's first tokens into sub-partitions of about that
   size (the same question stays together; a rewording may not).
+* ``prefix``: every tenant split alike into as many sub-partitions as the busiest tenant
+  needs (a fixed setting, where ``tenant_split`` needs each tenant's traffic share).
 
     python -m benchmarks.pool_scale --record   # paraphrase traces -> benchmarks/traces/ (minutes)
     python -m benchmarks.pool_scale            # the simulation (a few minutes)
@@ -73,7 +75,7 @@ SPLIT_REPLICAS = 2
 # Bounded-load consistent hashing: a replica takes at most this multiple of the mean load
 # before a key's traffic spills to the next replica on the ring.
 BOUNDED_LOAD = 1.25
-DESIGNS = ("full", "sampled", "tenant", "tenant_split")
+DESIGNS = ("full", "sampled", "tenant", "tenant_split", "prefix")
 # Bytes on the wire per ingested token: 4 per token id plus the entry's fields and framing,
 # spread over a sequence (measured in part 3; this is its prior for the traffic model).
 WIRE_BYTES_PER_TOKEN = TOKEN_BYTES
@@ -240,11 +242,12 @@ def partitions_of(design: str, num_replicas: int, rng: random.Random) -> list[Pa
     shares = tenant_shares()
     if design == "tenant":
         keys = list(enumerate(shares))
-    else:  # tenant_split: about SPLIT_REPLICAS replicas' worth of traffic per sub-partition
+    else:  # sub-partitions of about SPLIT_REPLICAS replicas' traffic (the busiest tenant's, for prefix)
         per_replica = 1 / num_replicas
         keys = []
         for tenant, share in enumerate(shares):
-            num_parts = max(1, math.ceil(share / (SPLIT_REPLICAS * per_replica)))
+            sized_by = shares[0] if design == "prefix" else share
+            num_parts = max(1, math.ceil(sized_by / (SPLIT_REPLICAS * per_replica)))
             keys += [(tenant, share / num_parts)] * num_parts
     return route(keys, num_replicas, rng)
 
@@ -441,7 +444,7 @@ def run(replica_counts: tuple[int, ...], with_redis: bool) -> dict:
                     ),
                     "followed_partitions": cell.followed_partitions,
                     "retention_s": None if math.isinf(cell.retention_s) else round(cell.retention_s, 1),
-                    "hit_rate": round(cell.hit_rate, 3),
+                    "hit_rate": round(float(cell.hit_rate), 3),
                 }
                 if redis is not None:
                     row["redis"] = asyncio.run(
@@ -486,7 +489,7 @@ def markdown_table(payload: dict) -> str:
             real = row.get("redis")
             redis_cell_text = (
                 f"{real['ingested_share']:.0%} of {real['published_tokens_per_s']:,} tok/s, "
-                f"{real['egress_bytes_per_token']:.1f}, {real['sync_lag_ms_p99']}"
+                f"{real['egress_bytes_per_token']:.1f}, {real['sync_lag_ms_p99'] or 0:.0f}"
                 if real
                 else "-"
             )
