@@ -410,16 +410,17 @@ async def redis_cell(
 
 
 # ------------------------------------------------------------------------------ driver
-def load_traces() -> tuple[list[dict], list[dict]]:
-    """The replay traces and their reworded twins, paired (long chats have no twin)."""
-    originals = json.loads(TRACES.read_text())["traces"]
-    reworded = json.loads(PARAPHRASE_TRACES.read_text())["traces"]
+def load_traces() -> tuple[list[dict], list[dict], str]:
+    """The replay traces and their reworded twins, paired (long chats have no twin), and the
+    model that answered them."""
+    recorded = json.loads(TRACES.read_text())
+    originals, reworded = recorded["traces"], json.loads(PARAPHRASE_TRACES.read_text())["traces"]
     pairs = [(o, p) for name in reworded for o, p in zip(originals[name], reworded[name])]
-    return [o for o, _ in pairs], [p for _, p in pairs]
+    return [o for o, _ in pairs], [p for _, p in pairs], recorded["meta"]["model"]
 
 
 def run(replica_counts: tuple[int, ...], with_redis: bool) -> dict:
-    originals, paraphrases = load_traces()
+    originals, paraphrases, model = load_traces()
     sequences = [trace["prompt"] + trace["output"] for trace in originals]
     vocab_size = 1 + max(max(sequence) for sequence in sequences)
     costs = measure_index(sequences, vocab_size)
@@ -462,6 +463,7 @@ def run(replica_counts: tuple[int, ...], with_redis: bool) -> dict:
         "benchmark": "pool_scale",
         "meta": {
             **run_metadata(None, "float32", "benchmarks.pool_scale"),
+            "model": f"{model} (recorded greedy traces)",
             "tokens_per_s_per_replica": TOKENS_PER_S,
             "tenants": TENANTS,
             "kind_shares": KIND_SHARES,
@@ -481,7 +483,8 @@ def run(replica_counts: tuple[int, ...], with_redis: bool) -> dict:
 def markdown_table(payload: dict) -> str:
     lines = [
         "| replicas | design | ingest tok/s (busiest / mean) | ingest CPU | index MB | retention s "
-        "| partitions followed | hit rate (vs ideal / vs full) | Redis: ingested, egress B/tok, lag p99 ms |",
+        "| partitions followed | hit rate (vs ideal / vs full) "
+        "| Redis: ingested, egress B/tok, lag p99 ms, ingest CPU |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for num_replicas, by_design in payload["cells"].items():
@@ -489,7 +492,8 @@ def markdown_table(payload: dict) -> str:
             real = row.get("redis")
             redis_cell_text = (
                 f"{real['ingested_share']:.0%} of {real['published_tokens_per_s']:,} tok/s, "
-                f"{real['egress_bytes_per_token']:.1f}, {real['sync_lag_ms_p99'] or 0:.0f}"
+                f"{real['egress_bytes_per_token']:.1f}, {real['sync_lag_ms_p99'] or 0:.0f}, "
+                f"{real['ingest_cpu_share']:.1%}"
                 if real
                 else "-"
             )
