@@ -490,7 +490,7 @@ PAYOFF_WEIGHT = 0.03
 MAX_READ_GAIN = 1.5
 # A one-row step is not discounted: its draft was not picked as the best of many rows' (the
 # winner's curse the discount corrects), and interleaved runs of creative text at one row
-# (9 x 2 requests each, twice) went 1.11x and 1.03x of off with it, 1.14x and 1.09x without.
+# (4 and then 9 runs of 2 requests) went 1.03x and 1.11x of off with it, 1.09x and 1.14x without.
 MIN_PAYOFF_ROWS = 2
 # Its factor stays in [MIN_PAYOFF, 1]: it only ever discounts promises (a drafted step that
 # beats its promise does not make weaker drafts look better), and never below half.
@@ -519,7 +519,8 @@ class DraftPayoff:
     tokens/s drafted against 644 withheld. Discounting every promise by the acceptance
     shortfall alone cost drafts that paid at four rows, so the discount is read per row-count
     bucket, in wall time, from the drafts it decides (``MAX_READ_GAIN``). Interleaved runs
-    (creative text at 4 rows, 9 x 8 requests, twice): 1.00x of off with it, 0.98x without.
+    (creative text at 4 rows, 8 requests, 4 and then 9 runs of each): 1.00x of off with it,
+    0.98x without, both times.
     """
 
     def __init__(self) -> None:
