@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
-from benchmarks.replay import MAX_DRAFT, TRACES, accepted_prefix
+from benchmarks.replay import MAX_DRAFT, TRACES, accepted_prefix, greedy_traces
 from benchmarks.workloads import WORKLOADS, make_workload, paraphrase
 from nasd_core.config import SpecConfig
 from nasd_core.drafter import RequestDrafter
@@ -91,31 +91,19 @@ CPU_BUDGET = 0.05
 # ---------------------------------------------------------------------------- recording
 def record_paraphrases(num_prompts: int = 16, max_tokens: int = 128) -> dict:
     """Greedy answers to the replay traces' questions reworded (``workloads.paraphrase``)."""
-    from nasd_core.config import EngineConfig, SamplingParams
-    from nasd_core.engine import Engine
     from nasd_core.models import load_model
 
     model, tokenizer = load_model()
-    traces: dict[str, list[dict[str, list[int]]]] = {}
-    for name in WORKLOADS:
-        prompts = [
+    prompts = {
+        name: [
             tokenizer.apply_chat_template(
                 paraphrase(conv), add_generation_prompt=True, tokenize=True, return_dict=False
             )
             for conv in make_workload(name, num_prompts, seed=7)
         ]
-        engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=16, max_waiting=len(prompts)))
-        ids = [
-            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off"))
-            for prompt in prompts
-        ]
-        while not engine.is_finished():
-            engine.step()
-        traces[name] = [
-            {"prompt": list(prompt), "output": engine.pop_result(request_id).token_ids}
-            for prompt, request_id in zip(prompts, ids)
-        ]
-        print(f"recorded {name}: {sum(len(t['output']) for t in traces[name])} tokens", flush=True)
+        for name in WORKLOADS
+    }
+    traces = greedy_traces(model, tokenizer, prompts, max_tokens)
     return {"meta": run_metadata(model, "float32", "benchmarks.pool_scale"), "traces": traces}
 
 

@@ -45,9 +45,6 @@ SCOPES = ("local", "cross")
 # ----------------------------------------------------------------------------- recording
 def record(num_prompts: int, max_tokens: int) -> dict:
     """Greedy continuations of every workload's prompts (speculation off, batched)."""
-    from nasd_core.config import EngineConfig, SamplingParams
-    from nasd_core.config import SpecConfig as Spec
-    from nasd_core.engine import Engine
     from nasd_core.models import load_model
 
     model, tokenizer = load_model()
@@ -59,6 +56,19 @@ def record(num_prompts: int, max_tokens: int) -> dict:
         for name in WORKLOADS
     }
     prompts["long_chat"] = long_chats(tokenizer, num_prompts)
+    traces = greedy_traces(model, tokenizer, prompts, max_tokens)
+    return {"meta": run_metadata(model, "float32", "benchmarks.replay"), "traces": traces}
+
+
+def greedy_traces(
+    model, tokenizer, prompts: dict[str, list[list[int]]], max_tokens: int
+) -> dict[str, list[dict[str, list[int]]]]:
+    """Each workload's prompts (token ids) with the model's greedy continuation, batched 16 at
+    a time with speculation off."""
+    from nasd_core.config import EngineConfig, SamplingParams
+    from nasd_core.config import SpecConfig as Spec
+    from nasd_core.engine import Engine
+
     traces: dict[str, list[dict[str, list[int]]]] = {}
     for name, workload in prompts.items():
         engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=16, max_waiting=len(workload)))
@@ -73,7 +83,7 @@ def record(num_prompts: int, max_tokens: int) -> dict:
             for prompt, request_id in zip(workload, ids)
         ]
         print(f"recorded {name}: {sum(len(t['output']) for t in traces[name])} tokens", flush=True)
-    return {"meta": run_metadata(model, "float32", "benchmarks.replay"), "traces": traces}
+    return traces
 
 
 # ------------------------------------------------------------------------------- drafters

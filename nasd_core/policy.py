@@ -337,7 +337,7 @@ def choose_draft_length(
     max_draft: int, match_length: int, acceptance: AcceptanceEstimator, step_time: StepTimeModel
 ) -> int:
     """The draft length in 0..max_draft with the most expected tokens per second (one row)."""
-    return choose_batch_draft_lengths([RowDraft("auto", max_draft, match_length, acceptance)], step_time)[0]
+    return plan_batch_drafts([RowDraft("auto", max_draft, match_length, acceptance)], step_time).lengths[0]
 
 
 # TensorRT-LLM's measured table, used as the cold-start cap before step times are known:
@@ -374,20 +374,6 @@ def draft_position_cap(num_rows: int, step_time: StepTimeModel) -> int:
     """
     widest = step_time.widest_measured(num_rows)
     return max(num_rows * cold_start_cap(num_rows), 2 * widest if widest else 0)
-
-
-def choose_batch_draft_lengths(
-    rows: list[RowDraft],
-    step_time: StepTimeModel,
-    max_draft_positions: int | None = None,
-    num_other_rows: int = 0,
-    num_other_positions: int = 0,
-    drafting_s_per_row: float = 0.0,
-) -> list[int]:
-    """Per-row draft lengths for one ragged step (``plan_batch_drafts``' lengths)."""
-    return plan_batch_drafts(
-        rows, step_time, max_draft_positions, num_other_rows, num_other_positions, drafting_s_per_row
-    ).lengths
 
 
 @dataclass

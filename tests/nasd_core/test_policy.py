@@ -15,7 +15,6 @@ from nasd_core.policy import (
     DraftPlan,
     RowDraft,
     StepTimeModel,
-    choose_batch_draft_lengths,
     choose_draft_length,
     cold_start_cap,
     dormant_steps,
@@ -69,7 +68,7 @@ def test_acceptance_is_learned_per_draft_source():
     for per_row in range(1, 6):
         step_time.observe(2, 2 * per_row, 0.05 * (1 + 0.05 * 2 * (per_row - 1)), num_samples=3)
     rows = [RowDraft("auto", 4, 3, estimator, "request"), RowDraft("auto", 4, 3, estimator, "replica")]
-    assert choose_batch_draft_lengths(rows, step_time) == [4, 0]
+    assert plan_batch_drafts(rows, step_time).lengths == [4, 0]
 
 
 def test_policy_skips_unlikely_drafts_and_takes_likely_ones():
@@ -129,7 +128,7 @@ def test_step_time_model_borrows_the_shape_of_a_column_measured_at_more_rows():
     assert step_time.estimate(16, 16) < 0.8 * step_time.estimate(16, 28)
     # So a 16-row batch of rejected drafts steps plainly (before, speculating looked free).
     rows = [row("auto", 3, 1, accepted_all=False) for _ in range(16)]
-    assert choose_batch_draft_lengths(rows, step_time) == [0] * 16
+    assert plan_batch_drafts(rows, step_time).lengths == [0] * 16
     # A column measured on neither side of the row count, with no other to borrow from,
     # continues its own last slope.
     lone = StepTimeModel()
@@ -147,7 +146,7 @@ def test_batch_policy_retimes_a_close_alternative_read_only_once():
     rows = [row("auto", 1, 1, accepted_all=None) for _ in range(16)]  # prior: E(1 draft) = 1.15
     # One draft per row is the estimated best (16 x 1.15 / 0.217 s), but the plain step
     # (16 / 0.2 s) is within EXPLORE_MARGIN and was read once: the policy times it again.
-    assert choose_batch_draft_lengths(rows, step_time) == [0] * 16
+    assert plan_batch_drafts(rows, step_time).lengths == [0] * 16
     # Retimed at its typical cost, it wins outright and the policy stays plain...
     retimed = StepTimeModel()
     retimed.observe(16, 16, 0.200)
@@ -156,16 +155,16 @@ def test_batch_policy_retimes_a_close_alternative_read_only_once():
     for _ in range(MIN_TRUSTED_SAMPLES - 1):
         retimed.observe(16, 16, 0.120)
     assert retimed.trusted(16, 16)
-    assert choose_batch_draft_lengths(rows, retimed) == [0] * 16
+    assert plan_batch_drafts(rows, retimed).lengths == [0] * 16
     # ...while a plain step confirmed slow leaves the drafts the better choice.
     for _ in range(MIN_TRUSTED_SAMPLES - 1):
         step_time.observe(16, 16, 0.200)
-    assert choose_batch_draft_lengths(rows, step_time) == [1] * 16
+    assert plan_batch_drafts(rows, step_time).lengths == [1] * 16
     # A probe's reading (the fastest of its repeats) is trusted at once: nothing is retimed.
     probed = StepTimeModel()
     probed.observe(16, 16, 0.200, num_samples=MIN_TRUSTED_SAMPLES)
     probed.observe(16, 32, 0.217, num_samples=MIN_TRUSTED_SAMPLES)
-    assert choose_batch_draft_lengths(rows, probed) == [1] * 16
+    assert plan_batch_drafts(rows, probed).lengths == [1] * 16
 
 
 def test_step_time_model_resists_one_sided_noise():
@@ -216,11 +215,11 @@ def test_batch_policy_speculates_for_small_batches_and_stops_for_large_ones():
         for per_row in range(1, 8):
             step_time.observe(num_rows, num_rows * per_row, 0.05 + 0.004 * num_rows * per_row)
     small = [row("auto", 6, 6, True) for _ in range(2)]
-    assert choose_batch_draft_lengths(small, step_time) == [6, 6]
+    assert plan_batch_drafts(small, step_time).lengths == [6, 6]
     large = [row("auto", 6, 1, False) for _ in range(64)]
-    assert choose_batch_draft_lengths(large, step_time) == [0] * 64
+    assert plan_batch_drafts(large, step_time).lengths == [0] * 64
     mixed = [row("on", 3, 1, False), row("off", 5, 6, True), row("auto", 2, 6, True)]
-    assert choose_batch_draft_lengths(mixed, step_time) == [3, 0, 2]
+    assert plan_batch_drafts(mixed, step_time).lengths == [3, 0, 2]
 
 
 def test_batch_policy_gives_draft_positions_to_the_rows_likely_to_accept_them():
@@ -230,7 +229,7 @@ def test_batch_policy_gives_draft_positions_to_the_rows_likely_to_accept_them():
     for per_row in range(1, 18):  # 16 rows; every extra position costs 1% of a plain step
         step_time.observe(16, 16 * per_row, 0.1 * (1 + 0.01 * 16 * (per_row - 1)))
     rows = [row("auto", 16, 8, True)] + [row("auto", 16, 1, False) for _ in range(15)]
-    assert choose_batch_draft_lengths(rows, step_time) == [16] + [0] * 15
+    assert plan_batch_drafts(rows, step_time).lengths == [16] + [0] * 15
 
 
 def test_a_step_drafts_only_for_a_clear_gain():
@@ -240,9 +239,9 @@ def test_a_step_drafts_only_for_a_clear_gain():
     for per_row in range(1, 6):  # 32 rows; every extra position costs 2.5% of a plain step
         step_time.observe(32, 32 * per_row, 0.1 * (1 + 0.025 * 32 * (per_row - 1)), num_samples=3)
     one_good_row = [row("auto", 4, 8, True)] + [row("auto", 4, 1, False) for _ in range(31)]
-    assert choose_batch_draft_lengths(one_good_row, step_time) == [0] * 32
+    assert plan_batch_drafts(one_good_row, step_time).lengths == [0] * 32
     half_good = [row("auto", 4, 8, True) for _ in range(16)] + [row("auto", 4, 1, False) for _ in range(16)]
-    assert choose_batch_draft_lengths(half_good, step_time) == [4] * 16 + [0] * 16
+    assert plan_batch_drafts(half_good, step_time).lengths == [4] * 16 + [0] * 16
 
 
 def test_uncalibrated_steps_are_capped_by_the_table_then_by_what_was_timed():
@@ -250,7 +249,7 @@ def test_uncalibrated_steps_are_capped_by_the_table_then_by_what_was_timed():
     rows = [row("auto", 10, 8, True) for _ in range(8)]
     empty = StepTimeModel()
     assert draft_position_cap(8, empty) == 24
-    assert choose_batch_draft_lengths(rows, empty, draft_position_cap(8, empty)) == [3] * 8
+    assert plan_batch_drafts(rows, empty, draft_position_cap(8, empty)).lengths == [3] * 8
     # Once a step is timed, twice its draft positions may be tried: widths are reachable.
     empty.observe(8, 8 + 24, 0.1)
     assert draft_position_cap(8, empty) == 48
@@ -281,9 +280,9 @@ def test_a_row_is_drafted_only_if_its_gain_also_pays_for_building_the_draft():
     for per_row in range(1, 18):  # 16 rows, 100 ms; each extra position 1 ms
         step_time.observe(16, 16 * per_row, 0.1 + 0.001 * 16 * (per_row - 1))
     rows = [row("auto", 2, 2, True)] + [row("auto", 0, 1, False) for _ in range(15)]
-    assert choose_batch_draft_lengths(rows, step_time)[0] > 0
+    assert plan_batch_drafts(rows, step_time).lengths[0] > 0
     # Building the draft costs as much as a few positions of verification: not worth it.
-    assert choose_batch_draft_lengths(rows, step_time, drafting_s_per_row=0.02) == [0] * 16
+    assert plan_batch_drafts(rows, step_time, drafting_s_per_row=0.02).lengths == [0] * 16
 
 
 def test_drafts_beside_prompt_chunks_are_priced_against_a_decode_step():
@@ -297,12 +296,10 @@ def test_drafts_beside_prompt_chunks_are_priced_against_a_decode_step():
     for attempt in range(40):
         weak.record(3, 1, int(attempt % 5 == 0))
     rows = [RowDraft("auto", 1, 3, weak) for _ in range(16)]
-    assert choose_batch_draft_lengths(rows, step_time) == [0] * 16
-    assert choose_batch_draft_lengths(rows, step_time, num_other_rows=1, num_other_positions=800) == [0] * 16
+    assert plan_batch_drafts(rows, step_time).lengths == [0] * 16
+    assert plan_batch_drafts(rows, step_time, num_other_rows=1, num_other_positions=800).lengths == [0] * 16
     strong = [row("auto", 4, 6, accepted_all=True) for _ in range(16)]
-    assert (
-        choose_batch_draft_lengths(strong, step_time, num_other_rows=1, num_other_positions=800) == [4] * 16
-    )
+    assert plan_batch_drafts(strong, step_time, num_other_rows=1, num_other_positions=800).lengths == [4] * 16
 
 
 def test_rows_without_a_paying_draft_rest_longer_each_miss_and_never_alone():
