@@ -84,8 +84,6 @@ WIRE_BYTES_PER_TOKEN = TOKEN_BYTES
 MAX_PUBLISH_TOKENS_PER_S = 400_000
 REDIS_SECONDS = 6.0
 TICK_S = 0.05
-# A replica's ingest CPU above this share of a core is what the issue calls too much.
-CPU_BUDGET = 0.05
 
 
 # ---------------------------------------------------------------------------- recording

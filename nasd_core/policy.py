@@ -412,8 +412,8 @@ def plan_batch_drafts(
     gets drafts (the engine passes it when deciding which rows to draft at all; once the
     drafts are built their cost is spent and it passes 0).
     ``payoff``: the share of a drafted step's promised throughput that such steps deliver
-    (``DraftPayoff.factor``); a step drafts only if its promise times this beats plain
-    decoding by ``MIN_DRAFT_GAIN``.
+    (``DraftPayoff.factor``); a step of several rows drafts only if its promise times this
+    beats plain decoding by ``MIN_DRAFT_GAIN``, a one-row step if it beats it at all.
     """
     if not rows:
         return DraftPlan([])
