@@ -15,9 +15,11 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from deployments.ingress import OpenAIIngress
 from deployments.replica import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, NASDReplica, ReplicaConfig
+from deployments.router import ROUTER_CLASS
 from nasd_core.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
     EMBEDDED_MODEL,
@@ -57,6 +59,7 @@ ENV_VARS = {
     "redis_url": "NASD_REDIS_URL",
     "pool_namespace": "NASD_POOL_NAMESPACE",
     "tenant_isolation": "NASD_TENANT_ISOLATION",
+    "pool_partitions": "NASD_POOL_PARTITIONS",
     "num_replicas": "NASD_NUM_REPLICAS",
     "num_cpus_per_replica": "NASD_NUM_CPUS",
     "num_gpus_per_replica": "NASD_NUM_GPUS",
@@ -88,6 +91,13 @@ class AppArgs(BaseModel):
     )
     tenant_isolation: bool = Field(
         False, description="Requests draft only from their `user`'s pool namespace."
+    )
+    pool_partitions: int = Field(
+        0,
+        ge=0,
+        description="Pool partitions per tenant; 0 = none (every replica tails the whole pool); N >= 1: "
+        "requests are routed by tenant and partition and a replica tails only the partitions it serves "
+        "(README: what to set).",
     )
     num_replicas: int = Field(DEFAULT_NUM_REPLICAS, ge=1, description="Replicas (ignored with autoscaling).")
     num_cpus_per_replica: float | None = Field(
@@ -185,7 +195,9 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         served_model_name=served_model_name,
         num_threads=max(1, int(num_cpus)) if device == "cpu" else None,
         engine=engine,
-        pool=PoolConfig(redis_url=args.redis_url, tenant_isolation=args.tenant_isolation),
+        pool=PoolConfig(
+            redis_url=args.redis_url, tenant_isolation=args.tenant_isolation, partitions=args.pool_partitions
+        ),
         pool_namespace=args.pool_namespace,
         probe_max_rows=args.probe_max_rows,
     )
@@ -194,6 +206,12 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         actor_options["num_gpus"] = args.num_gpus_per_replica
     scaling = (
         {"autoscaling_config": args.autoscaling} if args.autoscaling else {"num_replicas": args.num_replicas}
+    )
+    # Partitions pay only if a partition's requests meet on the replicas that follow it.
+    routing = (
+        {"request_router_config": RequestRouterConfig(request_router_class=ROUTER_CLASS)}
+        if args.pool_partitions
+        else {}
     )
     replica = (
         serve.deployment(NASDReplica)
@@ -204,6 +222,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             ray_actor_options=actor_options,
             graceful_shutdown_timeout_s=DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S,
             **scaling,
+            **routing,
         )
         .bind(config)
     )
@@ -215,6 +234,9 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             max_ongoing_requests=DEFAULT_INGRESS_MAX_ONGOING_REQUESTS,
         )
         .bind(
-            replica, served_model_name, EMBEDDED_MODEL_ALIASES if served_model_name == EMBEDDED_MODEL else ()
+            replica,
+            served_model_name,
+            EMBEDDED_MODEL_ALIASES if served_model_name == EMBEDDED_MODEL else (),
+            args.pool_partitions,
         )
     )

@@ -200,12 +200,19 @@ class OpenAIIngress:
         replica: handle to the ``NASDReplica`` deployment.
         served_model_name: the name of the served model (answers carry it).
         aliases: other names requests may ask for it by (listed in ``/v1/models`` too).
+        pool_partitions: the replicas' ``PoolConfig.partitions``; with partitions each request
+            carries its tenant and partition as its session id, for the replicas' router.
     """
 
     def __init__(
-        self, replica: DeploymentHandle, served_model_name: str, aliases: Sequence[str] = ()
+        self,
+        replica: DeploymentHandle,
+        served_model_name: str,
+        aliases: Sequence[str] = (),
+        pool_partitions: int = 0,
     ) -> None:
         self.replica = replica
+        self.pool_partitions = pool_partitions
         self.served_model_name = served_model_name
         self.model_names = [served_model_name, *aliases]
         self.created = int(time.time())
@@ -396,7 +403,9 @@ class OpenAIIngress:
     ) -> tuple[DeploymentResponseGenerator | None, GenerateChunk]:
         """Send the request to a replica and wait for its first chunk (which may be an error),
         so the HTTP status is known before any byte of the answer is sent."""
-        chunks = self.replica.options(stream=True).generate.remote(request.model_dump())
+        session_id = request.routing_key(self.pool_partitions)
+        handle = self.replica.options(stream=True, **({"session_id": session_id} if session_id else {}))
+        chunks = handle.generate.remote(request.model_dump())
         try:
             first = await chunks.__anext__()
         except Exception as exc:

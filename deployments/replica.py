@@ -259,7 +259,8 @@ class NASDServer:
             echo = self._echo_text(parsed, prompt_ids) if parsed.echo else ""
             choices = [ChoiceOutput(self.tokenizer, params, echo) for _ in range(parsed.n)]
             stats = SpecStats()
-            steps = self._choice_steps(prompt_ids, params, spec, parsed)
+            partition = parsed.pool_partition(self.config.pool.partitions)
+            steps = self._choice_steps(prompt_ids, params, spec, parsed, partition)
             async with contextlib.aclosing(steps):
                 async for index, step in steps:
                     if step.finish_reason == "cancelled":  # the engine aborted it (shutdown, failed step)
@@ -272,7 +273,7 @@ class NASDServer:
                     choice.add(step, prompt_ids if parsed.echo else None)
                     if step.finish_reason is not None:
                         stats.merge(step.stats)
-                        self.pools.publish(parsed.user, prompt_ids + choice.text.output_ids)
+                        self.pools.publish(parsed.user, prompt_ids + choice.text.output_ids, partition)
                         chunk = choice.chunk(index, step.finish_reason)
                         if all(other.finish_reason for other in choices):  # the request's last chunk
                             yield self._finish(prompt_ids, choices, stats, chunk)
@@ -286,12 +287,17 @@ class NASDServer:
             yield error_chunk(exc)
 
     def _choice_steps(
-        self, prompt_ids: list[int], params: SamplingParams, spec: SpecConfig, request: GenerateRequest
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        spec: SpecConfig,
+        request: GenerateRequest,
+        partition: int,
     ) -> AsyncIterator[tuple[int, StreamChunk]]:
         """Every choice's engine steps as they come, tagged with the choice's index. The first
         choice starts alone; the others join after its first step and copy its prefill. Choice
         i samples with seed + i. Leaving early (the client went away) cancels every choice."""
-        shared = self.pools.sources_for(request.user)
+        shared = self.pools.sources_for(request.user, partition)
         first_id = f"choice0-{uuid.uuid4().hex}"
         streams = [
             self.async_engine.generate(

@@ -8,6 +8,8 @@ loading torch.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -25,6 +27,10 @@ MAX_CHOICES = 16
 # Most prompts one completions request may batch: each is a request of its own to a replica
 # (as in vLLM), so a batch spreads over replicas and joins their running batches.
 MAX_PROMPTS = 64
+# A completion prompt's opening that picks its pool partition: long enough to tell questions
+# apart, short enough that a conversation continued as one growing prompt keeps its partition.
+PARTITION_PREFIX_CHARS = 512
+PARTITION_PREFIX_IDS = 128
 SpeculationMode = Literal["auto", "on", "off"]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length"]
@@ -248,6 +254,33 @@ class GenerateRequest(SamplingFields):
             fields["max_tokens"] = request.max_completion_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         return cls(messages=messages, logprobs=logprobs, **fields)
+
+    def pool_partition(self, partitions: int) -> int:
+        """Which of its tenant's ``partitions`` pool partitions this request reads and feeds.
+
+        A hash of the conversation's opening: the messages up to the first user turn (every
+        later turn of the chat, and every repeat of the question, keeps it), or a completion
+        prompt's first ``PARTITION_PREFIX_CHARS`` characters (ids: ``PARTITION_PREFIX_IDS``).
+        The ingress routes by the same key, so a partition's requests meet on a few replicas.
+        """
+        if partitions <= 1:  # none, or one per tenant
+            return 0
+        if self.messages is not None:
+            first_user = next((i for i, m in enumerate(self.messages) if m.get("role") == "user"), 0)
+            opening = json.dumps([m.get("content") for m in self.messages[: first_user + 1]])
+        elif isinstance(self.prompt, str):
+            opening = self.prompt[:PARTITION_PREFIX_CHARS]
+        else:
+            opening = json.dumps((self.prompt or [])[:PARTITION_PREFIX_IDS])
+        digest = hashlib.sha256(f"{self.user or ''}\0{opening}".encode()).digest()
+        return int.from_bytes(digest[:8], "big") % partitions
+
+    def routing_key(self, partitions: int) -> str | None:
+        """The session id the ingress routes this request by: its tenant and pool partition (None
+        without partitions, 0: requests then go to the less loaded of two replicas)."""
+        if not partitions:
+            return None
+        return f"{self.user or ''}\0{self.pool_partition(partitions)}"
 
 
 _SAMPLING_FIELDS = set(SamplingFields.model_fields)

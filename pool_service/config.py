@@ -29,6 +29,11 @@ DEFAULT_BACKOFF_INITIAL_S = 0.1
 DEFAULT_BACKOFF_MAX_S = 5.0
 DEFAULT_WARM_START_TIMEOUT_S = 5.0
 DEFAULT_MAX_TENANTS = 64
+# Partition streams a replica tails at once (per namespace). Routed by partition, a replica
+# serves ~(tenants x partitions / replicas) keys: ~20-24 in benchmarks/pool_scale.py's 64- and
+# 512-replica cells at the partitions its README table suggests. Each costs a blocking read
+# (two Redis connections); a replica that drifts onto more drops the least recently used.
+DEFAULT_MAX_FOLLOWED_PARTITIONS = 32
 # Tenants come and go and a new model or tokenizer means a new namespace: without an expiry
 # the namespaces nobody publishes to would hold their memory in Redis for ever.
 DEFAULT_KEY_TTL_S = 7 * 24 * 3600
@@ -58,6 +63,20 @@ class PoolConfig(BaseModel):
         "draft pool is a timing side channel: a fast response tells one user that another wrote the text.",
     )
     max_tenants: int = Field(DEFAULT_MAX_TENANTS, ge=1, description="Most tenant namespaces per replica.")
+    partitions: int = Field(
+        0,
+        ge=0,
+        description="Pool partitions per tenant. 0 = none: every replica tails the whole pool. N >= 1: a "
+        "tenant's sequences are split over N partitions by a hash of the conversation's opening, requests "
+        "are routed by (tenant, partition), and a replica tails only the partitions it serves. About the "
+        "busiest tenant's share of traffic x replicas / 2, at least 1 (README, pool at cluster scale). "
+        "Replicas sharing a pool must agree on it.",
+    )
+    max_followed_partitions: int = Field(
+        DEFAULT_MAX_FOLLOWED_PARTITIONS,
+        ge=1,
+        description="Partition streams a replica tails at once per namespace (least recently used dropped).",
+    )
     key_ttl_s: int = Field(
         DEFAULT_KEY_TTL_S,
         ge=0,

@@ -4,9 +4,17 @@ For every namespace in use (one, or one per tenant with isolation on) a replica 
 read-only draft sources for its requests:
 
 * ``replica`` - the sequences this replica finished itself (learned at once, no I/O);
-* ``pool`` - the sequences other replicas finished, tailed from the pool by a ``PoolSync``.
+* ``pool`` - the sequences other replicas finished, tailed from the pool by ``PoolSync`` workers.
 
-Requests pass ``sources_for(tenant)`` to the engine as their shared draft sources.
+With ``PoolConfig.partitions`` = 0 (the default) a namespace is one Redis stream and every
+replica tails all of it. With N >= 1, each tenant's sequences are split over N partition
+streams by a hash of the conversation's opening (``GenerateRequest.pool_partition``), requests
+are routed by tenant and partition (``deployments.router``), and a replica tails only the partitions
+of the requests it serves, at most ``max_followed_partitions`` at a time, into the one pool
+index of the namespace: its ingest then grows with its own traffic, not with the replica
+count (``benchmarks/pool_scale.py``).
+
+Requests pass ``sources_for(tenant, partition)`` to the engine as their shared draft sources.
 """
 
 from __future__ import annotations
@@ -18,8 +26,10 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Coroutine, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from nasd_core.ngram import NGramIndex
 from pool_service.config import PoolConfig
@@ -45,18 +55,31 @@ def namespace_for(model_name: str, tokenizer) -> str:
     return f"{_SAFE_NAME.sub('_', model_name)[-48:]}-{fingerprint}"
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 def tenant_namespace(namespace: str, tenant: str | None) -> str:
     """A tenant's own namespace; the tenant name is hashed so any string is safe in a key."""
     if tenant is None:
         return namespace
-    return f"{namespace}/tenant-{hashlib.sha256(tenant.encode()).hexdigest()[:16]}"
+    return f"{namespace}/tenant-{_digest(tenant)}"
+
+
+def partition_namespace(namespace: str, tenant: str | None, partition: int) -> str:
+    """The pool stream of one of ``tenant``'s partitions in ``namespace``. The tenant is part
+    of the name with or without isolation: partitions are routing keys, and one tenant's hot
+    partition must not share a stream (and so its replicas) with every other tenant's."""
+    return f"{namespace}/part-{_digest(tenant or '')}-{partition}"
 
 
 @dataclass
 class _Namespace:
+    name: str
     replica_index: NGramIndex
     pool_index: NGramIndex
-    sync: PoolSync
+    # The streams this replica tails into pool_index, least recently used first.
+    syncs: OrderedDict[str, PoolSync] = field(default_factory=OrderedDict)
 
     @property
     def sources(self) -> list[tuple[str, NGramIndex]]:
@@ -67,7 +90,7 @@ class SharedPools:
     """A replica's view of the shared pool. Construct (no I/O), then ``await start()``.
 
     Args:
-        config: pool location, isolation, retention.
+        config: pool location, isolation, partitions, retention.
         namespace: the model's namespace (``namespace_for``).
         apply: runs an index update where the engine may read the index (its thread).
         origin: this replica's name in the pool (default: host and pid).
@@ -88,42 +111,67 @@ class SharedPools:
         self.origin = origin or f"{socket.gethostname()}-{os.getpid()}"
         self.vocab_size = vocab_size
         self.num_tenants_refused = 0
+        self.num_partitions_dropped = 0
         self._namespaces: dict[str, _Namespace] = {}
+        self._background: set[Future] = set()  # workers starting, or flushing as they are dropped
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
         """Start syncing the default namespace (waits, bounded, for its replay). Never raises
-        because the pool is down: the worker retries in the background."""
+        because the pool is down: the worker retries in the background. With partitions, the
+        replica follows each partition when its first request comes."""
         self._loop = asyncio.get_running_loop()
-        await self._get(None).sync.start()
+        if not self.config.partitions:
+            space = self._get(None)
+            await self._follow(space, space.name, start=False).start()
 
     async def stop(self) -> None:
         """Flush pending publishes and stop every worker."""
-        await asyncio.gather(*(space.sync.stop() for space in self._namespaces.values()))
+        self._loop = None  # nothing starts from here on
+        # Workers being started or dropped first: a start scheduled before this call must not
+        # run after the stop below.
+        await asyncio.gather(*map(asyncio.wrap_future, list(self._background)))
+        syncs = [sync for space in self._namespaces.values() for sync in space.syncs.values()]
+        await asyncio.gather(*(sync.stop() for sync in syncs))
 
-    def sources_for(self, tenant: str | None) -> list[tuple[str, NGramIndex]]:
-        """Draft sources a request of ``tenant`` may read (tenant is ignored without isolation)."""
+    def sources_for(self, tenant: str | None, partition: int = 0) -> list[tuple[str, NGramIndex]]:
+        """Draft sources a request of ``tenant`` may read (tenant is ignored without isolation),
+        and, with partitions, start tailing the request's ``partition`` if not yet followed."""
         space = self._get(tenant)
-        return space.sources if space is not None else []
+        if space is None:
+            return []
+        self._follow(space, self._stream(space, tenant, partition))
+        return space.sources
 
-    def publish(self, tenant: str | None, token_ids: Sequence[int]) -> None:
+    def publish(self, tenant: str | None, token_ids: Sequence[int], partition: int = 0) -> None:
         """A request finished: learn it on this replica now and share it through the pool."""
         space = self._get(tenant)
         if space is None or len(token_ids) < 2:
             return
         tokens = list(token_ids)
         self.apply(lambda: space.replica_index.update(tokens))
-        space.sync.publish(tokens)
+        self._follow(space, self._stream(space, tenant, partition)).publish(tokens)
 
     def stats(self) -> dict[str, object]:
+        spaces = self._namespaces.values()
         return {
             "origin": self.origin,
             "backend": "redis" if self.config.redis_url else "memory",
             "tenant_isolation": self.config.tenant_isolation,
+            "partitions": self.config.partitions,
             "num_tenants_refused": self.num_tenants_refused,
-            "replica_index_entries": sum(s.replica_index.num_entries for s in self._namespaces.values()),
-            "namespaces": [space.sync.stats() for space in self._namespaces.values()],
+            "num_partitions_followed": sum(len(space.syncs) for space in spaces),
+            "num_partitions_dropped": self.num_partitions_dropped,
+            "replica_index_entries": sum(space.replica_index.num_entries for space in spaces),
+            "namespaces": [sync.stats() for space in spaces for sync in space.syncs.values()],
         }
+
+    def _stream(self, space: _Namespace, tenant: str | None, partition: int) -> str:
+        if not self.config.partitions:
+            return space.name
+        if not 0 <= partition < self.config.partitions:
+            raise ValueError(f"partition {partition} is not in [0, {self.config.partitions})")
+        return partition_namespace(space.name, tenant, partition)
 
     def _get(self, tenant: str | None) -> _Namespace | None:
         name = tenant_namespace(self.namespace, tenant if self.config.tenant_isolation else None)
@@ -139,15 +187,40 @@ class SharedPools:
                 )
             self.num_tenants_refused += 1
             return None
-        store = open_store(self.config, name, self.vocab_size)
-        pool_index = NGramIndex(self.config.index)
-        space = _Namespace(
-            NGramIndex(self.config.index),
-            pool_index,
-            PoolSync(store, pool_index, self.config, self.origin, self.apply),
-        )
+        space = _Namespace(name, NGramIndex(self.config.index), NGramIndex(self.config.index))
         self._namespaces[name] = space
-        if self._loop is not None and tenant is not None:
-            # A tenant's worker starts in the background; its first requests draft without it.
-            asyncio.run_coroutine_threadsafe(space.sync.start(), self._loop)
         return space
+
+    def _follow(self, space: _Namespace, stream: str, start: bool = True) -> PoolSync:
+        """The worker tailing ``stream`` into the namespace's pool index, created (and, with
+        ``start``, started in the background: its first requests draft without it) if the
+        replica did not follow it yet. Beyond ``max_followed_partitions`` the least recently
+        used stream is dropped: its worker flushes and stops; what it taught the index stays
+        until the index's own bound evicts it."""
+        sync = space.syncs.get(stream)
+        if sync is not None:
+            space.syncs.move_to_end(stream)
+            return sync
+        sync = PoolSync(
+            open_store(self.config, stream, self.vocab_size),
+            space.pool_index,
+            self.config,
+            self.origin,
+            self.apply,
+        )
+        space.syncs[stream] = sync
+        if len(space.syncs) > self.config.max_followed_partitions:
+            _, dropped = space.syncs.popitem(last=False)
+            self.num_partitions_dropped += 1
+            self._in_background(dropped.stop())
+        if start:
+            self._in_background(sync.start(wait_for_replay=False))
+        return sync
+
+    def _in_background(self, coroutine: Coroutine) -> None:
+        if self._loop is None:  # not started yet, or stopped: nothing may run
+            coroutine.close()
+            return
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        self._background.add(future)
+        future.add_done_callback(self._background.discard)

@@ -96,7 +96,7 @@ class PoolSync:
         self._loops: list[asyncio.Task] = []  # the read and write loops of the current connection
 
     # ------------------------------------------------------------------ control
-    async def start(self) -> None:
+    async def start(self, wait_for_replay: bool = True) -> None:
         """Start syncing in the background and wait (bounded) for the pool's replay."""
         if self._task is not None:
             return
@@ -105,7 +105,7 @@ class PoolSync:
         if self._pending:  # published before start
             self._wake.set()
         self._task = asyncio.create_task(self._run(), name=f"pool-sync-{self.store.namespace}")
-        if self.config.warm_start_timeout_s > 0:
+        if wait_for_replay and self.config.warm_start_timeout_s > 0:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.is_replayed.wait(), self.config.warm_start_timeout_s)
 

@@ -17,6 +17,7 @@ from deployments.builder import (
     build_app,
 )
 from deployments.replica import ReplicaConfig
+from deployments.router import ROUTER_CLASS
 from nasd_core.config import EMBEDDED_MODEL
 
 
@@ -90,10 +91,23 @@ def test_autoscaling_json_replaces_the_fixed_replica_count():
     assert (autoscaling.min_replicas, autoscaling.max_replicas) == (1, 4)
 
 
+def test_pool_partitions_route_requests_by_partition():
+    replica, config = replica_of(build_app({}))
+    assert config.pool.partitions == 0
+    assert replica._deployment_config.request_router_config.request_router_class != ROUTER_CLASS
+    for partitions in (1, 8):  # 1: a partition per tenant, routed by tenant
+        app = build_app({"pool_partitions": str(partitions), "num_replicas": "4"})
+        replica, config = replica_of(app)
+        assert config.pool.partitions == partitions
+        assert replica._deployment_config.request_router_config.request_router_class == ROUTER_CLASS
+        assert app._bound_deployment.init_args[3] == partitions  # the ingress sends each request's key
+
+
 @pytest.mark.parametrize(
     "args",
     [
-        {"num_replica": "2"},  # a typo is an error, not an ignored setting
+        {"num_replica": "2"},
+        {"pool_partitions": "-1"},  # a typo is an error, not an ignored setting
         {"num_replicas": "0"},
         {"num_replicas": "two"},
         {"speculation": "sometimes"},

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import redis
 
 from nasd_core.config import IndexConfig, SpecConfig
@@ -16,7 +17,7 @@ from nasd_core.drafter import RequestDrafter
 from pool_service import PoolConfig, SharedPools
 from pool_service.codec import encode_entry, pack_tokens
 from pool_service.redis_pool import RedisPool, pool_keys
-from pool_service.shared import tenant_namespace
+from pool_service.shared import partition_namespace, tenant_namespace
 from pool_service.sync import APPLY_SLICE_TOKENS
 from tests.redis_server import run_async, until
 
@@ -196,3 +197,84 @@ def test_a_large_replay_is_learned_in_slices_between_engine_steps(redis_url, nam
     pool_index = reader.sources_for(None)[1][1]
     for tokens in sequences:
         assert pool_index.propose(tokens[:4], 4)[0] == tokens[4:8]
+
+
+def _learned(pools: SharedPools, tenant: str | None, partition: int, tokens: list[int]) -> bool:
+    pool_index = pools.sources_for(tenant, partition)[1][1]
+    return pool_index.propose(tokens[:2], 4)[0] == tokens[2:6]
+
+
+def test_a_replica_ingests_only_the_partitions_it_follows(redis_url, namespace):
+    first, second = [600, 601, 602, 603, 604, 605], [700, 701, 702, 703, 704, 705]
+
+    async def run():
+        writer = _pools(redis_url, namespace, "W", partitions=4)
+        reader = _pools(redis_url, namespace, "R", partitions=4)
+        await writer.start()
+        await reader.start()
+        assert reader.stats()["num_partitions_followed"] == 0  # nothing until a request comes
+        reader.sources_for("tenant-a", 1)  # the reader serves partition 1 of tenant A only
+        await asyncio.sleep(0.2)
+        writer.publish("tenant-a", first, 1)
+        writer.publish("tenant-a", second, 2)
+        # Positive control: partition 1 arrives; partition 2, published at the same time, does not.
+        assert await until(lambda: _learned(reader, "tenant-a", 1, first), 3)
+        await asyncio.sleep(0.3)
+        pool_index = reader._namespaces[namespace].pool_index
+        assert pool_index.propose(second[:2], 4)[0] == []
+        client = redis.Redis.from_url(redis_url)
+        streams = {
+            part: pool_keys(partition_namespace(namespace, "tenant-a", part))["seqs"] for part in range(4)
+        }
+        assert [client.xlen(streams[part]) for part in range(4)] == [0, 1, 1, 0]
+        assert client.xlen(pool_keys(namespace)["seqs"]) == 0  # the unpartitioned stream is unused
+        # Following partition 2 later replays what it retained.
+        reader.sources_for("tenant-a", 2)
+        assert await until(lambda: _learned(reader, "tenant-a", 2, second), 3)
+        assert reader.stats()["num_partitions_followed"] == 2
+        await writer.stop()
+        await reader.stop()
+
+    run_async(run())
+
+
+def test_partitions_are_per_tenant_and_followed_partitions_are_bounded(redis_url, namespace):
+    async def run():
+        pools = _pools(redis_url, namespace, "R", partitions=8, max_followed_partitions=3)
+        await pools.start()
+        names = [partition_namespace(namespace, tenant, 0) for tenant in ("tenant-a", "tenant-b", None)]
+        assert len(set(names)) == 3  # the same partition number of two tenants is two streams
+        for part in range(5):
+            pools.sources_for("tenant-a", part)
+        pools.sources_for("tenant-a", 2)  # used again: the most recent
+        pools.sources_for("tenant-a", 5)
+        stats = pools.stats()
+        assert stats["num_partitions_followed"] == 3 and stats["num_partitions_dropped"] == 3
+        followed = [space["namespace"] for space in stats["namespaces"]]
+        assert followed == [partition_namespace(namespace, "tenant-a", part) for part in (4, 2, 5)]
+        with pytest.raises(ValueError, match="partition 8"):
+            pools.sources_for("tenant-a", 8)
+        await pools.stop()
+        # The dropped workers were stopped, the followed ones too.
+        assert all(sync.state == "stopped" for sync in pools._namespaces[namespace].syncs.values())
+
+    run_async(run())
+
+
+def test_no_partitions_is_the_unpartitioned_pool(redis_url, namespace):
+    """partitions=0 (the default) keeps the namespace's own stream: replicas of earlier
+    versions and this one share one pool."""
+
+    async def run():
+        old = _pools(redis_url, namespace, "old")
+        new = _pools(redis_url, namespace, "new", partitions=0)
+        await old.start()
+        await new.start()
+        tokens = [800, 801, 802, 803, 804, 805]
+        old.publish(None, tokens)
+        assert await until(lambda: _learned(new, None, 0, tokens), 3)
+        assert new.stats()["namespaces"][0]["namespace"] == namespace
+        await old.stop()
+        await new.stop()
+
+    run_async(run())

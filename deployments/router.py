@@ -1,0 +1,70 @@
+"""Routing by pool partition: consistent hashing with bounded loads over Ray Serve's own ring.
+
+With pool partitions (``PoolConfig.partitions`` >= 1) the ingress sends each request with its
+tenant and partition as the session id. Ray's ``ConsistentHashRouter`` sends a session to the replica
+that owns it on a hash ring and moves on only when that replica refuses the request (its
+``max_ongoing_requests``, here the engine's whole batch and queue, is full), so a hot partition
+could fill one replica's queue while others idle. This router keeps Ray's ring and takes
+its ring order, but passes over replicas already above ``load_bound`` times the mean load
+(Mirrokni et al., "Consistent Hashing with Bounded Loads"): a partition stays on its replica
+while that replica is not overloaded and spills to its ring successors, in the same order
+from every ingress, when it is. ``benchmarks/pool_scale.py`` models exactly this routing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
+
+# A replica takes at most this many times the mean load before its partitions spill over
+# (the simulation's BOUNDED_LOAD): 1.25 keeps queues within a quarter of each other while a
+# partition's traffic stays on one or two replicas.
+DEFAULT_LOAD_BOUND = 1.25
+ROUTER_CLASS = f"{__name__}.BoundedLoadHashRouter"
+
+Replica = TypeVar("Replica")
+
+
+def bounded_load_order(
+    ring_order: Sequence[Replica], load: Callable[[Replica], int], bound: float
+) -> list[Replica]:
+    """``ring_order`` (the key's owner first, then its ring successors: every replica once) with
+    the replicas at or above capacity moved behind the others, each group in ring order.
+
+    Capacity is ``ceil(bound * (total load + 1) / replicas)``: the request about to be placed
+    counts, so an idle cluster's first request goes to the key's owner.
+    """
+    if len(ring_order) <= 1:
+        return list(ring_order)
+    loads = [load(replica) for replica in ring_order]
+    capacity = math.ceil(bound * (sum(loads) + 1) / len(ring_order))
+    under = [replica for replica, num in zip(ring_order, loads) if num < capacity]
+    return under + [replica for replica, num in zip(ring_order, loads) if num >= capacity]
+
+
+class BoundedLoadHashRouter(ConsistentHashRouter):
+    """Ray's consistent-hash router with bounded loads (``request_router_kwargs``:
+    ``load_bound``, default ``DEFAULT_LOAD_BOUND``, and Ray's ``num_virtual_nodes``). The
+    load of a replica is Ray's count of this router's requests ongoing there."""
+
+    def initialize_state(self, **kwargs) -> None:
+        self._load_bound = float(kwargs.pop("load_bound", DEFAULT_LOAD_BOUND))
+        if self._load_bound < 1:
+            raise ValueError(f"load_bound must be >= 1, got {self._load_bound!r}")
+        # Every replica is a fallback: the bound, not a fixed count, decides how far to walk.
+        kwargs["num_fallback_replicas"] = 1 << 30
+        super().initialize_state(**kwargs)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        ranks = await super().choose_replicas(candidate_replicas, pending_request)
+        if len(ranks) <= 1 or any(len(rank) != 1 for rank in ranks):  # no key: Ray's own fallback
+            return ranks
+        cache = self.replica_queue_len_cache
+        return bounded_load_order(ranks, lambda rank: cache.get(rank[0].replica_id) or 0, self._load_bound)

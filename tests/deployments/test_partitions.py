@@ -1,0 +1,83 @@
+"""Pool partitions through the real service: two replicas on the machine's Redis with
+``pool_partitions``; requests are routed by partition and each replica tails only the
+partitions of the requests it served."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from deployments.schemas import GenerateRequest
+from nasd_core.config import EMBEDDED_MODEL
+from pool_service.redis_pool import pool_keys
+from pool_service.shared import partition_namespace
+from tests.deployments.conftest import serve_apps
+from tests.redis_server import MACHINE_REDIS_URL, is_up, require
+
+PARTITIONS = 8
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "How many legs does a spider have?",
+    "Write a haiku about the sea.",
+    "What does HTTP stand for?",
+    "Give me a synonym for happy.",
+]
+
+
+@pytest.fixture(scope="module")
+def app():
+    require(is_up(MACHINE_REDIS_URL), f"no Redis at {MACHINE_REDIS_URL}")
+    namespace = f"test-partitions-{time.time_ns()}"
+    args = {
+        "redis_url": MACHINE_REDIS_URL,
+        "pool_namespace": namespace,
+        "pool_partitions": PARTITIONS,
+        "num_replicas": 2,
+        "num_cpus_per_replica": 1,
+    }
+    try:
+        with serve_apps({"p": args}, num_cpus=2) as served:
+            yield served["p"], namespace
+    finally:
+        client = redis.Redis.from_url(MACHINE_REDIS_URL)
+        for key in client.scan_iter(match=f"nasd:{{{namespace}*"):
+            client.delete(key)
+
+
+def test_requests_meet_their_partition_on_one_replica(app):
+    served, namespace = app
+    client = served.client()
+    answers: dict[str, list[str]] = {}
+    for question in QUESTIONS * 2:  # each question twice: a repeat follows its partition
+        messages = [{"role": "user", "content": question}]
+        response = client.chat.completions.create(
+            model=EMBEDDED_MODEL, messages=messages, max_tokens=8, temperature=0
+        )
+        answers.setdefault(question, []).append(response.choices[0].message.content)
+    # Greedy and exact: the repeat (drafted from the first answer) says the same.
+    assert all(first == again for first, again in answers.values())
+    replicas = served.request("GET", "/v1/nasd/stats").body["replicas"]
+    assert sum(stats["num_requests"] for stats in replicas) == 2 * len(QUESTIONS)
+    streams = {
+        stats["replica_id"]: {space["namespace"] for space in stats["pool"]["namespaces"]}
+        for stats in replicas
+    }
+    partitions = {
+        GenerateRequest(messages=[{"role": "user", "content": q}]).pool_partition(PARTITIONS)
+        for q in QUESTIONS
+    }
+    # The model's namespace is the replicas' own: read it off a followed stream's name.
+    model_namespace = next(iter(next(iter(streams.values())))).rsplit("/part-", 1)[0]
+    assert model_namespace.startswith(namespace)
+    expected = {partition_namespace(model_namespace, None, part) for part in partitions}
+    followed = [name for names in streams.values() for name in names]
+    # Every request's partition is tailed, by exactly one replica (sequential requests never
+    # load a replica past the bound), and nothing else is.
+    assert sorted(followed) == sorted(expected)
+    # Each answer was published to its partition's stream, and only there.
+    client_redis = redis.Redis.from_url(MACHINE_REDIS_URL)
+    assert sum(client_redis.xlen(pool_keys(name)["seqs"]) for name in expected) >= len(QUESTIONS)
+    assert client_redis.xlen(pool_keys(model_namespace)["seqs"]) == 0

@@ -1,0 +1,77 @@
+"""Routing by pool partition, without a cluster: which partition a request belongs to, and the
+bounded-load order the router walks the hash ring in."""
+
+from __future__ import annotations
+
+import collections
+
+from deployments.router import bounded_load_order
+from deployments.schemas import PARTITION_PREFIX_CHARS, GenerateRequest
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+
+
+def chat(*turns: str, user: str | None = None) -> GenerateRequest:
+    roles = ["user", "assistant"] * len(turns)
+    messages = [SYSTEM] + [{"role": role, "content": turn} for role, turn in zip(roles, turns)]
+    return GenerateRequest(messages=messages, user=user)
+
+
+def test_every_turn_of_a_conversation_keeps_its_partition():
+    first = chat("How do I reverse a list in Python?")
+    later = chat("How do I reverse a list in Python?", "Use reversed() or slicing.", "And a string?")
+    assert first.pool_partition(64) == later.pool_partition(64)
+    assert first.routing_key(64) == later.routing_key(64)
+
+
+def test_partitions_spread_questions_and_tenants():
+    questions = [chat(f"Question number {i}: what is {i} squared?") for i in range(400)]
+    counts = collections.Counter(question.pool_partition(8) for question in questions)
+    assert sorted(counts) == list(range(8))
+    assert max(counts.values()) < 2 * 400 / 8  # about even
+    # The same question from two tenants: its partition is drawn for each, and so is its route.
+    keys = {chat("What is 2 squared?", user=f"tenant-{i}").routing_key(8) for i in range(20)}
+    assert len(keys) > 4
+
+
+def test_completion_prompts_are_placed_by_their_opening():
+    shared_opening = "x" * PARTITION_PREFIX_CHARS
+    assert GenerateRequest(prompt=shared_opening + "one").pool_partition(16) == GenerateRequest(
+        prompt=shared_opening + "two"
+    ).pool_partition(16)
+    ids = [GenerateRequest(prompt=[i, 1, 2, 3]).pool_partition(16) for i in range(64)]
+    assert len(set(ids)) > 4
+
+
+def test_without_partitions_nothing_is_routed_and_one_partition_routes_by_tenant():
+    request = chat("Hello")
+    assert request.pool_partition(0) == 0 and request.routing_key(0) is None
+    keys = {chat(f"Question {i}", user=user).routing_key(1) for i in range(10) for user in ("a", "b")}
+    assert keys == {"a\x000", "b\x000"}
+
+
+def test_bounded_load_keeps_the_owner_until_it_is_over_the_bound():
+    ring = ["owner", "next", "after"]
+    load = dict.fromkeys(ring, 0)
+    assert bounded_load_order(ring, load.get, 1.25) == ring  # idle: the key's owner
+    load.update(owner=2, next=1, after=1)  # capacity ceil(1.25 * 5 / 3) = 3: owner still fits
+    assert bounded_load_order(ring, load.get, 1.25) == ring
+    load.update(owner=4)  # capacity ceil(1.25 * 7 / 3) = 3: the owner is full, its successor next
+    assert bounded_load_order(ring, load.get, 1.25) == ["next", "after", "owner"]
+    ring.append("last")
+    load.update(owner=5, next=5, after=0, last=0)  # ceil(1.25 * 11 / 4) = 4: two full, behind, in ring order
+    assert bounded_load_order(ring, load.get, 1.25) == ["after", "last", "owner", "next"]
+
+
+def test_placing_a_hot_key_never_loads_a_replica_past_the_bound():
+    """One key's requests placed one by one (none finishing): the bounded order fills the ring
+    from the key's owner, no replica above ceil(bound x mean load); without the bound the owner
+    would take them all."""
+    ring = [f"replica-{i}" for i in range(8)]
+    load = dict.fromkeys(ring, 0)
+    for placed in range(1, 201):
+        chosen = bounded_load_order(ring, load.get, 1.25)[0]
+        load[chosen] += 1
+        assert max(load.values()) <= -(-1.25 * placed // len(ring)), (placed, load)
+    # Filled along the ring from the owner: the owner holds the most, a later replica none yet.
+    assert load[ring[0]] == max(load.values()) and load[ring[1]] > 0 and load[ring[-1]] == 0
