@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+import hashlib
 import json
 import math
 import random
@@ -54,10 +56,12 @@ import numpy as np
 from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
 from benchmarks.replay import MAX_DRAFT, TRACES, accepted_prefix, greedy_traces
 from benchmarks.workloads import WORKLOADS, make_workload, paraphrase
+from deployments.router import DEFAULT_LOAD_BOUND, bounded_load_order
+from deployments.schemas import GenerateRequest
 from nasd_core.config import SpecConfig
 from nasd_core.drafter import RequestDrafter
 from nasd_core.ngram import NGramIndex
-from pool_service import PoolConfig
+from pool_service import PoolConfig, SharedPools
 from pool_service.codec import TOKEN_BYTES
 from pool_service.local_redis import LocalRedis
 from pool_service.store import open_store
@@ -72,9 +76,9 @@ KIND_SHARES = {"repeat": 0.30, "paraphrase": 0.10, "cross_tenant": 0.05, "unrela
 GAP_S = 60.0  # mean time from a sequence to the request it could help
 SAMPLE_SHARE = 0.1
 SPLIT_REPLICAS = 2
-# Bounded-load consistent hashing: a replica takes at most this multiple of the mean load
-# before a key's traffic spills to the next replica on the ring.
-BOUNDED_LOAD = 1.25
+# Bounded-load consistent hashing, as the service routes: a replica takes at most this
+# multiple of the mean load before a key's traffic spills to the next replica on the ring.
+BOUNDED_LOAD = DEFAULT_LOAD_BOUND
 DESIGNS = ("full", "sampled", "tenant", "tenant_split", "prefix")
 # Bytes on the wire per ingested token: 4 per token id plus the entry's fields and framing,
 # spread over a sequence (measured in part 3; this is its prior for the traffic model).
@@ -84,6 +88,17 @@ WIRE_BYTES_PER_TOKEN = TOKEN_BYTES
 MAX_PUBLISH_TOKENS_PER_S = 400_000
 REDIS_SECONDS = 6.0
 TICK_S = 0.05
+# Part 4, the service's own pool layer and routing at a size this machine holds in one
+# process: 16 replicas, 32 Zipf tenants; partitions by the README's rule (busiest tenant's
+# share x replicas / 2, rounded up: 2).
+SERVICE_REPLICAS = 16
+SERVICE_TENANTS = 32
+SERVICE_QUESTIONS = 40
+SERVICE_ROWS = 4
+SERVICE_TICKS = 20
+SERVICE_ANSWER_TOKENS = 128
+SERVICE_SETTLE_S = 0.3
+RING_VNODES = 100  # as Ray's ConsistentHashRouter
 
 
 # ---------------------------------------------------------------------------- recording
@@ -223,17 +238,21 @@ def route(shares: list[tuple[int, float]], num_replicas: int, rng: random.Random
     return partitions
 
 
+def partitions_for(share: float, num_replicas: int) -> int:
+    """Sub-partitions that bring a key of ``share`` of the traffic to about ``SPLIT_REPLICAS``
+    replicas' worth each: the README's rule for ``pool_partitions`` with the busiest tenant's."""
+    return max(1, math.ceil(share * num_replicas / SPLIT_REPLICAS))
+
+
 def partitions_of(design: str, num_replicas: int, rng: random.Random) -> list[Partition]:
     """The routing keys of ``design`` at ``num_replicas`` replicas and who serves each."""
     shares = tenant_shares()
     if design == "tenant":
         keys = list(enumerate(shares))
     else:  # sub-partitions of about SPLIT_REPLICAS replicas' traffic (the busiest tenant's, for prefix)
-        per_replica = 1 / num_replicas
         keys = []
         for tenant, share in enumerate(shares):
-            sized_by = shares[0] if design == "prefix" else share
-            num_parts = max(1, math.ceil(sized_by / (SPLIT_REPLICAS * per_replica)))
+            num_parts = partitions_for(shares[0] if design == "prefix" else share, num_replicas)
             keys += [(tenant, share / num_parts)] * num_parts
     return route(keys, num_replicas, rng)
 
@@ -395,6 +414,100 @@ async def redis_cell(
     }
 
 
+# ------------------------------------------------------------- part 4: the service itself
+async def service_cell(redis: LocalRedis, partitions: int, seed: int = 0) -> dict:
+    """``SERVICE_REPLICAS`` real ``SharedPools`` (the replicas' pool layer: partition streams,
+    followed on first request, replayed, LRU-bounded) on one real Redis, fed requests placed as
+    the service places them: ``GenerateRequest.routing_key`` on a hash ring, in
+    ``deployments.router.bounded_load_order`` (``partitions`` 0: the less loaded of two random
+    replicas, Ray's default). ``SERVICE_TENANTS`` Zipf tenants ask ``SERVICE_QUESTIONS``
+    questions each; an answer is a fixed random token sequence, published when its request
+    ends. A tick places ``SERVICE_ROWS`` requests per replica, then they all end and the pool
+    gets ``SERVICE_SETTLE_S`` to sync. Reported: the tokens each replica ingested from the
+    pool, and for requests that repeat an earlier question, whether the replica serving them
+    could draft the earlier answer (its replica or pool index proposes it) at placement."""
+    rng = random.Random(seed)
+    config = PoolConfig(
+        redis_url=redis.url,
+        partitions=partitions,
+        flush_interval_ms=5,
+        read_interval_ms=0,
+        warm_start_timeout_s=0,
+    )
+    namespace = f"service-{time.time_ns()}"
+    replicas = [SharedPools(config, namespace, origin=f"replica-{i}") for i in range(SERVICE_REPLICAS)]
+    for pools in replicas:
+        await pools.start()
+    ring = sorted(
+        (int.from_bytes(hashlib.blake2b(f"replica-{i}:{v}".encode(), digest_size=8).digest(), "big"), i)
+        for i in range(SERVICE_REPLICAS)
+        for v in range(RING_VNODES)
+    )
+    weights = tenant_shares(SERVICE_TENANTS)
+    answers: dict[tuple[int, int], list[int]] = {}
+    answered: set[tuple[int, int]] = set()
+    num_repeats = num_hits = num_published = 0
+    for _ in range(SERVICE_TICKS):
+        load = [0] * SERVICE_REPLICAS
+        ending = []
+        for _ in range(SERVICE_ROWS * SERVICE_REPLICAS):
+            tenant = rng.choices(range(SERVICE_TENANTS), weights)[0]
+            question = (tenant, rng.randrange(SERVICE_QUESTIONS))
+            user = f"tenant-{tenant}"
+            request = GenerateRequest(
+                messages=[{"role": "user", "content": f"question {question[1]}"}], user=user
+            )
+            key = request.routing_key(partitions)
+            if key is None:
+                pair = rng.sample(range(SERVICE_REPLICAS), 2)
+                replica = min(pair, key=load.__getitem__)
+            else:
+                replica = bounded_load_order(ring_order(ring, key), load.__getitem__, DEFAULT_LOAD_BOUND)[0]
+            load[replica] += 1
+            partition = request.pool_partition(partitions)
+            sources = replicas[replica].sources_for(user, partition)
+            answer = answers.setdefault(
+                question, [rng.randrange(1, 1 << 15) for _ in range(SERVICE_ANSWER_TOKENS)]
+            )
+            if question in answered:
+                num_repeats += 1
+                num_hits += any(index.propose(answer[:2], 4)[0] == answer[2:6] for _, index in sources)
+            ending.append((replica, user, partition, answer, question))
+        for replica, user, partition, answer, question in ending:
+            replicas[replica].publish(user, answer, partition)
+            if question not in answered:
+                num_published += len(answer)
+            answered.add(question)
+        await asyncio.sleep(SERVICE_SETTLE_S)
+    await asyncio.sleep(4 * SERVICE_SETTLE_S)
+    stats = [pools.stats() for pools in replicas]
+    ingested = [sum(space["learned_tokens"] for space in stat["namespaces"]) for stat in stats]
+    for pools in replicas:
+        await pools.stop()
+    full = num_published * (SERVICE_REPLICAS - 1) / SERVICE_REPLICAS  # what tailing everything ingests
+    return {
+        "partitions": partitions,
+        "published_tokens": num_published,
+        "busiest_ingest_share_of_full": round(max(ingested) / full, 3),
+        "mean_ingest_share_of_full": round(sum(ingested) / len(ingested) / full, 3),
+        "max_followed_partitions": max(stat["num_partitions_followed"] for stat in stats),
+        "repeats": num_repeats,
+        "repeat_hit_rate": round(num_hits / max(1, num_repeats), 3),
+    }
+
+
+def ring_order(ring: list[tuple[int, int]], key: str) -> list[int]:
+    """Every replica once, clockwise from ``key``'s point on ``ring`` ((point, replica) sorted)."""
+    point = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+    start = bisect.bisect_right(ring, (point, -1))
+    order: dict[int, None] = {}
+    for offset in range(len(ring)):
+        order.setdefault(ring[(start + offset) % len(ring)][1])
+        if len(order) == SERVICE_REPLICAS:
+            break
+    return list(order)
+
+
 # ------------------------------------------------------------------------------ driver
 def load_traces() -> tuple[list[dict], list[dict], str]:
     """The replay traces and their reworded twins, paired (long chats have no twin), and the
@@ -439,6 +552,10 @@ def run(replica_counts: tuple[int, ...], with_redis: bool) -> dict:
                     )
                 cells.setdefault(str(num_replicas), {})[design] = row
                 print(num_replicas, design, row, flush=True)
+        if redis is not None:
+            rule = partitions_for(tenant_shares(SERVICE_TENANTS)[0], SERVICE_REPLICAS)
+            service = [asyncio.run(service_cell(redis, parts)) for parts in sorted({0, 1, rule, 2 * rule})]
+            print(service, flush=True)
     finally:
         if redis is not None:
             redis.stop()
@@ -463,6 +580,7 @@ def run(replica_counts: tuple[int, ...], with_redis: bool) -> dict:
             "draft_values": {kind: round(value, 2) for kind, value in values.items()},
         },
         "cells": cells,
+        **({"service": service} if redis is not None else {}),
     }
 
 
@@ -489,6 +607,24 @@ def markdown_table(payload: dict) -> str:
                 f"{row['mean_ingest_tokens_per_s']:,} | {row['ingest_cpu_share']:.1%} "
                 f"| {row['index_bytes'] / 1e6:.0f} | {retention} | {row['followed_partitions']} "
                 f"| {row['hit_rate']:.2f} / {row['hit_rate_vs_full']:.2f}x | {redis_cell_text} |"
+            )
+    if "service" in payload:
+        lines += [
+            "",
+            f"The service's own pool layer and routing ({SERVICE_REPLICAS} replicas, "
+            f"{SERVICE_TENANTS} tenants, real `SharedPools` on a real Redis):",
+            "",
+            "| `pool_partitions` | ingest vs unpartitioned (busiest / mean) | partitions followed (most) "
+            "| repeats whose earlier answer the replica could draft |",
+            "|---|---|---|---|",
+        ]
+        unpartitioned = payload["service"][0]["repeat_hit_rate"]
+        for row in payload["service"]:
+            lines.append(
+                f"| {row['partitions']} | {row['busiest_ingest_share_of_full']:.0%} / "
+                f"{row['mean_ingest_share_of_full']:.0%} | {row['max_followed_partitions']} "
+                f"| {row['repeat_hit_rate']:.0%} "
+                f"({row['repeat_hit_rate'] / unpartitioned:.2f}x unpartitioned's) |"
             )
     return "\n".join(lines)
 

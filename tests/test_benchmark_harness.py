@@ -224,3 +224,26 @@ def test_pool_scale_full_replication_ingests_everyone_else_and_partitions_do_not
             assert 0 < cell.hit_rate <= 1 and cell.ingest_tokens_per_s <= full.ingest_tokens_per_s
     split = simulate("tenant_split", 512, costs, values)
     assert split.ingest_tokens_per_s < 0.02 * simulate("full", 512, costs, values).ingest_tokens_per_s
+
+
+def test_pool_scale_service_partitions_cut_ingest_and_keep_repeats_draftable(monkeypatch):
+    """The service part runs the real pool layer and routing: unpartitioned, every replica
+    ingests everything and drafts every repeat; partitioned by the README's rule, the busiest
+    replica ingests a fraction of that and still drafts most repeats (counts, not timings)."""
+    import asyncio
+
+    from benchmarks import pool_scale
+    from tests.redis_server import own_redis_server
+
+    monkeypatch.setattr(pool_scale, "SERVICE_TICKS", 8)
+    server = own_redis_server()
+    try:
+        unpartitioned = asyncio.run(pool_scale.service_cell(server, 0))
+        partitioned = asyncio.run(pool_scale.service_cell(server, 2))
+    finally:
+        server.stop()
+    assert unpartitioned["mean_ingest_share_of_full"] == pytest.approx(1.0, abs=0.03)
+    assert unpartitioned["max_followed_partitions"] == 1 and unpartitioned["repeat_hit_rate"] == 1.0
+    assert partitioned["published_tokens"] > 0 and partitioned["repeats"] > 50
+    assert partitioned["busiest_ingest_share_of_full"] < 0.6
+    assert partitioned["repeat_hit_rate"] >= 0.8
