@@ -1,7 +1,7 @@
 """The shared pool at cluster scale, simulated: what one replica pays to ingest the pool and
 which pool drafts it keeps, at 8 / 64 / 512 replicas of 5000 tokens/s each, by design.
 
-No model runs. Three parts, each printed in the table:
+No model runs. Four parts, the first three printed in the first table:
 
 1. **Traffic** (computed from a workload model, below): which finished sequences each replica
    ingests under a design, so its ingest tokens/s, Redis egress bytes/s, and, with this
@@ -18,6 +18,9 @@ No model runs. Three parts, each printed in the table:
 3. **Redis** (real): for the busiest replica of each cell, real ``PoolSync`` workers tail the
    partitions it follows on a real redis-server, fed at the modelled rate (capped at what this
    machine can publish, shown): measured egress and sync lag p99, and whether it kept up.
+4. **The service** (real, second table): ``SERVICE_REPLICAS`` real ``SharedPools`` with
+   ``pool_partitions`` 0 / 1 / the README's rule / twice it, requests routed as the service
+   routes them (``service_cell``): ingest against unpartitioned, and repeats drafted.
 
 The workload: ``TENANTS`` tenants (applications) with Zipf popularity; a request is a repeat of
 a question its tenant asked before, a rewording of one, another tenant's question, or
