@@ -39,6 +39,9 @@ from pool_service.store import START_CURSOR, PoolUnavailableError, ReadBatch, de
 logger = logging.getLogger(__name__)
 
 KEY_PREFIX = "nasd"
+# Connections of a replica's shared command client: its commands are a few short round trips
+# a second (write-behind publishes, reconnects), so two keep one free while one is busy.
+COMMAND_CONNECTIONS = 2
 
 # KEYS: stream, seen, meta. ARGV: maxlen, seen_cap, namespace, origin, entry_bytes, ttl_s
 # (0: leave the expiry alone), then (digest, packed tokens, finished ms) triples. One ZMSCORE
@@ -100,10 +103,18 @@ class RedisPool:
             never mix.
         config: retention and timeouts.
         vocab_size: token ids at or above it are malformed entries.
+        client: a command client (``command_client``) shared with other namespaces' pools, which
+            then stays open when this one closes; None: its own. Blocking reads always get a
+            connection of their own.
     """
 
     def __init__(
-        self, url: str, namespace: str, config: PoolConfig | None = None, vocab_size: int | None = None
+        self,
+        url: str,
+        namespace: str,
+        config: PoolConfig | None = None,
+        vocab_size: int | None = None,
+        client: redis.Redis | None = None,
     ) -> None:
         self.url = url
         self.namespace = namespace
@@ -112,26 +123,16 @@ class RedisPool:
         self.keys = pool_keys(namespace)
         self.num_calls = 0
         self._expiry_set_at: float | None = None  # monotonic time of the last TTL refresh
+        self._shared_client = client
         self._client: redis.Redis | None = None
         self._reader: redis.Redis | None = None
         self._publish = None
 
     def _clients(self) -> tuple[redis.Redis, redis.Redis]:
         if self._client is None or self._reader is None:
-            timeout_s = self.config.socket_timeout_s
-            env = self.config.redis_password_env
-            # A password in the URL wins (redis-py lets URL options override keyword arguments).
-            password = os.environ.get(env) or None if env else None
-            self._client = redis.Redis.from_url(
-                self.url, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
-            )
+            self._client = self._shared_client or command_client(self.url, self.config)
             # A blocking read legitimately waits read_block_ms: its socket must wait longer.
-            self._reader = redis.Redis.from_url(
-                self.url,
-                password=password,
-                socket_timeout=timeout_s + self.config.read_block_ms / 1000,
-                socket_connect_timeout=timeout_s,
-            )
+            self._reader = _client(self.url, self.config, self.config.read_block_ms / 1000)
             self._publish = self._client.register_script(_PUBLISH_SCRIPT)
         return self._client, self._reader
 
@@ -208,10 +209,42 @@ class RedisPool:
 
     async def close(self) -> None:
         for client in (self._client, self._reader):
-            if client is not None:
+            if client is not None and client is not self._shared_client:
                 with contextlib.suppress(RedisError, OSError):
                     await client.aclose()
         self._client = self._reader = self._publish = None
 
 
-__all__ = ["START_CURSOR", "RedisPool", "pool_keys"]
+def command_client(url: str, config: PoolConfig) -> redis.Redis:
+    """A client for the pool's short commands (connect, publish), to share between every
+    namespace a replica follows: at most ``COMMAND_CONNECTIONS`` connections, a command
+    waiting (up to the socket timeout) for one while they are all busy, where each blocking
+    reader holds a connection of its own for as long as it waits."""
+    pool = redis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=COMMAND_CONNECTIONS,
+        timeout=config.socket_timeout_s,
+        password=_password(config),
+        socket_timeout=config.socket_timeout_s,
+        socket_connect_timeout=config.socket_timeout_s,
+    )
+    return redis.Redis.from_pool(pool)
+
+
+def _password(config: PoolConfig) -> str | None:
+    env = config.redis_password_env
+    return os.environ.get(env) or None if env else None
+
+
+def _client(url: str, config: PoolConfig, extra_timeout_s: float = 0.0) -> redis.Redis:
+    timeout_s = config.socket_timeout_s
+    # A password in the URL wins (redis-py lets URL options override keyword arguments).
+    return redis.Redis.from_url(
+        url,
+        password=_password(config),
+        socket_timeout=timeout_s + extra_timeout_s,
+        socket_connect_timeout=timeout_s,
+    )
+
+
+__all__ = ["START_CURSOR", "RedisPool", "command_client", "pool_keys"]

@@ -20,6 +20,7 @@ Requests pass ``sources_for(tenant, partition)`` to the engine as their shared d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
@@ -114,6 +115,7 @@ class SharedPools:
         self.num_partitions_dropped = 0
         self._namespaces: dict[str, _Namespace] = {}
         self._background: set[Future] = set()  # workers starting, or flushing as they are dropped
+        self._client = None  # the Redis command client of every followed stream (readers: their own)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
@@ -133,6 +135,10 @@ class SharedPools:
         await asyncio.gather(*map(asyncio.wrap_future, list(self._background)))
         syncs = [sync for space in self._namespaces.values() for sync in space.syncs.values()]
         await asyncio.gather(*(sync.stop() for sync in syncs))
+        if self._client is not None:
+            with contextlib.suppress(Exception):  # closing: a broken connection changes nothing
+                await self._client.aclose()
+            self._client = None
 
     def sources_for(self, tenant: str | None, partition: int = 0) -> list[tuple[str, NGramIndex]]:
         """Draft sources a request of ``tenant`` may read (tenant is ignored without isolation),
@@ -202,7 +208,7 @@ class SharedPools:
             space.syncs.move_to_end(stream)
             return sync
         sync = PoolSync(
-            open_store(self.config, stream, self.vocab_size),
+            open_store(self.config, stream, self.vocab_size, self._command_client()),
             space.pool_index,
             self.config,
             self.origin,
@@ -216,6 +222,15 @@ class SharedPools:
         if start:
             self._in_background(sync.start(wait_for_replay=False))
         return sync
+
+    def _command_client(self):
+        """One Redis client for every stream's short commands: a replica following tens of
+        partitions then holds one connection per blocking reader, not two per partition."""
+        if self._client is None and self.config.redis_url:
+            from pool_service.redis_pool import command_client
+
+            self._client = command_client(self.config.redis_url, self.config)
+        return self._client
 
     def _in_background(self, coroutine: Coroutine) -> None:
         if self._loop is None:  # not started yet, or stopped: nothing may run

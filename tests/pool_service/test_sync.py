@@ -16,7 +16,7 @@ from nasd_core.config import IndexConfig, SpecConfig
 from nasd_core.drafter import RequestDrafter
 from pool_service import PoolConfig, SharedPools
 from pool_service.codec import encode_entry, pack_tokens
-from pool_service.redis_pool import RedisPool, pool_keys
+from pool_service.redis_pool import COMMAND_CONNECTIONS, RedisPool, pool_keys
 from pool_service.shared import partition_namespace, tenant_namespace
 from pool_service.sync import APPLY_SLICE_TOKENS
 from tests.redis_server import run_async, until
@@ -276,5 +276,31 @@ def test_no_partitions_is_the_unpartitioned_pool(redis_url, namespace):
         assert new.stats()["namespaces"][0]["namespace"] == namespace
         await old.stop()
         await new.stop()
+
+    run_async(run())
+
+
+def test_followed_partitions_share_one_command_connection(own_redis):
+    """Each followed partition holds one blocking reader; their connects and publishes share
+    one client, so a replica tailing tens of partitions does not hold twice as many."""
+
+    async def run():
+        pools = _pools(own_redis.url, "shared-client", "R", partitions=8)
+        await pools.start()
+        for part in range(6):
+            pools.sources_for("tenant-a", part)
+            pools.publish("tenant-a", [900 + part, 1, 2, 3], part)
+        syncs = pools._namespaces["shared-client"].syncs.values()
+        assert await until(
+            lambda: all(sync.counts["published"] == 1 and sync.is_replayed.is_set() for sync in syncs), 5
+        )
+        await asyncio.sleep(0.2)  # every reader back in its blocking read
+        client = redis.Redis.from_url(own_redis.url)
+        others = [c for c in client.client_list() if c["cmd"] != "client|list"]
+        # Six blocking readers, and the shared command client's connection(s).
+        assert sum(c["cmd"] == "xread" for c in others) == 6
+        assert 6 < len(others) <= 6 + COMMAND_CONNECTIONS, others
+        await pools.stop()
+        assert await until(lambda: len(client.client_list()) == 1, 5)  # everything closed
 
     run_async(run())
