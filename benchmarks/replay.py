@@ -21,7 +21,9 @@ of 600-1600 prompt tokens built from several conversations (``long_chat``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,13 +35,18 @@ from benchmarks.workloads import WORKLOADS, long_chats, make_workload
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
 from nasd_core.drafter import RequestDrafter
 from nasd_core.ngram import NGramIndex, prompt_lookup
-from nasd_core.suffix import SuffixIndex, best_draft
+from nasd_core.suffix import MAX_SPEC_FACTOR, SuffixIndex, best_draft
 
 TRACES = Path(__file__).resolve().parent / "traces" / "greedy_float32.json"
 MAX_DRAFT = 16
 NUM_PROMPTS = 16
 MAX_TOKENS = 128
 SCOPES = ("local", "cross")
+# The frontier: each drafter's sizing factor (a draft at most factor x its matched context)
+# swept, so drafters are compared at the same drafted tokens per step, the verification work
+# they ask for, rather than each at its one default.
+FRONTIER_FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0)
+FRONTIER_DRAFTERS = ("ngram", "suffix", "suffix_decoding")
 
 
 # ----------------------------------------------------------------------------- recording
@@ -121,9 +128,12 @@ class PromptLookup:
 
 class NGramDrafter:
     """This project's drafter (``RequestDrafter``, the server's default settings); in the
-    ``cross`` scope with a replica index of every finished request, as a replica keeps."""
+    ``cross`` scope with a replica index of every finished request, as a replica keeps.
+    ``max_spec_factor``: cut each draft to that many times its matched context (SuffixDecoding's
+    sizing rule; None: the drafter's own length, as the server drafts before its policy)."""
 
-    def __init__(self, scope: str) -> None:
+    def __init__(self, scope: str, max_spec_factor: float | None = None) -> None:
+        self.max_spec_factor = max_spec_factor
         self.spec = SpecConfig(mode="on", num_draft_tokens=MAX_DRAFT)
         self.replica = (
             NGramIndex(IndexConfig(max_entries=DEFAULT_INDEX_MAX_ENTRIES)) if scope == "cross" else None
@@ -136,7 +146,10 @@ class NGramDrafter:
         self.drafter.observe(prompt)
 
     def propose(self, context: list[int], max_tokens: int) -> list[int]:
-        return self.drafter.propose(context, max_tokens).tokens
+        draft = self.drafter.propose(context, max_tokens)
+        if self.max_spec_factor is None:
+            return draft.tokens
+        return draft.tokens[: math.ceil(self.max_spec_factor * draft.match_length)]
 
     def observe(self, context: list[int]) -> None:
         self.drafter.observe(context)
@@ -150,19 +163,21 @@ class SuffixDrafter:
     """``nasd_core.suffix``: the longest suffix match (up to 64 tokens) in the request's own
     tokens and, in the ``cross`` scope, in every finished request; drafts sized by confidence."""
 
-    def __init__(self, scope: str) -> None:
+    def __init__(self, scope: str, max_spec_factor: float = MAX_SPEC_FACTOR) -> None:
         self.shared = SuffixIndex() if scope == "cross" else None
         self.local = SuffixIndex()
+        self.max_spec_factor = max_spec_factor
 
     def start(self, prompt: list[int]) -> None:
         self.local = SuffixIndex()
         self.local.add_sequence(prompt)
 
     def propose(self, context: list[int], max_tokens: int) -> list[int]:
-        local = self.local.draft(context, max_tokens, exclude=len(self.local) - 1)
+        factor = self.max_spec_factor
+        local = self.local.draft(context, max_tokens, exclude=len(self.local) - 1, max_spec_factor=factor)
         if self.shared is None:
             return local.tokens
-        return best_draft([local, self.shared.draft(context, max_tokens)]).tokens
+        return best_draft([local, self.shared.draft(context, max_tokens, max_spec_factor=factor)]).tokens
 
     def observe(self, context: list[int]) -> None:
         self.local.extend(context[len(self.local) :])
@@ -188,8 +203,9 @@ class SuffixDecoding:
         cls.cache_class, why = suffix_decoding.load()
         return why
 
-    def __init__(self, scope: str) -> None:
+    def __init__(self, scope: str, max_spec_factor: float = 1.0) -> None:
         self.cache = self.cache_class(self.MAX_TREE_DEPTH, -1 if scope == "cross" else 0)
+        self.max_spec_factor = max_spec_factor
         self.request_id = 0
         self.num_known = 0
 
@@ -200,7 +216,10 @@ class SuffixDecoding:
 
     def propose(self, context: list[int], max_tokens: int) -> list[int]:
         tail = context[-self.MAX_TREE_DEPTH :]
-        return list(self.cache.speculate(self.request_id, tail, max_spec_tokens=max_tokens).token_ids)
+        draft = self.cache.speculate(
+            self.request_id, tail, max_spec_tokens=max_tokens, max_spec_factor=self.max_spec_factor
+        )
+        return list(draft.token_ids)
 
     def observe(self, context: list[int]) -> None:
         self.cache.add_active_response(self.request_id, context[self.num_known :])
@@ -288,6 +307,56 @@ def run(traces: dict[str, list[dict[str, list[int]]]], drafters: Sequence[str]) 
     return results
 
 
+def frontier(traces: dict[str, list[dict[str, list[int]]]]) -> dict:
+    """Per drafter and scope: for each of ``FRONTIER_FACTORS``, its tokens and drafted tokens
+    per step over SuffixDecoding's at its default (factor 1) on the same cell, averaged over
+    the workloads; and the tokens per step it reaches at SuffixDecoding's drafted per step
+    (interpolated along its curve; None outside it)."""
+    baseline = {
+        (workload, scope): replay(SuffixDecoding(scope), workload_traces).summary()
+        for workload, workload_traces in traces.items()
+        for scope in SCOPES
+    }
+    curves: dict[str, dict[str, list[dict[str, float]]]] = {}
+    for name in FRONTIER_DRAFTERS:
+        for scope in SCOPES:
+            points = []
+            for factor in FRONTIER_FACTORS:
+                tokens, drafted = [], []
+                for workload, workload_traces in traces.items():
+                    cell = replay(DRAFTERS[name](scope, factor), workload_traces).summary()
+                    base = baseline[(workload, scope)]
+                    tokens.append(cell["tokens_per_step"] / base["tokens_per_step"])
+                    drafted.append(cell["drafted_per_step"] / base["drafted_per_step"])
+                points.append(
+                    {
+                        "factor": factor,
+                        "tokens": sum(tokens) / len(tokens),
+                        "drafted": sum(drafted) / len(drafted),
+                    }
+                )
+            curves.setdefault(name, {})[scope] = points
+    return {
+        "curves": curves,
+        "tokens_at_equal_drafted": {
+            name: {scope: at_drafted(points, 1.0) for scope, points in by_scope.items()}
+            for name, by_scope in curves.items()
+        },
+    }
+
+
+def at_drafted(points: list[dict[str, float]], drafted: float) -> float | None:
+    """Tokens ratio where a curve (points ordered by factor) passes ``drafted``, by linear
+    interpolation between its neighbouring points; None where it never does."""
+    ordered = sorted(points, key=lambda point: point["drafted"])
+    for low, high in itertools.pairwise(ordered):
+        if low["drafted"] <= drafted <= high["drafted"]:
+            span = high["drafted"] - low["drafted"]
+            weight = 0.0 if span == 0 else (drafted - low["drafted"]) / span
+            return low["tokens"] + weight * (high["tokens"] - low["tokens"])
+    return None
+
+
 def markdown_table(payload: dict) -> str:
     drafters = payload["meta"]["drafters"]
     lines = [
@@ -302,6 +371,27 @@ def markdown_table(payload: dict) -> str:
                 for cell in (by_drafter[name] for name in drafters)
             ]
             lines.append(f"| {workload} | {scope} | " + " | ".join(cells) + " |")
+    if "frontier" in payload:
+        lines += [
+            "",
+            "Frontier: each drafter with its drafts cut to factor x matched context, tokens / drafted "
+            "per step over SuffixDecoding's default (factor 1), mean over workloads:",
+            "",
+            "| drafter | scope | "
+            + " | ".join(f"factor {factor:g}" for factor in FRONTIER_FACTORS)
+            + " | tokens at SuffixDecoding's drafted |",
+            "|---|---|" + "---|" * (len(FRONTIER_FACTORS) + 1),
+        ]
+        front = payload["frontier"]
+        for name, by_scope in front["curves"].items():
+            for scope, points in by_scope.items():
+                cells = [f"{point['tokens']:.2f} / {point['drafted']:.2f}" for point in points]
+                equal = front["tokens_at_equal_drafted"][name][scope]
+                lines.append(
+                    f"| {name} | {scope} | "
+                    + " | ".join(cells)
+                    + f" | {'-' if equal is None else f'{equal:.3f}'} |"
+                )
     return "\n".join(lines)
 
 
@@ -320,7 +410,8 @@ def ratios(payload: dict, like: dict | None = None) -> dict[str, float]:
 def plot(payload: dict):
     from benchmarks.common import grouped_bars, new_figure
 
-    figure, axes = new_figure(len(SCOPES))
+    front = payload.get("frontier")
+    figure, axes = new_figure(len(SCOPES) * (2 if front else 1))
     drafters = payload["meta"]["drafters"]
     workloads = list(payload["results"])
     for axis, scope in zip(axes, SCOPES):
@@ -330,6 +421,14 @@ def plot(payload: dict):
         }
         grouped_bars(axis, workloads, series, "tokens per step")
         axis.set_title(f"replay, {scope} scope (max draft {MAX_DRAFT})")
+    for axis, scope in zip(axes[len(SCOPES) :], SCOPES if front else ()):
+        for name, by_scope in front["curves"].items():
+            points = by_scope[scope]
+            axis.plot([p["drafted"] for p in points], [p["tokens"] for p in points], marker="o", label=name)
+        axis.set_xlabel("drafted per step / SuffixDecoding's")
+        axis.set_ylabel("tokens per step / SuffixDecoding's")
+        axis.set_title(f"frontier, {scope} scope (factor {FRONTIER_FACTORS[0]:g}-{FRONTIER_FACTORS[-1]:g})")
+        axis.legend()
     figure.tight_layout()
     return figure
 
@@ -362,6 +461,8 @@ def main() -> None:
         },
         "results": run(traces, drafters),
     }
+    if "suffix_decoding" in drafters:
+        payload["frontier"] = frontier(traces)
     publish_run("replay", "float32", args.quick, payload, plot, markdown_table)
 
 

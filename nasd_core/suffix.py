@@ -144,12 +144,18 @@ class SuffixIndex:
             matched += 1
         return matched
 
-    def draft(self, context: Sequence[int], max_tokens: int, exclude: int = -1) -> SuffixDraft:
+    def draft(
+        self,
+        context: Sequence[int],
+        max_tokens: int,
+        exclude: int = -1,
+        max_spec_factor: float = MAX_SPEC_FACTOR,
+    ) -> SuffixDraft:
         """The draft following ``context`` (see the module docstring for the sizing rule)."""
         match_length, support = self.match(context, exclude)
         if not support or max_tokens <= 0:
             return EMPTY
-        limit = min(max_tokens, math.ceil(MAX_SPEC_FACTOR * match_length))
+        limit = min(max_tokens, math.ceil(max_spec_factor * match_length))
         tokens = self.tokens
         drafted: list[int] = []
         probs: list[float] = []
