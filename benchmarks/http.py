@@ -43,6 +43,7 @@ from pool_service.local_redis import free_port
 
 # Warm-up requests, unlike any benchmark prompt.
 WARMUP = [[{"role": "user", "content": "Count from one to ten in words."}]]
+MAX_TOKENS = 64
 
 
 async def stream_one(client: openai.AsyncOpenAI, messages: Messages, mode: str, max_tokens: int) -> dict:
@@ -116,7 +117,7 @@ def summarise(results: list[dict], elapsed: float) -> dict:
     }
 
 
-def serve_apps(num_replicas: int, num_cpus: int) -> dict[str, str]:
+def serve_apps(num_replicas: int, num_cpus: int, modes: Sequence[str] = MODES) -> dict[str, str]:
     """One application per mode (``/off``, ``/auto``), each ``num_replicas`` replicas over
     ``num_cpus`` CPUs; their API URLs. Only one of them is ever busy."""
     port = free_port()
@@ -126,10 +127,10 @@ def serve_apps(num_replicas: int, num_cpus: int) -> dict[str, str]:
     serve.run_many(
         [
             serve.RunTarget(build_app({**args, "speculation": mode}), name=mode, route_prefix=f"/{mode}")
-            for mode in MODES
+            for mode in modes
         ]
     )
-    return {mode: f"http://127.0.0.1:{port}/{mode}/v1" for mode in MODES}
+    return {mode: f"http://127.0.0.1:{port}/{mode}/v1" for mode in modes}
 
 
 LEVELS = (1, 4, 16, 32)
@@ -237,7 +238,7 @@ def main() -> None:
     args = parser.parse_args()
     replica_counts = args.replicas or [1]
     levels = QUICK_LEVELS if args.quick else LEVELS
-    max_tokens = 64
+    max_tokens = MAX_TOKENS
     num_cpus = os.cpu_count() or 2
     progress = tqdm(
         total=len(replica_counts) * len(MIXES) * len(levels) * len(MODES), desc="http", unit="cell"

@@ -158,7 +158,9 @@ def test_compare_flags_ratios_outside_the_noise_band():
     assert len(lines) == 2 and "outside" in lines[1] and "outside" not in lines[0]
 
 
-@pytest.mark.parametrize("suite", ["single_stream", "concurrency", "pool", "http", "replay", "pool_scale"])
+@pytest.mark.parametrize(
+    "suite", ["single_stream", "concurrency", "pool", "http", "http_ab", "replay", "pool_scale"]
+)
 def test_committed_results_carry_provenance_and_plot(suite):
     from benchmarks import report
 

@@ -1,0 +1,144 @@
+"""``auto`` against ``off`` through HTTP where the two are closest: interleaved rounds, each on
+prompts neither server has seen.
+
+The HTTP sweep (``benchmarks/http.py``) runs each mode once per cell. Where ``auto`` drafts
+next to nothing (creative text at 16 and 32 concurrent requests) it differs from ``off`` by
+less than two runs of one mode differ on this machine, so one run each cannot tell them
+apart. This suite serves ``off`` and ``auto`` (one replica each, as the sweep does) and runs
+each of ``CELLS`` ``ROUNDS`` times, on fresh prompts every round (a server that saw a prompt
+drafts its answer from memory), the order of the two alternating by round; it reports every
+round's ``auto`` / ``off`` tokens/s and their geometric mean.
+
+    python -m benchmarks.http_ab            # creative text at C = 16 and 32, 3 rounds
+    python -m benchmarks.http_ab --quick    # one round at C = 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+
+import ray
+from ray import serve
+
+from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
+from benchmarks.concurrency import MIXES
+from benchmarks.http import MAX_TOKENS, WARMUP, run_cell, serve_apps
+from benchmarks.workloads import distinct_prompts
+from nasd_core.models import load_model
+
+MODES = ("off", "auto")
+CELLS = {"non_repetitive": (16, 32)}
+QUICK_CELLS = {"non_repetitive": (16,)}
+ROUNDS = 3
+SEED = 11  # prompts other than the sweep's (seed 3), though each run starts fresh servers
+
+
+def run(cells: dict[str, tuple[int, ...]], rounds: int, num_cpus: int) -> dict:
+    """Every round of every (mix, C) in ``cells``: both modes' cell summaries and the ratio."""
+    ray.init(address="local", num_cpus=num_cpus * len(MODES), include_dashboard=False, log_to_driver=False)
+    try:
+        urls = serve_apps(1, num_cpus, MODES)
+        for url in urls.values():  # load code paths and calibrate the step-time model
+            asyncio.run(run_cell(url, WARMUP, 1, "auto", 8))
+        results: dict[str, dict] = {}
+        for mix, levels in cells.items():
+            prompts = distinct_prompts(MIXES[mix], rounds * sum(2 * level for level in levels), seed=SEED)
+            for level in levels:
+                runs = []
+                for number in range(rounds):
+                    batch, prompts = prompts[: 2 * level], prompts[2 * level :]
+                    row, texts = {}, {}
+                    for mode in MODES if number % 2 == 0 else MODES[::-1]:
+                        row[mode], texts[mode] = asyncio.run(
+                            run_cell(urls[mode], batch, level, mode, MAX_TOKENS)
+                        )
+                    ratio = row["auto"]["tokens_per_s"] / row["off"]["tokens_per_s"]
+                    runs.append({**row, "ratio": round(ratio, 3), "identical": texts["auto"] == texts["off"]})
+                    print(mix, level, number, runs[-1]["ratio"], flush=True)
+                geomean = math.exp(sum(math.log(entry["ratio"]) for entry in runs) / len(runs))
+                results.setdefault(mix, {})[str(level)] = {
+                    "rounds": runs,
+                    "geomean_ratio": round(geomean, 3),
+                    "identical": all(entry["identical"] for entry in runs),
+                }
+        return results
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def markdown_table(payload: dict) -> str:
+    lines = [
+        "| mix | C | auto / off, each round | geometric mean | off tok/s (mean) "
+        "| ITL p50 ms off / auto (mean) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mix, levels in payload["results"].items():
+        for level, cell in levels.items():
+            runs = cell["rounds"]
+            flag = "" if cell["identical"] else " ≠"
+            off_rate = sum(entry["off"]["tokens_per_s"] for entry in runs) / len(runs)
+            itl = [sum(entry[mode]["itl_p50_ms"] for entry in runs) / len(runs) for mode in MODES]
+            lines.append(
+                f"| {mix} | {level} | {', '.join(format(entry['ratio'], '.3f') for entry in runs)} "
+                f"| {cell['geomean_ratio']:.3f}x{flag} | {off_rate:.1f} | {itl[0]:.0f} / {itl[1]:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def ratios(payload: dict, like: dict | None = None) -> dict[str, float]:
+    """The geometric mean of ``auto`` / ``off`` per cell, keyed for comparing two runs."""
+    return {
+        f"{mix}/C={level}/auto": cell["geomean_ratio"]
+        for mix, levels in payload["results"].items()
+        for level, cell in levels.items()
+    }
+
+
+def plot(payload: dict):
+    figure, axes = new_figure(1)
+    cells = [(mix, level) for mix, levels in payload["results"].items() for level in levels]
+    num_rounds = max(len(payload["results"][mix][level]["rounds"]) for mix, level in cells)
+    series = {
+        f"round {number + 1}": [
+            payload["results"][mix][level]["rounds"][number]["ratio"]
+            if number < len(payload["results"][mix][level]["rounds"])
+            else 0.0
+            for mix, level in cells
+        ]
+        for number in range(num_rounds)
+    }
+    grouped_bars(axes[0], [f"{mix} C={level}" for mix, level in cells], series, "auto / off tokens/s")
+    axes[0].axhline(1.0, color="black", linewidth=0.8)
+    axes[0].set_title("HTTP, auto against off by round")
+    return figure
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    cells, rounds = (QUICK_CELLS, 1) if args.quick else (CELLS, ROUNDS)
+    num_cpus = os.cpu_count() or 2
+    results = run(cells, rounds, num_cpus)
+    model, _ = load_model()  # for the metadata only (the replicas load their own copy)
+    payload = {
+        "benchmark": "http_ab",
+        "meta": {
+            **run_metadata(model, "float32", "benchmarks.http_ab"),
+            "max_tokens": MAX_TOKENS,
+            "rounds": rounds,
+            "ray_cpus": num_cpus,
+        },
+        "results": results,
+    }
+    publish_run("http_ab", "float32", args.quick, payload, plot, markdown_table)
+
+
+if __name__ == "__main__":
+    main()
