@@ -69,11 +69,12 @@ def test_requests_meet_their_partition_on_one_replica(app):
         GenerateRequest(messages=[{"role": "user", "content": q}]).pool_partition(PARTITIONS)
         for q in QUESTIONS
     }
-    # The model's namespace is the replicas' own: read it off a followed stream's name.
-    model_namespace = next(iter(next(iter(streams.values())))).rsplit("/part-", 1)[0]
+    # Every followed stream of every replica (one that served nothing, listed because a stats
+    # call reached it, follows none); the model's namespace is read off their names.
+    followed = [name for names in streams.values() for name in names]
+    model_namespace = followed[0].rsplit("/part-", 1)[0]
     assert model_namespace.startswith(namespace)
     expected = {partition_namespace(model_namespace, None, part) for part in partitions}
-    followed = [name for names in streams.values() for name in names]
     # Every request's partition is tailed, by exactly one replica (sequential requests never
     # load a replica past the bound), and nothing else is.
     assert sorted(followed) == sorted(expected)
