@@ -239,3 +239,17 @@ def test_longest_match_is_the_length_the_draft_matches(own, shared, local_index)
     drafter.observe(own)
     length, _ = drafter.longest_match(own)
     assert length == drafter.propose(own, 8).match_length
+
+
+def test_a_request_that_never_drafts_keeps_no_index_of_its_tokens():
+    tokens = [1, 2, 3, 1, 2, 4, 1, 2, 3]
+    silent = RequestDrafter(SpecConfig(mode="off"))
+    silent.observe(tokens)
+    assert silent.local_index is None
+    speculating = RequestDrafter(SpecConfig(mode="auto"))
+    speculating.observe(tokens)
+    assert speculating.local_index.num_entries > 0
+    # A storage passed in (the seeds' API) learns whatever the mode: its owner reads it.
+    storage = NGramIndex(IndexConfig())
+    RequestDrafter(SpecConfig(mode="off"), local_index=storage).observe(tokens)
+    assert storage.num_entries > 0
