@@ -16,7 +16,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from nasd_core.config import SamplingParams, SpecConfig
+from nasd_core.drafter import RequestDrafter
 from nasd_core.engine import Engine
+from nasd_core.inputs import encode_prompt
 from nasd_core.logprobs import TokenLogprob
 from nasd_core.metrics import SpecStats
 from nasd_core.ngram import NGramIndex
@@ -119,15 +121,26 @@ class AsyncEngine:
                 chunk.finish_reason, chunk.stats = request.finish_reason, request.stats
             loop.call_soon_threadsafe(chunks.put_nowait, chunk)
 
+        def prepare() -> tuple[list[int], RequestDrafter]:
+            # Off the engine thread: encoding the prompt and indexing it for the drafter are a
+            # few ms for a long prompt, which the engine thread would otherwise spend between
+            # two steps of every running request.
+            prompt_ids = encode_prompt(self.engine.tokenizer, prompt, self.engine.vocab_size)
+            seed = params.seed if params is not None else None
+            return prompt_ids, self.engine.new_drafter(prompt_ids, spec, seed, shared)
+
+        prompt_ids, drafter = await asyncio.to_thread(prepare)
+
         def add(engine: Engine) -> str:
             return engine.add_request(
-                prompt,
+                prompt_ids,
                 params,
                 spec,
                 request_id,
                 on_tokens=on_tokens,
                 shared=shared,
                 prefill_from=prefill_from,
+                drafter=drafter,
             )
 
         added_id = await asyncio.wrap_future(self.call(add))

@@ -104,6 +104,7 @@ class Engine:
         shared: Sequence[tuple[str, NGramIndex]] | None = None,
         local_index: NGramIndex | None = None,
         prefill_from: str | None = None,
+        drafter: RequestDrafter | None = None,
     ) -> str:
         """Queue a request; returns its id.
 
@@ -113,6 +114,8 @@ class Engine:
         ``prefill_from``: a queued or running request with the same prompt (another choice of it,
         OpenAI's ``n``): this one copies that one's prompt keys and values once they are in
         instead of prefilling them again (if that request is already gone, it prefills itself).
+        ``drafter``: one ``new_drafter`` made for this prompt and spec on another thread (its
+        prompt indexing then costs the engine thread nothing); None: made here.
 
         Raises:
             InvalidRequestError: bad prompt or parameters (nothing is queued).
@@ -149,9 +152,7 @@ class Engine:
             params=params,
             spec=spec,
             stopper=stopper,
-            drafter=RequestDrafter(
-                spec, self.shared if shared is None else shared, local_index, self.vocab_size, params.seed
-            ),
+            drafter=drafter or self.new_drafter(prompt_ids, spec, params.seed, shared, local_index),
             draws=TokenDraws(params.seed),
             acceptance=AcceptanceEstimator(prior=self.acceptance),
             on_tokens=on_tokens,
@@ -166,10 +167,26 @@ class Engine:
             arrival_time=time.perf_counter(),
             prefill_source=source,
         )
-        request.drafter.observe(request.tokens)
         self.requests[request_id] = request
         self.waiting.append(request)
         return request_id
+
+    def new_drafter(
+        self,
+        prompt_ids: Sequence[int],
+        spec: SpecConfig | None = None,
+        seed: int | None = None,
+        shared: Sequence[tuple[str, NGramIndex]] | None = None,
+        local_index: NGramIndex | None = None,
+    ) -> RequestDrafter:
+        """A request's drafter, its prompt already learned. Reads nothing the engine thread
+        writes (the shared indexes are only stored), so any thread may build it."""
+        spec = spec if spec is not None else self.config.spec
+        drafter = RequestDrafter(
+            spec, self.shared if shared is None else shared, local_index, self.vocab_size, seed
+        )
+        drafter.observe(prompt_ids)
+        return drafter
 
     def _prefill_source(
         self, prefill_from: str | None, prompt_ids: list[int], params: SamplingParams

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -185,6 +186,41 @@ def test_async_engine_streams_concurrent_requests(model, tokenizer, single_runs)
         assert not engine.cache.rows
     finally:
         async_engine.shutdown()
+
+
+def test_async_engine_learns_prompts_off_the_engine_thread(model, tokenizer, single_runs, monkeypatch):
+    """Encoding a prompt and indexing it for the drafter happen before the request reaches the
+    engine thread, so a long prompt does not hold up the running requests' next step."""
+    learned_on: list[str] = []
+    observe = RequestDrafter.observe
+
+    def recording(drafter: RequestDrafter, tokens) -> None:
+        if drafter._num_learned == 0:  # the prompt: the first tokens a drafter learns
+            learned_on.append(threading.current_thread().name)
+        observe(drafter, tokens)
+
+    monkeypatch.setattr(RequestDrafter, "observe", recording)
+    async_engine = AsyncEngine(Engine(model, tokenizer, EngineConfig(max_batch_rows=2)))
+    async_engine.start()
+    engine_thread = async_engine._thread.name
+
+    async def collect(index: int) -> list[int]:
+        tokens = []
+        async for chunk in async_engine.generate(
+            PROMPTS[index], SamplingParams(max_tokens=MAX_TOKENS[index])
+        ):
+            tokens.extend(chunk.token_ids)
+        return tokens
+
+    async def both() -> list[list[int]]:
+        return list(await asyncio.gather(collect(0), collect(1)))
+
+    try:
+        outputs = asyncio.run(both())
+    finally:
+        async_engine.shutdown()
+    assert outputs == [single_runs[0], single_runs[1]]  # the same tokens as ever
+    assert len(learned_on) == 2 and engine_thread not in learned_on
 
 
 class FixedStepTimes(StepTimeModel):
