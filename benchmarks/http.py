@@ -77,8 +77,6 @@ async def stream_one(client: openai.AsyncOpenAI, messages: Messages, mode: str, 
         "tokens": tokens,
         "ttft_s": (arrivals[0] if arrivals else finished) - started,
         "itl_s": itl,
-        "started_at": started,
-        "finished_at": finished,
     }
 
 
@@ -99,23 +97,12 @@ async def run_cell(
     finally:
         await client.close()
     elapsed = time.perf_counter() - started
-    return summarise(results, elapsed, started), [result["text"] for result in results]
+    return summarise(results, elapsed), [result["text"] for result in results]
 
 
-def summarise(results: list[dict], elapsed: float, started_at: float | None = None) -> dict:
-    """One cell's throughput and latency percentiles from its requests' ``stream_one`` results.
-
-    With ``started_at`` (when the cell began) also the throughput *until the queue runs dry*:
-    tokens of the requests done by the time the last one started, over that time. After it,
-    fewer than C requests run and the cell's tail is as slow as its slowest rows, which charges
-    a mode that speeds some rows up more than others; a server with steady arrivals has no tail.
-    """
+def summarise(results: list[dict], elapsed: float) -> dict:
+    """One cell's throughput and latency percentiles from its requests' ``stream_one`` results."""
     tokens = sum(result["tokens"] for result in results)
-    until_dry = None
-    if started_at is not None:
-        last_start = max(result["started_at"] for result in results)
-        done = sum(result["tokens"] for result in results if result["finished_at"] <= last_start)
-        until_dry = round(done / (last_start - started_at), 2) if done else None
     ttfts = [result["ttft_s"] for result in results]
     itls = [result["itl_s"] for result in results if result["itl_s"] is not None]
     return {
@@ -127,7 +114,6 @@ def summarise(results: list[dict], elapsed: float, started_at: float | None = No
         "ttft_p99_ms": round(1000 * percentile(ttfts, 99), 1),
         "itl_p50_ms": round(1000 * percentile(itls, 50), 1),
         "itl_p99_ms": round(1000 * percentile(itls, 99), 1),
-        **({"until_dry_tokens_per_s": until_dry} if until_dry is not None else {}),
     }
 
 

@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import math
 import os
-from collections.abc import Iterable
 
 import ray
 from ray import serve
@@ -57,20 +56,12 @@ def run(cells: dict[str, tuple[int, ...]], rounds: int, num_cpus: int) -> dict:
                             run_cell(urls[mode], batch, level, mode, MAX_TOKENS)
                         )
                     ratio = row["auto"]["tokens_per_s"] / row["off"]["tokens_per_s"]
-                    until_dry = row["auto"]["until_dry_tokens_per_s"] / row["off"]["until_dry_tokens_per_s"]
-                    runs.append(
-                        {
-                            **row,
-                            "ratio": round(ratio, 3),
-                            "until_dry_ratio": round(until_dry, 3),
-                            "identical": texts["auto"] == texts["off"],
-                        }
-                    )
-                    print(mix, level, number, runs[-1]["ratio"], runs[-1]["until_dry_ratio"], flush=True)
+                    runs.append({**row, "ratio": round(ratio, 3), "identical": texts["auto"] == texts["off"]})
+                    print(mix, level, number, runs[-1]["ratio"], flush=True)
+                geomean = math.exp(sum(math.log(entry["ratio"]) for entry in runs) / len(runs))
                 results.setdefault(mix, {})[str(level)] = {
                     "rounds": runs,
-                    "geomean_ratio": geomean(entry["ratio"] for entry in runs),
-                    "until_dry_geomean_ratio": geomean(entry["until_dry_ratio"] for entry in runs),
+                    "geomean_ratio": round(geomean, 3),
                     "identical": all(entry["identical"] for entry in runs),
                 }
         return results
@@ -79,16 +70,11 @@ def run(cells: dict[str, tuple[int, ...]], rounds: int, num_cpus: int) -> dict:
         ray.shutdown()
 
 
-def geomean(ratios: Iterable[float]) -> float:
-    logs = [math.log(ratio) for ratio in ratios]
-    return round(math.exp(sum(logs) / len(logs)), 3)
-
-
 def markdown_table(payload: dict) -> str:
     lines = [
-        "| mix | C | auto / off, each round | geometric mean | until the queue runs dry, each round "
-        "| geometric mean | off tok/s (mean) | ITL p50 ms off / auto (mean) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mix | C | auto / off, each round | geometric mean | off tok/s (mean) "
+        "| ITL p50 ms off / auto (mean) |",
+        "|---|---|---|---|---|---|",
     ]
     for mix, levels in payload["results"].items():
         for level, cell in levels.items():
@@ -96,15 +82,9 @@ def markdown_table(payload: dict) -> str:
             flag = "" if cell["identical"] else " ≠"
             off_rate = sum(entry["off"]["tokens_per_s"] for entry in runs) / len(runs)
             itl = [sum(entry[mode]["itl_p50_ms"] for entry in runs) / len(runs) for mode in MODES]
-            dry = cell.get("until_dry_geomean_ratio")
-            dry_text = "-" if dry is None else f"{dry:.3f}x"
-            dry_rounds = ", ".join(
-                format(entry["until_dry_ratio"], ".3f") for entry in runs if "until_dry_ratio" in entry
-            )
             lines.append(
                 f"| {mix} | {level} | {', '.join(format(entry['ratio'], '.3f') for entry in runs)} "
-                f"| {cell['geomean_ratio']:.3f}x{flag} | {dry_rounds or '-'} | {dry_text} "
-                f"| {off_rate:.1f} | {itl[0]:.0f} / {itl[1]:.0f} |"
+                f"| {cell['geomean_ratio']:.3f}x{flag} | {off_rate:.1f} | {itl[0]:.0f} / {itl[1]:.0f} |"
             )
     return "\n".join(lines)
 
