@@ -20,7 +20,8 @@ import argparse
 import asyncio
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import openai
 import ray
@@ -142,6 +143,22 @@ def cell_sizes(levels: Sequence[int]) -> list[int]:
     return [max(2 * level, 6) for level in levels]
 
 
+@contextmanager
+def served_modes(num_replicas: int, num_cpus: int, modes: Sequence[str] = MODES) -> Iterator[dict[str, str]]:
+    """A local Ray whose ``num_cpus`` CPUs each mode's application reserves in turn, one
+    application per mode, each warmed up (code paths loaded, step times learned); their API
+    URLs. Serve and Ray are shut down on the way out."""
+    ray.init(address="local", num_cpus=num_cpus * len(modes), include_dashboard=False, log_to_driver=False)
+    try:
+        urls = serve_apps(num_replicas, num_cpus, modes)
+        for url in urls.values():
+            asyncio.run(run_cell(url, WARMUP * num_replicas, len(WARMUP) * num_replicas, "auto", 8))
+        yield urls
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def run_replicas(
     num_replicas: int, levels: Sequence[int], max_tokens: int, num_cpus: int, progress: tqdm
 ) -> dict:
@@ -151,12 +168,7 @@ def run_replicas(
     quick run repeats some full-run cells exactly.
     """
     sizes = cell_sizes(LEVELS)
-    # Each mode's application reserves the machine's CPUs; they take turns using them.
-    ray.init(address="local", num_cpus=num_cpus * len(MODES), include_dashboard=False, log_to_driver=False)
-    try:
-        urls = serve_apps(num_replicas, num_cpus)
-        for url in urls.values():  # load code paths and calibrate the step-time model
-            asyncio.run(run_cell(url, WARMUP * num_replicas, len(WARMUP) * num_replicas, "auto", 8))
+    with served_modes(num_replicas, num_cpus) as urls:
         table: dict[str, dict] = {}
         for mix, names in MIXES.items():
             # Every prompt goes once to each application: a server learns the answers it gives,
@@ -175,9 +187,6 @@ def run_replicas(
                 row["identical"] = all(texts[mode] == texts["off"] for mode in MODES)
                 table.setdefault(mix, {})[str(level)] = row
         return table
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def markdown_table(payload: dict) -> str:

@@ -20,12 +20,9 @@ import asyncio
 import math
 import os
 
-import ray
-from ray import serve
-
 from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
 from benchmarks.concurrency import MIXES
-from benchmarks.http import MAX_TOKENS, WARMUP, run_cell, serve_apps
+from benchmarks.http import MAX_TOKENS, run_cell, served_modes
 from benchmarks.workloads import distinct_prompts
 from nasd_core.models import load_model
 
@@ -38,11 +35,7 @@ SEED = 11  # prompts other than the sweep's (seed 3), though each run starts fre
 
 def run(cells: dict[str, tuple[int, ...]], rounds: int, num_cpus: int) -> dict:
     """Every round of every (mix, C) in ``cells``: both modes' cell summaries and the ratio."""
-    ray.init(address="local", num_cpus=num_cpus * len(MODES), include_dashboard=False, log_to_driver=False)
-    try:
-        urls = serve_apps(1, num_cpus, MODES)
-        for url in urls.values():  # load code paths and calibrate the step-time model
-            asyncio.run(run_cell(url, WARMUP, 1, "auto", 8))
+    with served_modes(1, num_cpus, MODES) as urls:
         results: dict[str, dict] = {}
         for mix, levels in cells.items():
             prompts = distinct_prompts(MIXES[mix], rounds * sum(2 * level for level in levels), seed=SEED)
@@ -65,9 +58,6 @@ def run(cells: dict[str, tuple[int, ...]], rounds: int, num_cpus: int) -> dict:
                     "identical": all(entry["identical"] for entry in runs),
                 }
         return results
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def markdown_table(payload: dict) -> str:
