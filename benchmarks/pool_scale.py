@@ -59,7 +59,7 @@ import numpy as np
 from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
 from benchmarks.replay import MAX_DRAFT, TRACES, accepted_prefix, greedy_traces
 from benchmarks.workloads import WORKLOADS, make_workload, paraphrase
-from deployments.router import DEFAULT_LOAD_BOUND, bounded_load_order
+from deployments.router import DEFAULT_LOAD_BOUND, bounded_load_order, load_capacity
 from deployments.schemas import GenerateRequest
 from nasd_core.config import SpecConfig
 from nasd_core.drafter import RequestDrafter
@@ -465,7 +465,8 @@ async def service_cell(redis: LocalRedis, partitions: int, seed: int = 0) -> dic
                 pair = rng.sample(range(SERVICE_REPLICAS), 2)
                 replica = min(pair, key=load.__getitem__)
             else:
-                replica = bounded_load_order(ring_order(ring, key), load.__getitem__, DEFAULT_LOAD_BOUND)[0]
+                capacity = load_capacity(sum(load), SERVICE_REPLICAS, DEFAULT_LOAD_BOUND)
+                replica = bounded_load_order(ring_order(ring, key), load.__getitem__, capacity)[0]
             load[replica] += 1
             partition = request.pool_partition(partitions)
             sources = replicas[replica].sources_for(user, partition)

@@ -25,39 +25,43 @@ from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 # (the simulation's BOUNDED_LOAD): 1.25 keeps queues within a quarter of each other while a
 # partition's traffic stays on one or two replicas.
 DEFAULT_LOAD_BOUND = 1.25
+# Ring successors ranked after a key's owner. The bound decides among them; a longer walk costs
+# the ingress a pass over the ring per request (51,200 virtual nodes at 512 replicas), while a
+# partition sized by the README's rule spills over two or three replicas.
+DEFAULT_FALLBACK_REPLICAS = 8
 ROUTER_CLASS = f"{__name__}.BoundedLoadHashRouter"
 
 Replica = TypeVar("Replica")
 
 
-def bounded_load_order(
-    ring_order: Sequence[Replica], load: Callable[[Replica], int], bound: float
-) -> list[Replica]:
-    """``ring_order`` (the key's owner first, then its ring successors: every replica once) with
-    the replicas at or above capacity moved behind the others, each group in ring order.
+def load_capacity(total_load: int, num_replicas: int, bound: float) -> int:
+    """The most requests a replica may hold before keys spill past it: ``bound`` times the mean
+    load over every replica, counting the request about to be placed (so an idle cluster's
+    first request goes to its key's owner)."""
+    return math.ceil(bound * (total_load + 1) / max(1, num_replicas))
 
-    Capacity is ``ceil(bound * (total load + 1) / replicas)``: the request about to be placed
-    counts, so an idle cluster's first request goes to the key's owner.
-    """
-    if len(ring_order) <= 1:
-        return list(ring_order)
+
+def bounded_load_order(
+    ring_order: Sequence[Replica], load: Callable[[Replica], int], capacity: int
+) -> list[Replica]:
+    """``ring_order`` (the key's owner first, then its ring successors) with the replicas at or
+    above ``capacity`` moved behind the others, each group in ring order."""
     loads = [load(replica) for replica in ring_order]
-    capacity = math.ceil(bound * (sum(loads) + 1) / len(ring_order))
     under = [replica for replica, num in zip(ring_order, loads) if num < capacity]
     return under + [replica for replica, num in zip(ring_order, loads) if num >= capacity]
 
 
 class BoundedLoadHashRouter(ConsistentHashRouter):
     """Ray's consistent-hash router with bounded loads (``request_router_kwargs``:
-    ``load_bound``, default ``DEFAULT_LOAD_BOUND``, and Ray's ``num_virtual_nodes``). The
-    load of a replica is Ray's count of this router's requests ongoing there."""
+    ``load_bound``, default ``DEFAULT_LOAD_BOUND``; Ray's ``num_virtual_nodes`` and
+    ``num_fallback_replicas``, default here ``DEFAULT_FALLBACK_REPLICAS``). The load of a
+    replica is Ray's count of this router's requests ongoing there."""
 
     def initialize_state(self, **kwargs) -> None:
         self._load_bound = float(kwargs.pop("load_bound", DEFAULT_LOAD_BOUND))
         if self._load_bound < 1:
             raise ValueError(f"load_bound must be >= 1, got {self._load_bound!r}")
-        # Every replica is a fallback: the bound, not a fixed count, decides how far to walk.
-        kwargs["num_fallback_replicas"] = 1 << 30
+        kwargs.setdefault("num_fallback_replicas", DEFAULT_FALLBACK_REPLICAS)
         super().initialize_state(**kwargs)
 
     async def choose_replicas(
@@ -67,4 +71,6 @@ class BoundedLoadHashRouter(ConsistentHashRouter):
         if len(ranks) <= 1 or any(len(rank) != 1 for rank in ranks):  # no key: Ray's own fallback
             return ranks
         cache = self.replica_queue_len_cache
-        return bounded_load_order(ranks, lambda rank: cache.get(rank[0].replica_id) or 0, self._load_bound)
+        total = sum(cache.get(replica_id) or 0 for replica_id in self._replicas)
+        capacity = load_capacity(total, len(self._replicas), self._load_bound)
+        return bounded_load_order(ranks, lambda rank: cache.get(rank[0].replica_id) or 0, capacity)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 
-from deployments.router import bounded_load_order
+from deployments.router import bounded_load_order, load_capacity
 from deployments.schemas import PARTITION_PREFIX_CHARS, GenerateRequest
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -50,17 +50,30 @@ def test_without_partitions_nothing_is_routed_and_one_partition_routes_by_tenant
     assert keys == {"a\x000", "b\x000"}
 
 
+def order(ring: list[str], load: dict[str, int]) -> list[str]:
+    """The bounded order of the whole ``ring`` at the router's default bound."""
+    return bounded_load_order(ring, load.get, load_capacity(sum(load.values()), len(ring), 1.25))
+
+
 def test_bounded_load_keeps_the_owner_until_it_is_over_the_bound():
     ring = ["owner", "next", "after"]
     load = dict.fromkeys(ring, 0)
-    assert bounded_load_order(ring, load.get, 1.25) == ring  # idle: the key's owner
+    assert order(ring, load) == ring  # idle: the key's owner
     load.update(owner=2, next=1, after=1)  # capacity ceil(1.25 * 5 / 3) = 3: owner still fits
-    assert bounded_load_order(ring, load.get, 1.25) == ring
+    assert order(ring, load) == ring
     load.update(owner=4)  # capacity ceil(1.25 * 7 / 3) = 3: the owner is full, its successor next
-    assert bounded_load_order(ring, load.get, 1.25) == ["next", "after", "owner"]
+    assert order(ring, load) == ["next", "after", "owner"]
     ring.append("last")
     load.update(owner=5, next=5, after=0, last=0)  # ceil(1.25 * 11 / 4) = 4: two full, behind, in ring order
-    assert bounded_load_order(ring, load.get, 1.25) == ["after", "last", "owner", "next"]
+    assert order(ring, load) == ["after", "last", "owner", "next"]
+
+
+def test_capacity_is_the_whole_clusters_mean_not_the_walked_replicas():
+    """The router ranks only a few ring successors; capacity comes from every replica's load,
+    so a key whose few successors are all busy still spills while the cluster is idle."""
+    capacity = load_capacity(total_load=4, num_replicas=16, bound=1.25)  # ceil(1.25 * 5 / 16) = 1
+    walked = {"owner": 2, "next": 2, "after": 0}
+    assert bounded_load_order(list(walked), walked.get, capacity) == ["after", "owner", "next"]
 
 
 def test_placing_a_hot_key_never_loads_a_replica_past_the_bound():
@@ -70,7 +83,7 @@ def test_placing_a_hot_key_never_loads_a_replica_past_the_bound():
     ring = [f"replica-{i}" for i in range(8)]
     load = dict.fromkeys(ring, 0)
     for placed in range(1, 201):
-        chosen = bounded_load_order(ring, load.get, 1.25)[0]
+        chosen = order(ring, load)[0]
         load[chosen] += 1
         assert max(load.values()) <= -(-1.25 * placed // len(ring)), (placed, load)
     # Filled along the ring from the owner: the owner holds the most, a later replica none yet.
