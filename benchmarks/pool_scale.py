@@ -465,7 +465,7 @@ async def service_cell(redis: LocalRedis, partitions: int, seed: int = 0) -> dic
                 pair = rng.sample(range(SERVICE_REPLICAS), 2)
                 replica = min(pair, key=load.__getitem__)
             else:
-                capacity = load_capacity(sum(load), SERVICE_REPLICAS, DEFAULT_LOAD_BOUND)
+                capacity = load_capacity(sum(load), SERVICE_REPLICAS, BOUNDED_LOAD)
                 replica = bounded_load_order(ring_order(ring, key), load.__getitem__, capacity)[0]
             load[replica] += 1
             partition = request.pool_partition(partitions)

@@ -152,7 +152,11 @@ class Engine:
             params=params,
             spec=spec,
             stopper=stopper,
-            drafter=drafter or self.new_drafter(prompt_ids, spec, params.seed, shared, local_index),
+            drafter=(
+                drafter
+                if drafter is not None
+                else self.new_drafter(prompt_ids, spec, params.seed, shared, local_index)
+            ),
             draws=TokenDraws(params.seed),
             acceptance=AcceptanceEstimator(prior=self.acceptance),
             on_tokens=on_tokens,

@@ -32,7 +32,8 @@ DEFAULT_MAX_TENANTS = 64
 # Partition streams a replica tails at once (per namespace). Routed by partition, a replica
 # serves ~(tenants x partitions / replicas) keys: ~20-24 in benchmarks/pool_scale.py's 64- and
 # 512-replica cells at the partitions its README table suggests. Each costs a blocking read
-# (two Redis connections); a replica that drifts onto more drops the least recently used.
+# (one Redis connection; connects and publishes share the replica's command client); a replica
+# that drifts onto more drops the least recently used.
 DEFAULT_MAX_FOLLOWED_PARTITIONS = 32
 # Tenants come and go and a new model or tokenizer means a new namespace: without an expiry
 # the namespaces nobody publishes to would hold their memory in Redis for ever.
