@@ -33,8 +33,8 @@ from typing import Protocol
 from benchmarks.common import publish_run, run_metadata
 from benchmarks.workloads import WORKLOADS, long_chats, make_workload
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
-from nasd_core.drafter import RequestDrafter
-from nasd_core.ngram import NGramIndex, prompt_lookup
+from nasd_core.drafter import RequestDrafter, new_shared_index
+from nasd_core.ngram import prompt_lookup
 from nasd_core.suffix import MAX_SPEC_FACTOR, SuffixIndex, best_draft
 
 TRACES = Path(__file__).resolve().parent / "traces" / "greedy_float32.json"
@@ -132,12 +132,14 @@ class NGramDrafter:
     ``max_spec_factor``: cut each draft to that many times its matched context (SuffixDecoding's
     sizing rule; None: the drafter's own length, as the server drafts before its policy)."""
 
+    LOCAL_INDEX = "hybrid"
+    SHARED_KIND = "ngram"
+
     def __init__(self, scope: str, max_spec_factor: float | None = None) -> None:
         self.max_spec_factor = max_spec_factor
-        self.spec = SpecConfig(mode="on", num_draft_tokens=MAX_DRAFT)
-        self.replica = (
-            NGramIndex(IndexConfig(max_entries=DEFAULT_INDEX_MAX_ENTRIES)) if scope == "cross" else None
-        )
+        self.spec = SpecConfig(mode="on", num_draft_tokens=MAX_DRAFT, local_index=self.LOCAL_INDEX)
+        shared = IndexConfig(kind=self.SHARED_KIND, max_entries=DEFAULT_INDEX_MAX_ENTRIES)
+        self.replica = new_shared_index(shared) if scope == "cross" else None
         self.drafter: RequestDrafter | None = None
 
     def start(self, prompt: list[int]) -> None:
@@ -157,6 +159,16 @@ class NGramDrafter:
     def finish(self, sequence: list[int]) -> None:
         if self.replica is not None:
             self.replica.update(sequence)
+
+
+class EngineSuffixDrafter(NGramDrafter):
+    """The same drafter with the suffix sources (``SpecConfig(local_index="suffix")`` and a
+    replica index of ``IndexConfig(kind="suffix")``): the request's own tokens and finished
+    requests matched by suffix in the compiled store, drafts up to the cap (the server's policy
+    sizes them)."""
+
+    LOCAL_INDEX = "suffix"
+    SHARED_KIND = "suffix"
 
 
 class SuffixDrafter:
@@ -232,6 +244,7 @@ class SuffixDecoding:
 DRAFTERS: dict[str, type] = {
     "prompt_lookup": PromptLookup,
     "ngram": NGramDrafter,
+    "engine_suffix": EngineSuffixDrafter,
     "suffix": SuffixDrafter,
     "suffix_decoding": SuffixDecoding,
 }

@@ -16,12 +16,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from nasd_core.config import SamplingParams, SpecConfig
-from nasd_core.drafter import RequestDrafter
+from nasd_core.drafter import RequestDrafter, SharedIndex
 from nasd_core.engine import Engine
 from nasd_core.inputs import encode_prompt
 from nasd_core.logprobs import TokenLogprob
 from nasd_core.metrics import SpecStats
-from nasd_core.ngram import NGramIndex
 from nasd_core.sequence import Request
 
 logger = logging.getLogger(__name__)
@@ -91,7 +90,7 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         spec: SpecConfig | None = None,
         request_id: str | None = None,
-        shared: Sequence[tuple[str, NGramIndex]] | None = None,
+        shared: Sequence[tuple[str, SharedIndex]] | None = None,
         prefill_from: str | None = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream one request's tokens. Leaving the iteration early cancels the request.

@@ -28,7 +28,7 @@ EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
 EMBEDDED_MODEL_ALIASES = ("HuggingFaceTB/SmolLM2-135M-Instruct",)
 
 SpeculationMode = Literal["off", "on", "auto"]
-LocalIndexKind = Literal["hybrid", "multi_level", "one_level", "prompt_lookup"]
+LocalIndexKind = Literal["hybrid", "multi_level", "one_level", "prompt_lookup", "suffix"]
 DEFAULT_LOOKUP_MAX_NGRAM = 8
 
 
@@ -148,8 +148,9 @@ class SpecConfig(_Config):
     local_index: LocalIndexKind = Field(
         "hybrid",
         description="Request-local draft source over the prompt and the output: a multi-level or "
-        "one-level n-gram index, prompt lookup (latest earlier occurrence), or hybrid (both; the "
-        "longer match wins).",
+        "one-level n-gram index, prompt lookup (latest earlier occurrence), hybrid (both; the "
+        "longer match wins), or suffix (the longest earlier match of up to 64 tokens, compiled; "
+        "nasd_core.suffix).",
     )
     lookup_max_ngram: int = Field(
         DEFAULT_LOOKUP_MAX_NGRAM, ge=1, le=64, description="Longest suffix prompt lookup tries to match."
@@ -172,8 +173,14 @@ class SpecConfig(_Config):
 
 
 class IndexConfig(_Config):
-    """Bounds of a replica-level or pool-fed n-gram index."""
+    """Kind and bounds of a replica-level or pool-fed index of finished requests."""
 
+    kind: Literal["ngram", "suffix"] = Field(
+        "ngram",
+        description="ngram: multi-level n-gram counts (contexts of min_ngram..max_ngram tokens); suffix: "
+        "the sequences themselves, matched by suffix up to 64 tokens (compiled; max_entries then counts "
+        "stored tokens).",
+    )
     max_ngram: int = Field(DEFAULT_MAX_NGRAM, ge=1, le=16, description="Longest context stored.")
     min_ngram: int = Field(DEFAULT_MIN_NGRAM, ge=1, le=16, description="Shortest context stored.")
     max_entries: int = Field(

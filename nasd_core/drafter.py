@@ -9,6 +9,7 @@ matched the longest context wins, then the most frequent; ties go to the earlier
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -16,8 +17,18 @@ import numpy as np
 
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
 from nasd_core.ngram import NGramIndex, prompt_lookup
+from nasd_core.suffix import SharedSuffixIndex, SuffixIndex
 
 LOCAL_SOURCE = "request"
+# A shared draft source: finished requests, read by every request of a replica.
+SharedIndex = NGramIndex | SharedSuffixIndex
+
+
+def new_shared_index(config: IndexConfig) -> SharedIndex:
+    """A replica's or pool's index of finished requests, of ``config.kind``."""
+    if config.kind == "suffix":
+        return SharedSuffixIndex(config.max_entries)
+    return NGramIndex(config)
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,7 @@ class RequestDrafter:
     def __init__(
         self,
         spec: SpecConfig,
-        shared: Sequence[tuple[str, NGramIndex]] = (),
+        shared: Sequence[tuple[str, SharedIndex]] = (),
         local_index: NGramIndex | None = None,
         vocab_size: int | None = None,
         seed: int | None = 0,
@@ -56,9 +67,14 @@ class RequestDrafter:
         self.shared = list(shared)
         self.use_lookup = spec.local_index in ("prompt_lookup", "hybrid")
         self.local_index: NGramIndex | None = local_index
+        # The request's own tokens matched by suffix (``spec.local_index == "suffix"``).
+        self.local_suffix: SuffixIndex | None = None
         # A request that never drafts keeps no index of its tokens: indexing a 1000-token prompt
         # is 2-3 ms of the engine thread's time (3 levels x ~1 us per context update).
-        if local_index is None and spec.local_index != "prompt_lookup" and spec.is_speculating:
+        if local_index is None and spec.local_index == "suffix" and spec.is_speculating:
+            self.local_suffix = SuffixIndex()
+            self.local_suffix.start_sequence()
+        elif local_index is None and spec.local_index != "prompt_lookup" and spec.is_speculating:
             min_ngram = spec.max_ngram if spec.local_index == "one_level" else spec.min_ngram
             self.local_index = NGramIndex(
                 IndexConfig(
@@ -73,6 +89,8 @@ class RequestDrafter:
         """Learn the n-grams of ``tokens`` (the whole sequence so far) not learned yet."""
         if self.local_index is not None:
             self.local_index.update(tokens, start=self._num_learned)
+        if self.local_suffix is not None:
+            self.local_suffix.extend(tokens[self._num_learned :])
         self._num_learned = len(tokens)
 
     def learn_alternatives(self, context: Sequence[int], tokens: Sequence[int]) -> None:
@@ -101,6 +119,8 @@ class RequestDrafter:
         is scanned for.
         """
         longest, source = 0, None
+        if self.local_suffix is not None:
+            longest, source = self._suffix_match(tokens), LOCAL_SOURCE
         for name, index in self._indexes():
             match = index.lookup(tokens)
             if match is not None and match.context_length > longest:
@@ -120,6 +140,16 @@ class RequestDrafter:
         spec = self.spec
         best = EMPTY_DRAFT
         best_key = (0, 0)
+        if self.local_suffix is not None:
+            # Drafted up to the cap, as prompt lookup drafts: the policy sizes each draft by
+            # what drafts of its match length have been accepted.
+            own = self.local_suffix.draft(tokens, max_tokens, len(self.local_suffix) - 1, math.inf)
+            # Counted once, as a prompt lookup copy is; a match whose continuations are too
+            # split to draft (``suffix.MIN_TOKEN_PROB``) still holds its length, as
+            # ``longest_match`` reports it.
+            if own.match_length:
+                best = Draft(own.tokens, LOCAL_SOURCE, own.match_length)
+                best_key = (own.match_length, 1 if own.tokens else 0)
         if self.use_lookup:
             candidate, length = prompt_lookup(tokens, max_tokens, spec.lookup_max_ngram, spec.min_ngram)
             if candidate:
@@ -127,11 +157,17 @@ class RequestDrafter:
                 best, best_key = Draft(candidate, LOCAL_SOURCE, length), (length, 1)
         for name, index in self._indexes():
             candidate, length, count = index.propose(tokens, max_tokens)
-            if candidate and (length, count) > best_key:
+            # A match with no draft (a suffix store's continuations too split) keeps its length,
+            # as ``longest_match`` reports it; an n-gram index has none without a draft.
+            if length and (length, count) > best_key:
                 best, best_key = Draft(candidate, name, length), (length, count)
         return best
 
-    def _indexes(self) -> list[tuple[str, NGramIndex]]:
+    def _suffix_match(self, tokens: Sequence[int]) -> int:
+        """The longest earlier match of ``tokens``' suffix in the request's own tokens."""
+        return self.local_suffix.match(tokens, len(self.local_suffix) - 1)[0]
+
+    def _indexes(self) -> list[tuple[str, SharedIndex]]:
         """Every index to read, request-local first."""
         if self.local_index is None:
             return self.shared

@@ -23,7 +23,7 @@ import torch
 
 from nasd_core.calibration import model_acceptance, model_step_time, step_time_payoff
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
-from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
+from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter, SharedIndex
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
 from nasd_core.inputs import check_context, encode_prompt, eos_ids
 from nasd_core.logprobs import token_logprobs
@@ -65,7 +65,7 @@ class Engine:
         model,
         tokenizer,
         config: EngineConfig | None = None,
-        shared: Sequence[tuple[str, NGramIndex]] = (),
+        shared: Sequence[tuple[str, SharedIndex]] = (),
         runner: ModelRunner | None = None,
     ) -> None:
         self.model = model
@@ -101,7 +101,7 @@ class Engine:
         spec: SpecConfig | None = None,
         request_id: str | None = None,
         on_tokens: TokenListener | None = None,
-        shared: Sequence[tuple[str, NGramIndex]] | None = None,
+        shared: Sequence[tuple[str, SharedIndex]] | None = None,
         local_index: NGramIndex | None = None,
         prefill_from: str | None = None,
         drafter: RequestDrafter | None = None,
@@ -180,7 +180,7 @@ class Engine:
         prompt_ids: Sequence[int],
         spec: SpecConfig | None = None,
         seed: int | None = None,
-        shared: Sequence[tuple[str, NGramIndex]] | None = None,
+        shared: Sequence[tuple[str, SharedIndex]] | None = None,
         local_index: NGramIndex | None = None,
     ) -> RequestDrafter:
         """A request's drafter, its prompt already learned. Reads nothing the engine thread

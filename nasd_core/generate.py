@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
+from nasd_core.drafter import SharedIndex
 from nasd_core.engine import Engine
 from nasd_core.inputs import check_context, encode_prompt
 from nasd_core.model_runner import ModelRunner
@@ -27,7 +28,7 @@ def generate(
     prompt: str | Sequence[int],
     params: SamplingParams | None = None,
     spec: SpecConfig | None = None,
-    shared: Sequence[tuple[str, NGramIndex]] = (),
+    shared: Sequence[tuple[str, SharedIndex]] = (),
     on_tokens: TokenCallback | None = None,
     local_index: NGramIndex | None = None,
     step_time: StepTimeModel | None = None,

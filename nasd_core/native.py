@@ -1,4 +1,5 @@
-"""The project's C++ CPU kernels (``nasd_core/csrc``), compiled on this machine on first use.
+"""The project's C++ code (``nasd_core/csrc``: the CPU attention kernels and the suffix-match
+draft source), compiled on this machine on first use.
 
 Why compiled here and not shipped: the kernels are built with ``-march=native`` (their loops
 are vectorised for the CPU that runs them), so a build is only valid on the machine, torch
@@ -6,8 +7,9 @@ and source it was made for; the cache directory's name carries all three. ``make
 builds them once (about 10 s); a process that finds no build makes it (torch's build lock
 keeps concurrent replicas from racing).
 
-Where no compiler is available, or ``NASD_NATIVE=0``, ``load()`` returns False and callers
-use their pure-torch path, which computes the same thing (the tests compare the two).
+Where no compiler is available, or ``NASD_NATIVE=0``, ``load()`` returns False and
+``drafter()`` None, and callers use their pure-torch / pure-Python path, which computes the
+same thing (the tests compare the two).
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "paged_attention.cpp"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+# The suffix-match draft source: a Python module (a class with state), no OpenMP.
+DRAFTER_SOURCES = [CSRC / "suffix_index.cpp"]
+DRAFTER_CFLAGS = ["-O3", "-march=native"]
 
 
 def _cpu_flags() -> str:
@@ -37,41 +43,54 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def build_directory() -> Path:
-    """Where this machine's build for this torch and source lives."""
+def build_directory(sources: list[Path] = SOURCES, cflags: list[str] = CFLAGS) -> Path:
+    """Where this machine's build of ``sources`` for this torch lives."""
     from nasd_core.models import default_cache_dir
 
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in sources:
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
-    digest.update(" ".join(CFLAGS).encode())
+    digest.update(" ".join(cflags).encode())
     digest.update(_cpu_flags().encode())
     return default_cache_dir() / "native" / digest.hexdigest()[:16]
+
+
+def _build(name: str, sources: list[Path], cflags: list[str], python_module: bool, what: str):
+    """Build (if needed) and load one extension; None (after a warning) if that fails."""
+    if os.environ.get("NASD_NATIVE", "1") == "0":
+        return None
+    from torch.utils import cpp_extension
+
+    directory = build_directory(sources, cflags)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(
+            name=name,
+            sources=[str(source) for source in sources],
+            extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"] if "-fopenmp" in cflags else [],
+            build_directory=str(directory),
+            is_python_module=python_module,
+            verbose=False,
+        )
+    except Exception as exc:  # any failed build (no compiler, no headers) means: use the Python path
+        logger.warning("NASD C++ %s unavailable (%s); using the pure-Python path", what, exc)
+        return None
 
 
 @functools.cache
 def load() -> bool:
     """Build (if needed) and load the kernels into ``torch.ops.nasd``; False if unavailable."""
-    if os.environ.get("NASD_NATIVE", "1") == "0":
-        return False
     if hasattr(torch.ops.nasd, "paged_attention"):
         return True
-    from torch.utils import cpp_extension
-
-    directory = build_directory()
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(
-            name="nasd_native",
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
-    except Exception as exc:  # any failed build (no compiler, no headers) means: use the torch path
-        logger.warning("NASD C++ kernels unavailable (%s); using the pure-torch attention path", exc)
+    if os.environ.get("NASD_NATIVE", "1") == "0":
         return False
-    return True
+    _build("nasd_native", SOURCES, CFLAGS, python_module=False, what="attention kernels")
+    return hasattr(torch.ops.nasd, "paged_attention")
+
+
+@functools.cache
+def drafter():
+    """The compiled suffix-match module (``SuffixIndex``), or None where it cannot be built."""
+    return _build("nasd_suffix", DRAFTER_SOURCES, DRAFTER_CFLAGS, python_module=True, what="suffix drafter")

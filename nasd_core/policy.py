@@ -72,6 +72,19 @@ def dormant_steps(num_rows: int, num_misses: int) -> int:
     return min(1 << (num_misses - 1), num_rows // ROWS_PER_DORMANT_STEP, MAX_DORMANT_STEPS)
 
 
+# Matched context lengths above 4 share their acceptance counts by span (5-7, 8-15, 16-31,
+# 32+): the suffix source matches up to 64 tokens, and a request verifies too few drafts to
+# learn 60 lengths apart, while a 9- and a 12-token match are copies alike.
+MATCH_BUCKET_EDGES = (5, 8, 16, 32)
+
+
+def match_bucket(match_length: int) -> int:
+    """The acceptance key of a match of ``match_length`` tokens (1-4 exact, then by span)."""
+    if match_length < MATCH_BUCKET_EDGES[0]:
+        return match_length
+    return MATCH_BUCKET_EDGES[bisect.bisect_right(MATCH_BUCKET_EDGES, match_length) - 1]
+
+
 def _prior_first(match_length: int) -> float:
     return PRIOR_FIRST_ACCEPT.get(match_length, PRIOR_FIRST_ACCEPT_LONG)
 
@@ -115,7 +128,7 @@ class AcceptanceEstimator:
         """Count one verified draft of ``num_drafted`` tokens of which ``num_accepted`` matched."""
         if num_drafted <= 0:
             return
-        key = (source, match_length)
+        key = (source, match_bucket(match_length))
         self.first.setdefault(key, _Counts()).add(1, num_accepted > 0, self.decay)
         # Positions 2..: tried while every earlier draft was accepted.
         self.following.setdefault(key, _Counts()).add(
@@ -130,8 +143,9 @@ class AcceptanceEstimator:
             prior_first, prior_next = self.prior.rates(match_length, source)
         else:
             prior_first, prior_next = _prior_first(match_length), PRIOR_NEXT_ACCEPT
-        first = self.first.get((source, match_length), _Counts())
-        following = self.following.get((source, match_length), _Counts())
+        key = (source, match_bucket(match_length))
+        first = self.first.get(key, _Counts())
+        following = self.following.get(key, _Counts())
         a_first = (first.accepted + PRIOR_WEIGHT * prior_first) / (first.trials + PRIOR_WEIGHT)
         a_next = (following.accepted + PRIOR_WEIGHT * prior_next) / (following.trials + PRIOR_WEIGHT)
         return a_first, a_next

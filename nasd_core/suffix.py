@@ -15,6 +15,10 @@ most frequent next token among the occurrences still agreeing with the draft (ti
 recent), its probability the product of those frequencies; the draft stops below
 ``MIN_TOKEN_PROB`` or at ``MAX_SPEC_FACTOR`` times the match length, so a one-token match on
 fresh text proposes at most a token or two while a 30-token copy proposes a long draft.
+
+Two implementations of one definition: ``ReferenceSuffixIndex`` here in Python, and the same
+store compiled (``nasd_core/csrc/suffix_index.cpp``, built by ``nasd_core.native``), which
+``SuffixIndex`` uses wherever it builds; the tests hold the two equal draft for draft.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from nasd_core import native
 
 ANCHOR_LENGTHS = (1, 2, 4, 8, 16)
 MAX_MATCH = 64
@@ -50,8 +56,8 @@ class SuffixDraft:
 EMPTY = SuffixDraft([], [], 0)
 
 
-class SuffixIndex:
-    """Stored token sequences, matched by suffix.
+class ReferenceSuffixIndex:
+    """Stored token sequences, matched by suffix (pure Python: the definition).
 
     Args:
         max_tokens: token budget; past it the oldest sequences are dropped (None: unbounded).
@@ -112,7 +118,7 @@ class SuffixIndex:
         kept = [
             self.tokens[start : end - 1] for start, end in zip(starts, [*starts[1:], len(self.tokens) + 1])
         ]
-        self.__init__(self.max_tokens)
+        ReferenceSuffixIndex.__init__(self, self.max_tokens)
         for sequence in kept:
             self.start_sequence()
             self.extend(sequence)
@@ -155,7 +161,7 @@ class SuffixIndex:
         match_length, support = self.match(context, exclude)
         if not support or max_tokens <= 0:
             return EMPTY
-        limit = min(max_tokens, math.ceil(max_spec_factor * match_length))
+        limit = min(max_tokens, math.ceil(min(max_spec_factor * match_length, max_tokens)))
         tokens = self.tokens
         drafted: list[int] = []
         probs: list[float] = []
@@ -182,6 +188,63 @@ class SuffixIndex:
         return SuffixDraft(drafted, probs, match_length)
 
 
+class SuffixIndex:
+    """Stored token sequences, matched by suffix: the compiled store where it builds, else
+    ``ReferenceSuffixIndex`` (``compiled=False`` asks for the reference).
+
+    Lookups pass the compiled store only the context's last ``MAX_MATCH`` tokens (no match is
+    longer), so a call costs the same at any context length.
+    """
+
+    def __init__(self, max_tokens: int | None = None, compiled: bool = True) -> None:
+        module = native.drafter() if compiled else None
+        self.compiled = module is not None
+        self._store = (
+            module.SuffixIndex(-1 if max_tokens is None else max_tokens, MAX_MATCH, MAX_CANDIDATES)
+            if module is not None
+            else ReferenceSuffixIndex(max_tokens)
+        )
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._store.tokens)
+
+    def add_sequence(self, tokens: Sequence[int]) -> None:
+        """Store a whole sequence (a finished request, a pool entry)."""
+        self._store.add_sequence(list(tokens))
+
+    def start_sequence(self) -> None:
+        """Begin a new sequence: no match crosses into the previous one."""
+        self._store.start_sequence()
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the current sequence."""
+        self._store.extend(list(tokens))
+
+    def match(self, context: Sequence[int], exclude: int = -1) -> tuple[int, list[int]]:
+        """See ``ReferenceSuffixIndex.match``."""
+        return self._store.match(list(context[-MAX_MATCH:]), exclude)
+
+    def draft(
+        self,
+        context: Sequence[int],
+        max_tokens: int,
+        exclude: int = -1,
+        max_spec_factor: float = MAX_SPEC_FACTOR,
+    ) -> SuffixDraft:
+        """See ``ReferenceSuffixIndex.draft``."""
+        tail = list(context[-MAX_MATCH:])
+        if not self.compiled:
+            return self._store.draft(tail, max_tokens, exclude, max_spec_factor)
+        tokens, probs, match_length = self._store.draft(
+            tail, max_tokens, exclude, max_spec_factor, MIN_TOKEN_PROB
+        )
+        return SuffixDraft(tokens, probs, match_length)
+
+
 def best_draft(drafts: Sequence[SuffixDraft]) -> SuffixDraft:
     """The draft expected to have the most tokens accepted (ties: the earlier source)."""
     best = EMPTY
@@ -189,3 +252,79 @@ def best_draft(drafts: Sequence[SuffixDraft]) -> SuffixDraft:
         if draft.expected_accepted > best.expected_accepted:
             best = draft
     return best
+
+
+# A shared store keeps its token budget in this many generations (see SharedSuffixIndex).
+NUM_GENERATIONS = 4
+
+
+class SharedSuffixIndex:
+    """Finished sequences of many requests (a replica's own, what the pool brings in), matched
+    by suffix, within a token budget; the interface of the drafter's shared sources
+    (``update`` / ``update_many`` / ``lookup`` / ``propose`` / ``num_entries``).
+
+    Why generations: dropping the oldest sequences from one hash-chain store means rebuilding
+    it (the chains hold absolute positions), seconds at a pool's budget, on the engine thread
+    where shared sources are updated. Instead the budget is split over ``NUM_GENERATIONS``
+    stores; sequences go into the newest, and when it is full a new one starts and the oldest
+    is dropped whole. A lookup asks every generation, newest first, and the longest match wins
+    (a tie: the newer). At most ``max_tokens`` tokens are stored (a sequence longer than a
+    generation's share is stored whole, alone in its generation).
+    """
+
+    def __init__(self, max_tokens: int, compiled: bool = True) -> None:
+        self.max_tokens = max_tokens
+        self.compiled = compiled
+        self.generation_tokens = max(1, max_tokens // NUM_GENERATIONS)
+        self._generations: list[SuffixIndex] = []  # oldest first
+
+    @property
+    def num_entries(self) -> int:
+        """Stored tokens, over every generation."""
+        return sum(len(generation) for generation in self._generations)
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """Store one finished sequence."""
+        newest = self._generations[-1] if self._generations else None
+        # + 1: the separator before it
+        if newest is None or (len(newest) and len(newest) + len(tokens) + 1 > self.generation_tokens):
+            self._generations.append(SuffixIndex(compiled=self.compiled))
+            if len(self._generations) > NUM_GENERATIONS:
+                del self._generations[0]
+        self._generations[-1].add_sequence(tokens)
+
+    def update_many(self, sequences: Sequence[Sequence[int]]) -> None:
+        for sequence in sequences:
+            self.update(sequence)
+
+    def draft(
+        self, context: Sequence[int], max_tokens: int, max_spec_factor: float = math.inf
+    ) -> SuffixDraft:
+        """The draft of the generation with the longest match (newest on a tie)."""
+        best = EMPTY
+        for generation in reversed(self._generations):
+            draft = generation.draft(context, max_tokens, max_spec_factor=max_spec_factor)
+            if draft.match_length > best.match_length:
+                best = draft
+        return best
+
+    def longest_match(self, context: Sequence[int]) -> int:
+        """The longest stored suffix of ``context`` (what ``draft`` would match)."""
+        return max((generation.match(context)[0] for generation in self._generations), default=0)
+
+    # The drafter reads its shared sources through NGramIndex's two lookups.
+    def lookup(self, context: Sequence[int]) -> SuffixMatch | None:
+        length = self.longest_match(context)
+        return SuffixMatch(length) if length else None
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> tuple[list[int], int, int]:
+        """(draft up to ``max_tokens``, its match length, 1; 0 when the match drafts nothing)."""
+        draft = self.draft(context, max_tokens)
+        return draft.tokens, draft.match_length, 1 if draft.tokens else 0
+
+
+@dataclass(frozen=True)
+class SuffixMatch:
+    """A shared suffix store's answer to ``lookup``: how long a context it matched."""
+
+    context_length: int

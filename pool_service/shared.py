@@ -32,7 +32,7 @@ from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from nasd_core.ngram import NGramIndex
+from nasd_core.drafter import SharedIndex, new_shared_index
 from pool_service.config import PoolConfig
 from pool_service.store import open_store
 from pool_service.sync import Apply, PoolSync, apply_now
@@ -77,13 +77,13 @@ def partition_namespace(namespace: str, tenant: str | None, partition: int) -> s
 @dataclass
 class _Namespace:
     name: str
-    replica_index: NGramIndex
-    pool_index: NGramIndex
+    replica_index: SharedIndex
+    pool_index: SharedIndex
     # The streams this replica tails into pool_index, least recently used first.
     syncs: OrderedDict[str, PoolSync] = field(default_factory=OrderedDict)
 
     @property
-    def sources(self) -> list[tuple[str, NGramIndex]]:
+    def sources(self) -> list[tuple[str, SharedIndex]]:
         return [(REPLICA_SOURCE, self.replica_index), (POOL_SOURCE, self.pool_index)]
 
 
@@ -140,7 +140,7 @@ class SharedPools:
                 await self._client.aclose()
             self._client = None
 
-    def sources_for(self, tenant: str | None, partition: int = 0) -> list[tuple[str, NGramIndex]]:
+    def sources_for(self, tenant: str | None, partition: int = 0) -> list[tuple[str, SharedIndex]]:
         """Draft sources a request of ``tenant`` may read (tenant is ignored without isolation),
         and, with partitions, start tailing the request's ``partition`` if not yet followed."""
         space = self._get(tenant)
@@ -193,7 +193,7 @@ class SharedPools:
                 )
             self.num_tenants_refused += 1
             return None
-        space = _Namespace(name, NGramIndex(self.config.index), NGramIndex(self.config.index))
+        space = _Namespace(name, new_shared_index(self.config.index), new_shared_index(self.config.index))
         self._namespaces[name] = space
         return space
 

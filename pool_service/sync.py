@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from nasd_core.ngram import NGramIndex
+from nasd_core.drafter import SharedIndex
 from pool_service.codec import bounded_runs, pack_tokens, sequence_digest
 from pool_service.config import PoolConfig
 from pool_service.store import START_CURSOR, PoolStore, PoolUnavailableError, now_ms
@@ -58,7 +58,7 @@ class PoolSync:
     def __init__(
         self,
         store: PoolStore,
-        pool_index: NGramIndex,
+        pool_index: SharedIndex,
         config: PoolConfig,
         origin: str,
         apply: Apply = apply_now,

@@ -54,7 +54,7 @@ def greedy_cases(model, tokenizer):
     return cases
 
 
-@pytest.mark.parametrize("local_index", ["multi_level", "one_level", "prompt_lookup", "hybrid"])
+@pytest.mark.parametrize("local_index", ["multi_level", "one_level", "prompt_lookup", "hybrid", "suffix"])
 def test_greedy_is_token_identical_to_plain_decoding(model, tokenizer, greedy_cases, local_index):
     spec = SpecConfig(
         mode="on",

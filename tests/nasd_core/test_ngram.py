@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nasd_core.config import IndexConfig, SpecConfig
-from nasd_core.drafter import RequestDrafter
+from nasd_core.drafter import RequestDrafter, new_shared_index
 from nasd_core.ngram import Match, NGramIndex, prompt_lookup
 
 token_lists = st.lists(st.integers(min_value=0, max_value=7), min_size=0, max_size=60)
@@ -228,12 +228,13 @@ def test_prompt_lookup_equals_its_definition(sequence, max_tokens, max_ngram, mi
 @given(
     own=st.lists(st.integers(0, 5), min_size=1, max_size=60),
     shared=st.lists(st.integers(0, 5), min_size=0, max_size=60),
-    local_index=st.sampled_from(["hybrid", "prompt_lookup", "multi_level"]),
+    local_index=st.sampled_from(["hybrid", "prompt_lookup", "multi_level", "suffix"]),
+    shared_kind=st.sampled_from(["ngram", "suffix"]),
 )
-def test_longest_match_is_the_length_the_draft_matches(own, shared, local_index):
+def test_longest_match_is_the_length_the_draft_matches(own, shared, local_index, shared_kind):
     """The engine decides which rows to draft for from ``longest_match`` alone: it must be the
     match length the built draft reports (an optimistic guess built drafts the policy dropped)."""
-    replica = NGramIndex(IndexConfig())
+    replica = new_shared_index(IndexConfig(kind=shared_kind))
     replica.update(shared)
     drafter = RequestDrafter(SpecConfig(local_index=local_index), [("replica", replica)])
     drafter.observe(own)
@@ -249,6 +250,10 @@ def test_a_request_that_never_drafts_keeps_no_index_of_its_tokens():
     speculating = RequestDrafter(SpecConfig(mode="auto"))
     speculating.observe(tokens)
     assert speculating.local_index.num_entries > 0
+    assert RequestDrafter(SpecConfig(mode="off", local_index="suffix")).local_suffix is None
+    by_suffix = RequestDrafter(SpecConfig(mode="auto", local_index="suffix"))
+    by_suffix.observe(tokens)
+    assert len(by_suffix.local_suffix) == len(tokens) and by_suffix.local_index is None
     # A storage passed in (the seeds' API) learns whatever the mode: its owner reads it.
     storage = NGramIndex(IndexConfig())
     RequestDrafter(SpecConfig(mode="off"), local_index=storage).observe(tokens)

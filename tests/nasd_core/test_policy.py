@@ -20,6 +20,7 @@ from nasd_core.policy import (
     dormant_steps,
     draft_position_cap,
     expected_tokens,
+    match_bucket,
     plan_batch_drafts,
     pooled_acceptance,
     snap_extra,
@@ -44,6 +45,31 @@ def test_acceptance_estimator_learns_from_outcomes():
     assert estimator.rates(5)[0] < 0.1
     estimator.record(7, num_drafted=0, num_accepted=0)  # nothing drafted: nothing learned
     assert 7 not in estimator.first
+
+
+def test_long_matches_share_acceptance_by_span():
+    """The suffix source matches up to 64 tokens: lengths above 4 learn together by span
+    (5-7, 8-15, 16-31, 32+), so a 12-token match is priced by what 9-token ones did."""
+    estimator = AcceptanceEstimator()
+    for _ in range(40):
+        estimator.record(9, num_drafted=4, num_accepted=0)
+    assert estimator.rates(12)[0] < 0.1
+    untouched = AcceptanceEstimator().rates
+    assert [estimator.rates(length) for length in (4, 7, 16, 40)] == [
+        untouched(length) for length in (4, 7, 16, 40)
+    ]
+    assert [match_bucket(length) for length in (1, 4, 5, 7, 8, 15, 16, 31, 32, 64)] == [
+        1,
+        4,
+        5,
+        5,
+        8,
+        8,
+        16,
+        16,
+        32,
+        32,
+    ]
 
 
 def flat_then_expensive() -> StepTimeModel:

@@ -1,15 +1,38 @@
 """Suffix-match drafting: the longest match against brute force, confidence-sized drafts,
-sequence boundaries and the token budget."""
+sequence boundaries and the token budget, for the compiled store and the Python reference;
+and the two equal draft for draft."""
 
 from __future__ import annotations
 
+import os
 from unittest import mock
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nasd_core import suffix
-from nasd_core.suffix import MAX_MATCH, SuffixIndex, best_draft
+from nasd_core import native, suffix
+from nasd_core.suffix import MAX_MATCH, SharedSuffixIndex, SuffixIndex, best_draft
+
+IMPLEMENTATIONS = ("compiled", "reference")
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def make_index(request):
+    """Builds indexes of one implementation (the compiled one must build, except where
+    NASD_NATIVE=0 turns it off on purpose)."""
+    compiled = request.param == "compiled"
+    if compiled and native.drafter() is None:
+        if os.environ.get("NASD_NATIVE") == "0":
+            pytest.skip("NASD_NATIVE=0: the compiled suffix store is turned off")
+        pytest.fail("the compiled suffix store did not build (see the warning logged by nasd_core.native)")
+
+    def make(max_tokens: int | None = None) -> SuffixIndex:
+        index = SuffixIndex(max_tokens, compiled=compiled)
+        assert index.compiled == compiled
+        return index
+
+    return make
 
 
 def brute_force_match(sequences: list[list[int]], context: list[int]) -> int:
@@ -34,19 +57,51 @@ def brute_force_match(sequences: list[list[int]], context: list[int]) -> int:
     context=st.lists(st.integers(0, 3), min_size=1, max_size=20),
 )
 def test_the_match_is_the_longest_stored_suffix(sequences, context):
-    index = SuffixIndex()
-    for sequence in sequences:
-        index.add_sequence(sequence)
-    # Exact when every occurrence of an anchor is read (a lookup reads the newest 32).
-    with mock.patch.object(suffix, "MAX_CANDIDATES", 10**6):
-        length, ends = index.match(context)
-    assert length == brute_force_match(sequences, context)
-    for end in ends:  # every reported occurrence really matches that long
-        assert index.tokens[end - length + 1 : end + 1] == context[len(context) - length :]
+    for compiled in (True, False):
+        # Exact when every occurrence of an anchor is read (a lookup reads the newest 32).
+        with mock.patch.object(suffix, "MAX_CANDIDATES", 10**6):
+            index = SuffixIndex(compiled=compiled)
+            for sequence in sequences:
+                index.add_sequence(sequence)
+            length, ends = index.match(context)
+        assert length == brute_force_match(sequences, context)
+        for end in ends:  # every reported occurrence really matches that long
+            assert index.tokens[end - length + 1 : end + 1] == context[len(context) - length :]
 
 
-def test_a_long_match_beats_a_frequent_short_one_and_drafts_what_followed_it():
-    index = SuffixIndex()
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
+@given(
+    sequences=st.lists(st.lists(st.integers(0, 4), max_size=60), min_size=1, max_size=6),
+    contexts=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=80), min_size=1, max_size=4),
+    max_tokens=st.integers(0, 16),
+    factor=st.sampled_from([0.5, 1.0, 3.0, 99.0, float("inf")]),
+    budget=st.sampled_from([None, 40, 100]),
+)
+def test_the_compiled_store_drafts_what_the_reference_drafts(sequences, contexts, max_tokens, factor, budget):
+    if native.drafter() is None:
+        pytest.skip("no compiled suffix store here (test_make_index_builds_the_compiled_store says why)")
+    compiled, reference = SuffixIndex(budget), SuffixIndex(budget, compiled=False)
+    for index in (compiled, reference):
+        for sequence in sequences[:-1]:
+            index.add_sequence(sequence)
+        index.start_sequence()  # the last sequence grows as a request's own tokens do
+        index.extend(sequences[-1][:10])
+        index.extend(sequences[-1][10:])
+    assert compiled.tokens == reference.tokens
+    for context in [*contexts, sequences[-1]]:
+        for exclude in (-1, len(reference) - 1):
+            assert compiled.match(context, exclude) == reference.match(context, exclude)
+            assert compiled.draft(context, max_tokens, exclude, factor) == reference.draft(
+                context, max_tokens, exclude, factor
+            )
+
+
+def test_make_index_builds_the_compiled_store(make_index):
+    make_index().add_sequence([1, 2, 3])
+
+
+def test_a_long_match_beats_a_frequent_short_one_and_drafts_what_followed_it(make_index):
+    index = make_index()
     long_context = list(range(100, 130))
     index.add_sequence([*long_context, 7, 8, 9, 10])
     for _ in range(5):  # the last token alone is followed by 1 five times
@@ -55,8 +110,8 @@ def test_a_long_match_beats_a_frequent_short_one_and_drafts_what_followed_it():
     assert draft.match_length == 30 and draft.tokens == [7, 8, 9, 10] and draft.probs == [1.0] * 4
 
 
-def test_draft_probabilities_are_continuation_frequencies_and_short_matches_draft_little():
-    index = SuffixIndex()
+def test_draft_probabilities_are_continuation_frequencies_and_short_matches_draft_little(make_index):
+    index = make_index()
     for follower in (5, 5, 6):
         index.add_sequence([1, 2, 3, follower, 9, 9, 9])
     draft = index.draft([0, 2, 3], max_tokens=16)  # matches "2 3": drafts at most 2 tokens
@@ -65,33 +120,33 @@ def test_draft_probabilities_are_continuation_frequencies_and_short_matches_draf
     assert index.draft([7, 3], max_tokens=16).tokens == [5]  # a one-token match drafts one
 
 
-def test_an_occurrence_at_the_end_of_the_store_stops_contributing_where_it_ends():
-    index = SuffixIndex()
+def test_an_occurrence_at_the_end_of_the_store_stops_contributing_where_it_ends(make_index):
+    index = make_index()
     index.add_sequence([1, 2, 3, 4, 5])
     index.start_sequence()
     index.extend([1, 2, 3, 4])  # the newest occurrence has no continuation beyond 4
     assert index.draft([1, 2, 3], max_tokens=3).tokens == [4, 5]
 
 
-def test_improbable_continuations_are_not_drafted():
-    index = SuffixIndex()
+def test_improbable_continuations_are_not_drafted(make_index):
+    index = make_index()
     for follower in range(20):  # 20 different continuations: none reaches MIN_TOKEN_PROB
         index.add_sequence([1, 2, 3, 4, follower])
     assert index.draft([1, 2, 3, 4], max_tokens=8).tokens == []
 
 
-def test_no_match_crosses_a_sequence_boundary_and_the_own_end_is_excluded():
-    index = SuffixIndex()
+def test_no_match_crosses_a_sequence_boundary_and_the_own_end_is_excluded(make_index):
+    index = make_index()
     index.add_sequence([1, 2])
     index.add_sequence([3, 4])
     assert index.match([2, 3])[0] == 1  # "2 3" spans the boundary: only "3" matches
-    local = SuffixIndex()
+    local = make_index()
     local.add_sequence([1, 2, 3, 1, 2])
     assert local.draft([1, 2, 3, 1, 2], 4, exclude=len(local) - 1).tokens == [3, 1]
 
 
-def test_the_token_budget_keeps_the_newest_sequences():
-    index = SuffixIndex(max_tokens=40)
+def test_the_token_budget_keeps_the_newest_sequences(make_index):
+    index = make_index(max_tokens=40)
     for number in range(10):
         index.add_sequence([1000 + number, 1, 2, 3, 4, 5, 6, 7])
     assert len(index) <= 40
@@ -99,9 +154,32 @@ def test_the_token_budget_keeps_the_newest_sequences():
     assert index.match([1000, 1])[0] == 1  # the oldest is gone
 
 
-def test_best_draft_prefers_the_most_expected_accepted_tokens():
-    index = SuffixIndex()
+def test_best_draft_prefers_the_most_expected_accepted_tokens(make_index):
+    index = make_index()
     index.add_sequence([1, 2, 3, 4, 5, 6])
     weak = index.draft([9, 1], 4)
     strong = index.draft([1, 2, 3], 4)
     assert best_draft([weak, strong]) is strong and best_draft([]).tokens == []
+
+
+def test_a_shared_store_keeps_its_budget_by_dropping_the_oldest_generation():
+    shared = SharedSuffixIndex(max_tokens=400)
+    for number in range(100):
+        shared.update([1000 + number, 1, 2, 3, 4, 5, 6, 7])
+        assert shared.num_entries <= 400
+    assert shared.propose([1099, 1, 2], 3) == ([3, 4, 5], 3, 1)  # the newest is kept
+    assert shared.lookup([1000, 1]).context_length == 1  # the oldest is gone (only "1" matches)
+    long_sequence = list(range(2000, 2500))  # longer than a generation's share: kept whole
+    shared.update(long_sequence)
+    assert shared.propose(long_sequence[:20], 4)[0] == long_sequence[20:24]
+
+
+def test_a_shared_store_drafts_from_the_generation_with_the_longest_match():
+    shared = SharedSuffixIndex(max_tokens=40)  # 10 tokens a generation: one sequence each
+    shared.update([1, 2, 3, 4, 5, 6])
+    shared.update([9, 3, 4, 7, 7])
+    shared.update([8, 8, 8, 8, 8])
+    assert len(shared._generations) == 3
+    assert shared.propose([2, 3, 4], 2) == ([5, 6], 3, 1)  # the oldest matches longest
+    assert shared.propose([0, 3, 4], 1) == ([7], 2, 1)  # equal matches: the newer's draft
+    assert shared.lookup([0, 0]) is None and shared.propose([0, 0], 2) == ([], 0, 0)

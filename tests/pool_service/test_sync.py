@@ -112,12 +112,13 @@ def test_malformed_and_foreign_entries_are_skipped_by_the_worker(redis_url, name
     run_async(run())
 
 
-def test_tenant_a_sequences_never_reach_tenant_b(redis_url, namespace):
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+def test_tenant_a_sequences_never_reach_tenant_b(redis_url, namespace, kind):
     secret = [500, 501, 502, 503, 504, 505]
 
     async def run():
-        x = _pools(redis_url, namespace, "X", tenant_isolation=True)
-        y = _pools(redis_url, namespace, "Y", tenant_isolation=True)
+        x = _pools(redis_url, namespace, "X", tenant_isolation=True, index=IndexConfig(kind=kind))
+        y = _pools(redis_url, namespace, "Y", tenant_isolation=True, index=IndexConfig(kind=kind))
         await x.start()
         await y.start()
         y.sources_for("tenant-a"), y.sources_for("tenant-b")  # workers of both tenants run on Y
@@ -140,7 +141,8 @@ def test_tenant_a_sequences_never_reach_tenant_b(redis_url, namespace):
     run_async(run())
 
 
-def test_local_memory_bounded_under_a_flood(own_redis, namespace):
+@pytest.mark.parametrize("kind", ["ngram", "suffix"])
+def test_local_memory_bounded_under_a_flood(own_redis, namespace, kind):
     """The pool-fed index keeps its entry budget; sequences queued while Redis is away are bounded."""
 
     async def run():
@@ -150,7 +152,9 @@ def test_local_memory_bounded_under_a_flood(own_redis, namespace):
                 "W", [[i % VOCAB, (i * 7) % VOCAB, i // VOCAB, 3] for i in range(start, start + 1000)]
             )
         await writer.close()
-        reader = _pools(own_redis.url, namespace, "R", index=IndexConfig(max_entries=5000), max_pending=100)
+        reader = _pools(
+            own_redis.url, namespace, "R", index=IndexConfig(kind=kind, max_entries=5000), max_pending=100
+        )
         await reader.start()
         space_stats = reader.stats()["namespaces"][0]
         assert space_stats["received"] == 20_000 and space_stats["replayed"]
