@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, result_name, save_figure
 
-SUITES = ("single_stream", "concurrency", "pool", "http", "http_ab", "replay", "pool_scale")
+SUITES = ("single_stream", "concurrency", "pool", "http", "http_ab", "replay", "drafter_ab", "pool_scale")
 README = Path(__file__).resolve().parent.parent / "README.md"
 DTYPE = "float32"
 # A quick run uses fewer prompts and tokens: a ratio within this factor of the full run's is

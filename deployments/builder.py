@@ -29,6 +29,7 @@ from nasd_core.config import (
     SpecConfig,
 )
 from pool_service import PoolConfig
+from pool_service.config import pool_index
 
 DEFAULT_NUM_REPLICAS = 1
 # Serve gives every replica one CPU unless told otherwise; a replica's torch threads follow it.
@@ -65,6 +66,7 @@ ENV_VARS = {
     "num_gpus_per_replica": "NASD_NUM_GPUS",
     "speculation": "NASD_SPECULATION",
     "num_draft_tokens": "NASD_NUM_DRAFT_TOKENS",
+    "drafter": "NASD_DRAFTER",
     "max_batch_rows": "NASD_MAX_BATCH_ROWS",
     "max_waiting": "NASD_MAX_WAITING",
     "probe_max_rows": "NASD_PROBE_MAX_ROWS",
@@ -110,6 +112,12 @@ class AppArgs(BaseModel):
     num_gpus_per_replica: float = Field(0.0, ge=0, description="GPUs per replica (0 = CPU only).")
     speculation: Literal["auto", "on", "off"] = Field("auto", description="Default speculation mode.")
     num_draft_tokens: int = Field(DEFAULT_NUM_DRAFT_TOKENS, ge=0, description="Default draft length cap.")
+    drafter: Literal["suffix", "ngram"] = Field(
+        "suffix",
+        description="Draft sources: suffix (the request's own tokens and the replica and pool indexes "
+        "matched by suffix, up to 64 tokens, in the compiled store) or ngram (prompt lookup with an n-gram "
+        "index of the request, n-gram replica and pool indexes of contexts up to 3 tokens).",
+    )
     max_batch_rows: int | None = Field(
         None, ge=1, description="Rows per engine step (None = the engine's default)."
     )
@@ -182,7 +190,12 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         if value is not None
     }
     engine = EngineConfig(
-        **engine_limits, spec=SpecConfig(mode=args.speculation, num_draft_tokens=args.num_draft_tokens)
+        **engine_limits,
+        spec=SpecConfig(
+            mode=args.speculation,
+            num_draft_tokens=args.num_draft_tokens,
+            local_index="suffix" if args.drafter == "suffix" else "hybrid",
+        ),
     )
     served_model_name = args.served_model_name or args.model or EMBEDDED_MODEL
     num_cpus = (
@@ -196,7 +209,10 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         num_threads=max(1, int(num_cpus)) if device == "cpu" else None,
         engine=engine,
         pool=PoolConfig(
-            redis_url=args.redis_url, tenant_isolation=args.tenant_isolation, partitions=args.pool_partitions
+            redis_url=args.redis_url,
+            tenant_isolation=args.tenant_isolation,
+            partitions=args.pool_partitions,
+            index=pool_index(args.drafter),
         ),
         pool_namespace=args.pool_namespace,
         probe_max_rows=args.probe_max_rows,

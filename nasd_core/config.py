@@ -146,7 +146,7 @@ class SpecConfig(_Config):
     max_ngram: int = Field(DEFAULT_MAX_NGRAM, ge=1, le=16, description="Longest context matched (k).")
     min_ngram: int = Field(DEFAULT_MIN_NGRAM, ge=1, le=16, description="Shortest context matched.")
     local_index: LocalIndexKind = Field(
-        "hybrid",
+        "suffix",
         description="Request-local draft source over the prompt and the output: a multi-level or "
         "one-level n-gram index, prompt lookup (latest earlier occurrence), hybrid (both; the "
         "longer match wins), or suffix (the longest earlier match of up to 64 tokens, compiled; "

@@ -17,7 +17,7 @@ import numpy as np
 
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
 from nasd_core.ngram import NGramIndex, prompt_lookup
-from nasd_core.suffix import SharedSuffixIndex, SuffixIndex
+from nasd_core.suffix import SharedSuffixIndex, SuffixIndex, draft_best
 
 LOCAL_SOURCE = "request"
 # A shared draft source: finished requests, read by every request of a replica.
@@ -81,6 +81,14 @@ class RequestDrafter:
                     max_ngram=spec.max_ngram, min_ngram=min_ngram, max_entries=DEFAULT_INDEX_MAX_ENTRIES
                 )
             )
+        # With the suffix source, shared suffix stores are read in the same call as the request's
+        # own tokens (``suffix.draft_best``: one call of the compiled store per row).
+        self._suffix_shared = [
+            (name, index)
+            for name, index in self.shared
+            if self.local_suffix is not None and isinstance(index, SharedSuffixIndex)
+        ]
+        self._other_shared = [pair for pair in self.shared if pair not in self._suffix_shared]
         self._num_learned = 0
         self._vocab_size = vocab_size
         self._filler_rng = np.random.default_rng(None if seed is None else seed % 2**64)
@@ -120,7 +128,8 @@ class RequestDrafter:
         """
         longest, source = 0, None
         if self.local_suffix is not None:
-            longest, source = self._suffix_match(tokens), LOCAL_SOURCE
+            match = self._suffix_draft(tokens, 0)
+            longest, source = match.match_length, match.source
         for name, index in self._indexes():
             match = index.lookup(tokens)
             if match is not None and match.context_length > longest:
@@ -141,15 +150,11 @@ class RequestDrafter:
         best = EMPTY_DRAFT
         best_key = (0, 0)
         if self.local_suffix is not None:
-            # Drafted up to the cap, as prompt lookup drafts: the policy sizes each draft by
-            # what drafts of its match length have been accepted.
-            own = self.local_suffix.draft(tokens, max_tokens, len(self.local_suffix) - 1, math.inf)
+            best = self._suffix_draft(tokens, max_tokens)
             # Counted once, as a prompt lookup copy is; a match whose continuations are too
             # split to draft (``suffix.MIN_TOKEN_PROB``) still holds its length, as
             # ``longest_match`` reports it.
-            if own.match_length:
-                best = Draft(own.tokens, LOCAL_SOURCE, own.match_length)
-                best_key = (own.match_length, 1 if own.tokens else 0)
+            best_key = (best.match_length, 1 if best.tokens else 0)
         if self.use_lookup:
             candidate, length = prompt_lookup(tokens, max_tokens, spec.lookup_max_ngram, spec.min_ngram)
             if candidate:
@@ -163,15 +168,24 @@ class RequestDrafter:
                 best, best_key = Draft(candidate, name, length), (length, count)
         return best
 
-    def _suffix_match(self, tokens: Sequence[int]) -> int:
-        """The longest earlier match of ``tokens``' suffix in the request's own tokens."""
-        return self.local_suffix.match(tokens, len(self.local_suffix) - 1)[0]
+    def _suffix_draft(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+        """The draft (``max_tokens`` 0: the match alone) of whichever suffix store holds the
+        longest match: the request's own tokens, then each shared suffix source's generations.
+        Drafted up to the cap, as prompt lookup drafts: the policy sizes each draft by what
+        drafts of its source and match length have been accepted."""
+        stores, names = [self.local_suffix], [LOCAL_SOURCE]
+        for name, index in self._suffix_shared:
+            generations = index.stores
+            stores += generations
+            names += [name] * len(generations)
+        draft, chosen = draft_best(stores, tokens, max_tokens, True, math.inf)
+        return Draft(draft.tokens, names[chosen], draft.match_length) if chosen >= 0 else EMPTY_DRAFT
 
     def _indexes(self) -> list[tuple[str, SharedIndex]]:
-        """Every index to read, request-local first."""
+        """Every index read one by one, request-local first (suffix stores read together are not)."""
         if self.local_index is None:
-            return self.shared
-        return [(LOCAL_SOURCE, self.local_index), *self.shared]
+            return self._other_shared
+        return [(LOCAL_SOURCE, self.local_index), *self._other_shared]
 
     def _fill_unknown(self, tokens: Sequence[int], draft: Draft, max_tokens: int) -> Draft:
         # The seeds' stop_if_unknown=False: guess a random token and keep drafting after it.

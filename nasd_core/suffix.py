@@ -245,6 +245,42 @@ class SuffixIndex:
         return SuffixDraft(tokens, probs, match_length)
 
 
+def draft_best(
+    stores: Sequence[SuffixIndex],
+    context: Sequence[int],
+    max_tokens: int,
+    exclude_own_end: bool = False,
+    max_spec_factor: float = MAX_SPEC_FACTOR,
+) -> tuple[SuffixDraft, int]:
+    """One row's draft from several stores (the request's own tokens first when
+    ``exclude_own_end``: its last position is the context's own end, then shared stores): the
+    store with the longest match drafts (a tie: the earlier). Returns the draft, whose
+    ``match_length`` is the match's even when nothing is drafted (``max_tokens`` 0 asks for the
+    match alone), and that store's index in ``stores`` (-1: none matched). One call of the
+    compiled store where every store is compiled."""
+    if stores and all(store.compiled for store in stores):
+        tokens, probs, match_length, chosen = native.drafter().draft_best(
+            [store._store for store in stores],
+            list(context[-MAX_MATCH:]),
+            max_tokens,
+            exclude_own_end,
+            max_spec_factor,
+            MIN_TOKEN_PROB,
+        )
+        return SuffixDraft(tokens, probs, match_length), chosen
+    best_length, chosen = 0, -1
+    for position, store in enumerate(stores):
+        exclude = len(store) - 1 if position == 0 and exclude_own_end else -1
+        length = store.match(context, exclude)[0]
+        if length > best_length:
+            best_length, chosen = length, position
+    if chosen < 0:
+        return EMPTY, -1
+    exclude = len(stores[0]) - 1 if chosen == 0 and exclude_own_end else -1
+    draft = stores[chosen].draft(context, max_tokens, exclude, max_spec_factor)
+    return SuffixDraft(draft.tokens, draft.probs, best_length), chosen
+
+
 def best_draft(drafts: Sequence[SuffixDraft]) -> SuffixDraft:
     """The draft expected to have the most tokens accepted (ties: the earlier source)."""
     best = EMPTY
@@ -297,20 +333,20 @@ class SharedSuffixIndex:
         for sequence in sequences:
             self.update(sequence)
 
+    @property
+    def stores(self) -> list[SuffixIndex]:
+        """The generations, newest first (the order a lookup asks them in)."""
+        return self._generations[::-1]
+
     def draft(
         self, context: Sequence[int], max_tokens: int, max_spec_factor: float = math.inf
     ) -> SuffixDraft:
         """The draft of the generation with the longest match (newest on a tie)."""
-        best = EMPTY
-        for generation in reversed(self._generations):
-            draft = generation.draft(context, max_tokens, max_spec_factor=max_spec_factor)
-            if draft.match_length > best.match_length:
-                best = draft
-        return best
+        return draft_best(self.stores, context, max_tokens, max_spec_factor=max_spec_factor)[0]
 
     def longest_match(self, context: Sequence[int]) -> int:
         """The longest stored suffix of ``context`` (what ``draft`` would match)."""
-        return max((generation.match(context)[0] for generation in self._generations), default=0)
+        return draft_best(self.stores, context, 0)[0].match_length
 
     # The drafter reads its shared sources through NGramIndex's two lookups.
     def lookup(self, context: Sequence[int]) -> SuffixMatch | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from nasd_core.config import IndexConfig
@@ -38,8 +40,22 @@ DEFAULT_MAX_FOLLOWED_PARTITIONS = 32
 # Tenants come and go and a new model or tokenizer means a new namespace: without an expiry
 # the namespaces nobody publishes to would hold their memory in Redis for ever.
 DEFAULT_KEY_TTL_S = 7 * 24 * 3600
-# The pool-fed and replica indexes hold other requests' n-grams: bigger than a request's own.
-DEFAULT_POOL_INDEX = IndexConfig(max_entries=2_000_000)
+# The pool-fed and replica indexes hold other requests' tokens, matched by suffix (one index
+# each per namespace): the compiled store takes ~60 bytes per stored token on chat traffic that
+# repeats itself and ~230 on text that never does (every window new), so 1M tokens is
+# 60-230 MB per index. With the n-gram kind the budget counts (context, next token) cells.
+DEFAULT_POOL_INDEX_TOKENS = 1_000_000
+DEFAULT_POOL_NGRAM_ENTRIES = 2_000_000
+DEFAULT_POOL_INDEX = IndexConfig(kind="suffix", max_entries=DEFAULT_POOL_INDEX_TOKENS)
+
+
+def pool_index(kind: Literal["ngram", "suffix"]) -> IndexConfig:
+    """The default replica and pool index of ``kind``."""
+    if kind == "ngram":
+        return IndexConfig(kind="ngram", max_entries=DEFAULT_POOL_NGRAM_ENTRIES)
+    return DEFAULT_POOL_INDEX
+
+
 SCHEMA_VERSION = 1
 
 

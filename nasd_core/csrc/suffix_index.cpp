@@ -93,6 +93,12 @@ class SuffixIndex {
   Draft draft(const Tokens& context, int64_t max_tokens, int64_t exclude, double max_spec_factor,
               double min_token_prob) const {
     auto [match_length, alive] = match(context, exclude);
+    return draft_from(match_length, std::move(alive), max_tokens, max_spec_factor, min_token_prob);
+  }
+
+  // The draft following the occurrences `alive` (ends of a `match_length`-token match).
+  Draft draft_from(int64_t match_length, std::vector<int64_t> alive, int64_t max_tokens, double max_spec_factor,
+                   double min_token_prob) const {
     std::vector<int64_t> drafted;
     std::vector<double> probs;
     if (alive.empty() || max_tokens <= 0) return {drafted, probs, 0};
@@ -192,6 +198,33 @@ class SuffixIndex {
   std::vector<int64_t> sequence_starts_;
 };
 
+// One row's draft from several stores in one call (the request's own tokens, then each shared
+// source's generations, newest first): the store holding the longest match drafts (a tie: the
+// earlier store). With `exclude_own_end`, the first store is the request's own tokens, whose
+// last position is the context's own end. Returns the draft, the match length (also when
+// nothing is drafted: `max_tokens` 0 asks for the match alone) and the index of the store it
+// came from (-1: no store matched).
+std::tuple<std::vector<int64_t>, std::vector<double>, int64_t, int64_t> draft_best(
+    const std::vector<const SuffixIndex*>& stores, const Tokens& context, int64_t max_tokens, bool exclude_own_end,
+    double max_spec_factor, double min_token_prob) {
+  int64_t best_length = 0;
+  int64_t best_store = -1;
+  std::vector<int64_t> best_alive;
+  for (size_t i = 0; i < stores.size(); ++i) {
+    const int64_t exclude = (i == 0 && exclude_own_end) ? stores[i]->size() - 1 : -1;
+    auto [length, alive] = stores[i]->match(context, exclude);
+    if (length > best_length) {
+      best_length = length;
+      best_store = static_cast<int64_t>(i);
+      best_alive = std::move(alive);
+    }
+  }
+  if (best_store < 0) return {{}, {}, 0, -1};
+  auto [drafted, probs, length] =
+      stores[best_store]->draft_from(best_length, std::move(best_alive), max_tokens, max_spec_factor, min_token_prob);
+  return {drafted, probs, best_length, best_store};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -205,4 +238,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       .def("extend", &SuffixIndex::extend)
       .def("match", &SuffixIndex::match)
       .def("draft", &SuffixIndex::draft);
+  module.def("draft_best", &draft_best);
 }

@@ -85,6 +85,15 @@ def test_string_arguments_from_the_cli_are_coerced():
     assert replica.max_ongoing_requests == 24
 
 
+def test_drafter_chooses_the_request_and_pool_draft_sources():
+    _, config = replica_of(build_app({}))
+    assert config.engine.spec.local_index == "suffix" and config.pool.index.kind == "suffix"
+    _, config = replica_of(build_app({"drafter": "ngram"}))
+    assert config.engine.spec.local_index == "hybrid" and config.pool.index.kind == "ngram"
+    with pytest.raises(pydantic.ValidationError):
+        build_app({"drafter": "tree"})
+
+
 def test_autoscaling_json_replaces_the_fixed_replica_count():
     replica, _ = replica_of(build_app({"autoscaling": '{"min_replicas": 1, "max_replicas": 4}'}))
     autoscaling = replica._deployment_config.autoscaling_config

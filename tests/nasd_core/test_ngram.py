@@ -247,7 +247,7 @@ def test_a_request_that_never_drafts_keeps_no_index_of_its_tokens():
     silent = RequestDrafter(SpecConfig(mode="off"))
     silent.observe(tokens)
     assert silent.local_index is None
-    speculating = RequestDrafter(SpecConfig(mode="auto"))
+    speculating = RequestDrafter(SpecConfig(mode="auto", local_index="hybrid"))
     speculating.observe(tokens)
     assert speculating.local_index.num_entries > 0
     assert RequestDrafter(SpecConfig(mode="off", local_index="suffix")).local_suffix is None

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nasd_core import native, suffix
-from nasd_core.suffix import MAX_MATCH, SharedSuffixIndex, SuffixIndex, best_draft
+from nasd_core.suffix import MAX_MATCH, SharedSuffixIndex, SuffixIndex, best_draft, draft_best
 
 IMPLEMENTATIONS = ("compiled", "reference")
 
@@ -183,3 +183,31 @@ def test_a_shared_store_drafts_from_the_generation_with_the_longest_match():
     assert shared.propose([2, 3, 4], 2) == ([5, 6], 3, 1)  # the oldest matches longest
     assert shared.propose([0, 3, 4], 1) == ([7], 2, 1)  # equal matches: the newer's draft
     assert shared.lookup([0, 0]) is None and shared.propose([0, 0], 2) == ([], 0, 0)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
+@given(
+    own=st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    others=st.lists(st.lists(st.integers(0, 4), max_size=40), max_size=4),
+    max_tokens=st.integers(0, 8),
+)
+def test_one_call_over_several_stores_drafts_from_the_longest_match(own, others, max_tokens):
+    """``draft_best``: the store holding the longest match drafts (a tie: the earlier); the
+    compiled call equals the reference, and the reference equals asking each store alone."""
+    results = []
+    for compiled in (True, False) if native.drafter() is not None else (False,):
+        stores = [SuffixIndex(compiled=compiled) for _ in range(1 + len(others))]
+        stores[0].start_sequence()
+        stores[0].extend(own)
+        for store, sequence in zip(stores[1:], others):
+            store.add_sequence(sequence)
+        results.append(draft_best(stores, own, max_tokens, exclude_own_end=True, max_spec_factor=2.0))
+    assert all(result == results[0] for result in results)
+    lengths = [store.match(own, len(own) - 1 if i == 0 else -1)[0] for i, store in enumerate(stores)]
+    draft, chosen = results[0]
+    if max(lengths) == 0:
+        assert chosen == -1 and draft.tokens == []
+        return
+    assert chosen == lengths.index(max(lengths)) and draft.match_length == max(lengths)
+    exclude = len(own) - 1 if chosen == 0 else -1
+    assert draft.tokens == stores[chosen].draft(own, max_tokens, exclude, 2.0).tokens
