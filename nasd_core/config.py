@@ -159,7 +159,11 @@ class SpecConfig(_Config):
         True, description="End a draft at the first context no source knows (else the step drafts less)."
     )
     filler_top_k: int = Field(
-        1, ge=1, le=64, description="Also learn the target's top-k tokens at each verified position (seeds)."
+        1,
+        ge=1,
+        le=64,
+        description="Also learn the target's top-k tokens at each verified position into the request's "
+        "n-gram index (seeds; no effect with local_index suffix or prompt_lookup, which hold no counts).",
     )
 
     @field_validator("min_ngram")

@@ -83,11 +83,11 @@ class RequestDrafter:
             )
         # With the suffix source, shared suffix stores are read in the same call as the request's
         # own tokens (``suffix.draft_best``: one call of the compiled store per row).
-        self._suffix_shared = [
-            (name, index)
-            for name, index in self.shared
-            if self.local_suffix is not None and isinstance(index, SharedSuffixIndex)
-        ]
+        self._suffix_shared = (
+            [(name, index) for name, index in self.shared if isinstance(index, SharedSuffixIndex)]
+            if self.local_suffix is not None
+            else []
+        )
         self._other_shared = [pair for pair in self.shared if pair not in self._suffix_shared]
         self._num_learned = 0
         self._vocab_size = vocab_size

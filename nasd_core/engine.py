@@ -407,7 +407,9 @@ class Engine:
             self.cache.set_length(
                 request.request_id, self.cache.length(request.request_id) - length + len(emitted) - 1
             )
-            if request.spec.filler_top_k > 1 and request.spec.is_speculating:
+            # Only an n-gram index learns alternatives (a suffix store holds the sequence alone).
+            learns = request.spec.is_speculating and request.drafter.local_index is not None
+            if request.spec.filler_top_k > 1 and learns:
                 self._learn_alternatives(request, logits[offset : offset + len(emitted)], emitted)
             kept = request.advance(draft, length, emitted)
             if request.logprobs is not None:
