@@ -56,10 +56,12 @@ def build_directory(sources: list[Path] = SOURCES, cflags: list[str] = CFLAGS) -
     return default_cache_dir() / "native" / digest.hexdigest()[:16]
 
 
+def _enabled() -> bool:
+    return os.environ.get("NASD_NATIVE", "1") != "0"
+
+
 def _build(name: str, sources: list[Path], cflags: list[str], python_module: bool, what: str):
     """Build (if needed) and load one extension; None (after a warning) if that fails."""
-    if os.environ.get("NASD_NATIVE", "1") == "0":
-        return None
     from torch.utils import cpp_extension
 
     directory = build_directory(sources, cflags)
@@ -82,15 +84,16 @@ def _build(name: str, sources: list[Path], cflags: list[str], python_module: boo
 @functools.cache
 def load() -> bool:
     """Build (if needed) and load the kernels into ``torch.ops.nasd``; False if unavailable."""
-    if hasattr(torch.ops.nasd, "paged_attention"):
-        return True
-    if os.environ.get("NASD_NATIVE", "1") == "0":
+    if not _enabled():
         return False
-    _build("nasd_native", SOURCES, CFLAGS, python_module=False, what="attention kernels")
+    if not hasattr(torch.ops.nasd, "paged_attention"):
+        _build("nasd_native", SOURCES, CFLAGS, python_module=False, what="attention kernels")
     return hasattr(torch.ops.nasd, "paged_attention")
 
 
 @functools.cache
 def drafter():
     """The compiled suffix-match module (``SuffixIndex``), or None where it cannot be built."""
+    if not _enabled():
+        return None
     return _build("nasd_suffix", DRAFTER_SOURCES, DRAFTER_CFLAGS, python_module=True, what="suffix drafter")

@@ -268,16 +268,17 @@ def draft_best(
             MIN_TOKEN_PROB,
         )
         return SuffixDraft(tokens, probs, match_length), chosen
+    excludes = [
+        len(store) - 1 if position == 0 and exclude_own_end else -1 for position, store in enumerate(stores)
+    ]
     best_length, chosen = 0, -1
-    for position, store in enumerate(stores):
-        exclude = len(store) - 1 if position == 0 and exclude_own_end else -1
+    for position, (store, exclude) in enumerate(zip(stores, excludes)):
         length = store.match(context, exclude)[0]
         if length > best_length:
             best_length, chosen = length, position
     if chosen < 0:
         return EMPTY, -1
-    exclude = len(stores[0]) - 1 if chosen == 0 and exclude_own_end else -1
-    draft = stores[chosen].draft(context, max_tokens, exclude, max_spec_factor)
+    draft = stores[chosen].draft(context, max_tokens, excludes[chosen], max_spec_factor)
     return SuffixDraft(draft.tokens, draft.probs, best_length), chosen
 
 
