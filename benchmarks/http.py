@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -101,6 +103,25 @@ async def run_cell(
     return summarise(results, elapsed), [result["text"] for result in results]
 
 
+def engine_counters(base_url: str) -> dict[str, int]:
+    """The application's engine counters summed over replicas (``/v1/nasd/stats``): steps,
+    steps that verified drafts, drafted and accepted tokens. Two snapshots around a cell give
+    what its engine did there (``counters_delta``)."""
+    with urllib.request.urlopen(f"{base_url}/nasd/stats", timeout=60) as response:
+        total = json.load(response)["total"]
+    widths = {int(width): count for width, count in total["width_histogram"].items()}
+    return {
+        "steps": sum(widths.values()),
+        "drafted_steps": sum(count for width, count in widths.items() if width),
+        "drafted": total["num_drafted"],
+        "accepted": total["num_accepted"],
+    }
+
+
+def counters_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {name: after[name] - before[name] for name in after}
+
+
 def summarise(results: list[dict], elapsed: float) -> dict:
     """One cell's throughput and latency percentiles from its requests' ``stream_one`` results."""
     tokens = sum(result["tokens"] for result in results)
@@ -120,18 +141,30 @@ def summarise(results: list[dict], elapsed: float) -> dict:
 
 def serve_apps(num_replicas: int, num_cpus: int, modes: Sequence[str] = MODES) -> dict[str, str]:
     """One application per mode (``/off``, ``/auto``), each ``num_replicas`` replicas over
-    ``num_cpus`` CPUs; their API URLs. Only one of them is ever busy."""
+    ``num_cpus`` CPUs; their API URLs. Only one of them is ever busy. A mode may name a
+    second application of a mode as ``mode:name`` (``off:control``: a second ``off`` server,
+    the noise floor of a comparison)."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cpus_per_replica = max(1, num_cpus // num_replicas)
     args = {"num_replicas": num_replicas, "num_cpus_per_replica": cpus_per_replica}
+    names = {mode: mode.replace(":", "_") for mode in modes}
     serve.run_many(
         [
-            serve.RunTarget(build_app({**args, "speculation": mode}), name=mode, route_prefix=f"/{mode}")
+            serve.RunTarget(
+                build_app({**args, "speculation": speculation_of(mode)}),
+                name=names[mode],
+                route_prefix=f"/{names[mode]}",
+            )
             for mode in modes
         ]
     )
-    return {mode: f"http://127.0.0.1:{port}/{mode}/v1" for mode in modes}
+    return {mode: f"http://127.0.0.1:{port}/{names[mode]}/v1" for mode in modes}
+
+
+def speculation_of(mode: str) -> str:
+    """The speculation mode of an application named by ``serve_apps``' ``mode[:name]``."""
+    return mode.split(":")[0]
 
 
 LEVELS = (1, 4, 16, 32)

@@ -6,8 +6,11 @@ import pytest
 
 from nasd_core.metrics import SpecStats
 from nasd_core.policy import (
+    LARGE_BATCH_MIN_DRAFT_GAIN,
+    LARGE_BATCH_ROWS,
     MAX_READ_GAIN,
     MAX_SAMPLE_RATIO,
+    MIN_DRAFT_GAIN,
     MIN_PAYOFF,
     MIN_TRUSTED_SAMPLES,
     AcceptanceEstimator,
@@ -166,31 +169,31 @@ def test_step_time_model_borrows_the_shape_of_a_column_measured_at_more_rows():
 
 def test_batch_policy_retimes_a_close_alternative_read_only_once():
     step_time = StepTimeModel()
-    step_time.observe(16, 16, 0.200)  # one (slow) reading of the plain 16-row step
+    step_time.observe(8, 8, 0.200)  # one (slow) reading of the plain 8-row step
     for _ in range(MIN_TRUSTED_SAMPLES):
-        step_time.observe(16, 32, 0.217)
-    rows = [row("auto", 1, 1, accepted_all=None) for _ in range(16)]  # prior: E(1 draft) = 1.15
-    # One draft per row is the estimated best (16 x 1.15 / 0.217 s), but the plain step
-    # (16 / 0.2 s) is within EXPLORE_MARGIN and was read once: the policy times it again.
-    assert plan_batch_drafts(rows, step_time).lengths == [0] * 16
+        step_time.observe(8, 16, 0.217)
+    rows = [row("auto", 1, 1, accepted_all=None) for _ in range(8)]  # prior: E(1 draft) = 1.15
+    # One draft per row is the estimated best (8 x 1.15 / 0.217 s), but the plain step
+    # (8 / 0.2 s) is within EXPLORE_MARGIN and was read once: the policy times it again.
+    assert plan_batch_drafts(rows, step_time).lengths == [0] * 8
     # Retimed at its typical cost, it wins outright and the policy stays plain...
     retimed = StepTimeModel()
-    retimed.observe(16, 16, 0.200)
+    retimed.observe(8, 8, 0.200)
     for _ in range(MIN_TRUSTED_SAMPLES):
-        retimed.observe(16, 32, 0.217)
+        retimed.observe(8, 16, 0.217)
     for _ in range(MIN_TRUSTED_SAMPLES - 1):
-        retimed.observe(16, 16, 0.120)
-    assert retimed.trusted(16, 16)
-    assert plan_batch_drafts(rows, retimed).lengths == [0] * 16
+        retimed.observe(8, 8, 0.120)
+    assert retimed.trusted(8, 8)
+    assert plan_batch_drafts(rows, retimed).lengths == [0] * 8
     # ...while a plain step confirmed slow leaves the drafts the better choice.
     for _ in range(MIN_TRUSTED_SAMPLES - 1):
-        step_time.observe(16, 16, 0.200)
-    assert plan_batch_drafts(rows, step_time).lengths == [1] * 16
+        step_time.observe(8, 8, 0.200)
+    assert plan_batch_drafts(rows, step_time).lengths == [1] * 8
     # A probe's reading (the fastest of its repeats) is trusted at once: nothing is retimed.
     probed = StepTimeModel()
-    probed.observe(16, 16, 0.200, num_samples=MIN_TRUSTED_SAMPLES)
-    probed.observe(16, 32, 0.217, num_samples=MIN_TRUSTED_SAMPLES)
-    assert plan_batch_drafts(rows, probed).lengths == [1] * 16
+    probed.observe(8, 8, 0.200, num_samples=MIN_TRUSTED_SAMPLES)
+    probed.observe(8, 16, 0.217, num_samples=MIN_TRUSTED_SAMPLES)
+    assert plan_batch_drafts(rows, probed).lengths == [1] * 8
 
 
 def test_step_time_model_resists_one_sided_noise():
@@ -259,11 +262,12 @@ def test_batch_policy_gives_draft_positions_to_the_rows_likely_to_accept_them():
 
 
 def test_a_step_drafts_only_for_a_clear_gain():
-    """Drafts promising a sliver more throughput than none (here ~1%) are not verified: what
-    the cost model leaves out (building drafts, rows finishing out of step) costs more."""
+    """Drafts promising a sliver more throughput than none are not verified: what the cost
+    model leaves out (building drafts, rows finishing out of step) costs more. At 32 rows the
+    bar is LARGE_BATCH_MIN_DRAFT_GAIN: one good row's drafts (~8% here) are declined."""
     step_time = StepTimeModel()
-    for per_row in range(1, 6):  # 32 rows; every extra position costs 2.5% of a plain step
-        step_time.observe(32, 32 * per_row, 0.1 * (1 + 0.025 * 32 * (per_row - 1)), num_samples=3)
+    for per_row in range(1, 6):  # 32 rows; every extra position costs 1% of a plain step
+        step_time.observe(32, 32 * per_row, 0.1 * (1 + 0.01 * 32 * (per_row - 1)), num_samples=3)
     one_good_row = [row("auto", 4, 8, True)] + [row("auto", 4, 1, False) for _ in range(31)]
     assert plan_batch_drafts(one_good_row, step_time).lengths == [0] * 32
     half_good = [row("auto", 4, 8, True) for _ in range(16)] + [row("auto", 4, 1, False) for _ in range(16)]
@@ -303,12 +307,12 @@ def test_requests_start_from_the_engines_pooled_acceptance_and_their_own_evidenc
 
 def test_a_row_is_drafted_only_if_its_gain_also_pays_for_building_the_draft():
     step_time = StepTimeModel()
-    for per_row in range(1, 18):  # 16 rows, 100 ms; each extra position 1 ms
-        step_time.observe(16, 16 * per_row, 0.1 + 0.001 * 16 * (per_row - 1))
-    rows = [row("auto", 2, 2, True)] + [row("auto", 0, 1, False) for _ in range(15)]
+    for per_row in range(1, 18):  # 8 rows, 100 ms; each extra position 1 ms
+        step_time.observe(8, 8 * per_row, 0.1 + 0.001 * 8 * (per_row - 1))
+    rows = [row("auto", 2, 2, True)] + [row("auto", 0, 1, False) for _ in range(7)]
     assert plan_batch_drafts(rows, step_time).lengths[0] > 0
     # Building the draft costs as much as a few positions of verification: not worth it.
-    assert plan_batch_drafts(rows, step_time, drafting_s_per_row=0.02).lengths == [0] * 16
+    assert plan_batch_drafts(rows, step_time, drafting_s_per_row=0.02).lengths == [0] * 8
 
 
 def test_drafts_beside_prompt_chunks_are_priced_against_a_decode_step():
@@ -404,6 +408,19 @@ def test_payoff_reads_only_promises_near_the_bar_and_never_a_single_row():
     for _ in range(500):
         payoff.record(16, marginal, 0.1, 0.1, 1)  # next to nothing delivered
     assert payoff.factor(16) == MIN_PAYOFF
+
+
+def test_a_large_batch_needs_the_larger_margin():
+    """The same drafts promising ~10% more tokens per second: taken by 8 rows, declined by 16
+    (LARGE_BATCH_MIN_DRAFT_GAIN: in full batches promises of 5-15% did not pay)."""
+    for num_rows, drafted in ((8, True), (LARGE_BATCH_ROWS, False)):
+        step_time = StepTimeModel()
+        step_time.observe(num_rows, num_rows, 0.1, MIN_TRUSTED_SAMPLES)
+        step_time.observe(num_rows, 2 * num_rows, 0.105, MIN_TRUSTED_SAMPLES)
+        rows = [row("auto", 1, 1, accepted_all=None) for _ in range(num_rows)]  # prior: E(1 draft) = 1.15
+        plan = plan_batch_drafts(rows, step_time)
+        assert (plan.num_chosen == num_rows) is drafted
+        assert 1 + MIN_DRAFT_GAIN < 1.15 / 1.05 < 1 + LARGE_BATCH_MIN_DRAFT_GAIN
 
 
 def test_one_row_drafts_whatever_pays_and_a_batch_needs_the_margin():
