@@ -34,7 +34,7 @@ from benchmarks.common import publish_run, run_metadata
 from benchmarks.workloads import WORKLOADS, long_chats, make_workload
 from nasd_core import native
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
-from nasd_core.drafter import RequestDrafter, new_shared_index
+from nasd_core.drafter import RequestDrafter, longest_matches, new_shared_index, propose_rows
 from nasd_core.ngram import prompt_lookup
 from nasd_core.suffix import MAX_SPEC_FACTOR, SuffixIndex, best_draft
 
@@ -311,6 +311,75 @@ def replay(drafter: ReplayDrafter, traces: list[dict[str, list[int]]]) -> Replay
     return stats
 
 
+# Rows drafted together in ``batched``: a full batch of the server's default engine.
+BATCH_ROWS = 32
+
+
+def batched(traces: list[dict[str, list[int]]], one_call: bool, num_rows: int = BATCH_ROWS) -> ReplayStats:
+    """The engine's drafting work at ``num_rows`` rows: traces replayed in waves of ``num_rows``
+    rows in lockstep, each row's drafter on the suffix sources with a replica index of every
+    finished trace; per step every row is asked for its match and its draft (up to
+    ``MAX_DRAFT``, all verified: no policy) and then sees what was kept, timed together.
+    ``one_call``: a step asks every row's suffix stores in one call (``longest_matches``,
+    ``propose_rows``, what the engine does); else each row in a call of its own."""
+    spec = SpecConfig(mode="on", num_draft_tokens=MAX_DRAFT, local_index="suffix")
+    replica = new_shared_index(IndexConfig(kind="suffix", max_entries=DEFAULT_INDEX_MAX_ENTRIES))
+    stats = ReplayStats()
+    clock = time.perf_counter
+    for wave_start in range(0, len(traces), num_rows):
+        wave = traces[wave_start : wave_start + num_rows]
+        drafters = [RequestDrafter(spec, [("replica", replica)]) for _ in wave]
+        contexts = [list(trace["prompt"]) for trace in wave]
+        positions = [0] * len(wave)
+        for drafter, context in zip(drafters, contexts):
+            drafter.observe(context)
+        active = list(range(len(wave)))
+        while active:
+            caps = [min(MAX_DRAFT, len(wave[row]["output"]) - positions[row]) for row in active]
+            rows = [drafters[row] for row in active]
+            row_contexts = [contexts[row] for row in active]
+            started = clock()
+            if one_call:
+                longest_matches(rows, row_contexts)
+                drafts = propose_rows(rows, row_contexts, caps)
+            else:
+                for drafter, context in zip(rows, row_contexts):
+                    drafter.longest_match(context)
+                drafts = [
+                    drafter.propose(context, cap) for drafter, context, cap in zip(rows, row_contexts, caps)
+                ]
+            stats.drafting_s += clock() - started
+            for row, draft in zip(active, drafts):
+                output = wave[row]["output"]
+                num_accepted = accepted_prefix(draft.tokens, output[positions[row] :])
+                emitted = output[positions[row] : positions[row] + num_accepted + 1]
+                stats.num_steps += 1
+                stats.num_emitted += len(emitted)
+                stats.num_drafted += len(draft.tokens)
+                stats.num_accepted += num_accepted
+                contexts[row].extend(emitted)
+                positions[row] += len(emitted)
+            started = clock()
+            for row in active:
+                drafters[row].observe(contexts[row])
+            stats.drafting_s += clock() - started
+            for row in [row for row in active if positions[row] >= len(wave[row]["output"])]:
+                replica.update(contexts[row])
+            active = [row for row in active if positions[row] < len(wave[row]["output"])]
+    return stats
+
+
+def batch_drafting(traces: dict[str, list[dict[str, list[int]]]]) -> dict[str, dict[str, float]]:
+    """``batched`` over every workload's traces together (workloads interleaved, as a server's
+    batch mixes them), a call per row and one call per step, in one run."""
+    mixed = [
+        trace for group in itertools.zip_longest(*traces.values()) for trace in group if trace is not None
+    ]
+    return {
+        mode: batched(mixed, one_call=mode == "one_call").summary() for mode in ("call_per_row", "one_call")
+    }
+
+
 def run(traces: dict[str, list[dict[str, list[int]]]], drafters: Sequence[str]) -> dict:
     results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     for workload, workload_traces in traces.items():
@@ -385,6 +454,23 @@ def markdown_table(payload: dict) -> str:
                 for cell in (by_drafter[name] for name in drafters)
             ]
             lines.append(f"| {workload} | {scope} | " + " | ".join(cells) + " |")
+    if "batch" in payload:
+        batch = payload["batch"]
+        lines += [
+            "",
+            f"The engine's drafting at {BATCH_ROWS} rows (every trace, workloads interleaved, suffix "
+            "sources and a replica index; each row's match and draft asked every step and its kept "
+            "tokens learned; µs per row-step):",
+            "",
+            "| asked | µs per row-step | tokens per step | drafted per step |",
+            "|---|---|---|---|",
+        ]
+        for mode, label in (("call_per_row", "a call per row"), ("one_call", "one call per step")):
+            cell = batch[mode]
+            lines.append(
+                f"| {label} | {cell['us_per_row_step']:.1f} | {cell['tokens_per_step']:.2f} "
+                f"| {cell['drafted_per_step']:.1f} |"
+            )
     if "frontier" in payload:
         lines += [
             "",
@@ -475,6 +561,7 @@ def main() -> None:
             "max_draft": MAX_DRAFT,
         },
         "results": run(traces, drafters),
+        "batch": batch_drafting(traces),
     }
     if "suffix_decoding" in drafters:
         payload["frontier"] = frontier(traces)

@@ -17,7 +17,7 @@ import numpy as np
 
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
 from nasd_core.ngram import NGramIndex, prompt_lookup
-from nasd_core.suffix import SharedSuffixIndex, SuffixIndex, draft_best
+from nasd_core.suffix import RowQuery, SharedSuffixIndex, SuffixIndex, draft_rows
 
 LOCAL_SOURCE = "request"
 # A shared draft source: finished requests, read by every request of a replica.
@@ -82,7 +82,7 @@ class RequestDrafter:
                 )
             )
         # With the suffix source, shared suffix stores are read in the same call as the request's
-        # own tokens (``suffix.draft_best``: one call of the compiled store per row).
+        # own tokens, and every row of a step in one call (``suffix_drafts``).
         self._suffix_shared = (
             [(name, index) for name, index in self.shared if isinstance(index, SharedSuffixIndex)]
             if self.local_suffix is not None
@@ -107,18 +107,21 @@ class RequestDrafter:
             for token in tokens:
                 self.local_index.add(context, token)
 
-    def propose(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        """Best draft of up to ``max_tokens`` tokens to follow ``tokens``."""
+    def propose(self, tokens: Sequence[int], max_tokens: int, suffix: Draft | None = None) -> Draft:
+        """Best draft of up to ``max_tokens`` tokens to follow ``tokens``. ``suffix``: this
+        drafter's ``suffix_drafts`` answer for the same tokens and cap, where a step asked for
+        every row's at once (None: asked here)."""
         if max_tokens <= 0:
             return EMPTY_DRAFT
-        draft = self._best_draft(tokens, max_tokens)
+        draft = self._best_draft(tokens, max_tokens, suffix)
         if self.spec.stop_if_unknown or self._vocab_size is None or len(draft.tokens) >= max_tokens:
             return draft
         return self._fill_unknown(tokens, draft, max_tokens)
 
-    def longest_match(self, tokens: Sequence[int]) -> tuple[int, str | None]:
+    def longest_match(self, tokens: Sequence[int], suffix: Draft | None = None) -> tuple[int, str | None]:
         """The longest context the next draft can match and the source that holds it (the
-        earlier layer on a tie, as ``propose`` prefers), from lookups alone.
+        earlier layer on a tie, as ``propose`` prefers), from lookups alone. ``suffix``: this
+        drafter's ``suffix_drafts`` answer for a match alone (None: asked here).
 
         Cheaper than ``propose`` (no draft built), so the engine can skip drafting a step that
         would not speculate even with the best drafts possible. The same length as the draft's
@@ -128,7 +131,7 @@ class RequestDrafter:
         """
         longest, source = 0, None
         if self.local_suffix is not None:
-            match = self._suffix_draft(tokens, 0)
+            match = suffix if suffix is not None else self._suffix_draft(tokens, 0)
             longest, source = match.match_length, match.source
         for name, index in self._indexes():
             match = index.lookup(tokens)
@@ -145,12 +148,12 @@ class RequestDrafter:
                 longest, source = length, LOCAL_SOURCE
         return longest, source
 
-    def _best_draft(self, tokens: Sequence[int], max_tokens: int) -> Draft:
+    def _best_draft(self, tokens: Sequence[int], max_tokens: int, suffix: Draft | None = None) -> Draft:
         spec = self.spec
         best = EMPTY_DRAFT
         best_key = (0, 0)
         if self.local_suffix is not None:
-            best = self._suffix_draft(tokens, max_tokens)
+            best = suffix if suffix is not None else self._suffix_draft(tokens, max_tokens)
             # Counted once, as a prompt lookup copy is; a match whose continuations are too
             # split to draft (``suffix.MIN_TOKEN_PROB``) still holds its length, as
             # ``longest_match`` reports it.
@@ -169,17 +172,18 @@ class RequestDrafter:
         return best
 
     def _suffix_draft(self, tokens: Sequence[int], max_tokens: int) -> Draft:
-        """The draft (``max_tokens`` 0: the match alone) of whichever suffix store holds the
-        longest match: the request's own tokens, then each shared suffix source's generations.
-        Drafted up to the cap, as prompt lookup drafts: the policy sizes each draft by what
-        drafts of its source and match length have been accepted."""
+        """This drafter's ``suffix_drafts`` answer alone."""
+        return suffix_drafts([self], [tokens], [max_tokens])[0]
+
+    def suffix_query(self, tokens: Sequence[int], max_tokens: int) -> tuple[RowQuery, list[str]]:
+        """This row's question to its suffix stores (the request's own tokens, then each shared
+        suffix source's generations) and each store's source name."""
         stores, names = [self.local_suffix], [LOCAL_SOURCE]
         for name, index in self._suffix_shared:
             generations = index.stores
             stores += generations
             names += [name] * len(generations)
-        draft, chosen = draft_best(stores, tokens, max_tokens, True, math.inf)
-        return Draft(draft.tokens, names[chosen], draft.match_length) if chosen >= 0 else EMPTY_DRAFT
+        return (stores, tokens, max_tokens), names
 
     def _indexes(self) -> list[tuple[str, SharedIndex]]:
         """Every index read one by one, request-local first (suffix stores read together are not)."""
@@ -196,3 +200,47 @@ class RequestDrafter:
             more = self._best_draft(context + drafted, max_tokens - len(drafted))
             drafted.extend(more.tokens)
         return Draft(drafted, draft.source or LOCAL_SOURCE, draft.match_length)
+
+
+def suffix_drafts(
+    drafters: Sequence[RequestDrafter], contexts: Sequence[Sequence[int]], max_tokens: Sequence[int]
+) -> list[Draft | None]:
+    """Each drafter's draft from its suffix stores (``max_tokens`` 0: the match alone; None: a
+    drafter without suffix sources), every row in one call of the compiled store: whichever
+    store holds the longest match drafts, up to the cap, as prompt lookup drafts (the policy
+    sizes each draft by what drafts of its source and match length have been accepted)."""
+    answers: list[Draft | None] = [None] * len(drafters)
+    rows, queries, names = [], [], []
+    for row, (drafter, context, cap) in enumerate(zip(drafters, contexts, max_tokens)):
+        if drafter.local_suffix is not None:
+            query, store_names = drafter.suffix_query(context, cap)
+            rows.append(row)
+            queries.append(query)
+            names.append(store_names)
+    drafts = draft_rows(queries, exclude_own_end=True, max_spec_factor=math.inf)
+    for row, store_names, (draft, chosen) in zip(rows, names, drafts):
+        answers[row] = (
+            Draft(draft.tokens, store_names[chosen], draft.match_length) if chosen >= 0 else EMPTY_DRAFT
+        )
+    return answers
+
+
+def propose_rows(
+    drafters: Sequence[RequestDrafter], contexts: Sequence[Sequence[int]], max_tokens: Sequence[int]
+) -> list[Draft]:
+    """``RequestDrafter.propose`` for every row of a step, the suffix stores asked in one call."""
+    suffix = suffix_drafts(drafters, contexts, max_tokens)
+    return [
+        drafter.propose(context, cap, answer)
+        for drafter, context, cap, answer in zip(drafters, contexts, max_tokens, suffix)
+    ]
+
+
+def longest_matches(
+    drafters: Sequence[RequestDrafter], contexts: Sequence[Sequence[int]]
+) -> list[tuple[int, str | None]]:
+    """``RequestDrafter.longest_match`` for every row of a step, the suffix stores asked in one call."""
+    suffix = suffix_drafts(drafters, contexts, [0] * len(drafters))
+    return [
+        drafter.longest_match(context, answer) for drafter, context, answer in zip(drafters, contexts, suffix)
+    ]

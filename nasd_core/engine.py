@@ -23,7 +23,7 @@ import torch
 
 from nasd_core.calibration import model_acceptance, model_step_time, step_time_payoff
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
-from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter, SharedIndex
+from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter, SharedIndex, longest_matches, propose_rows
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
 from nasd_core.inputs import check_context, encode_prompt, eos_ids
 from nasd_core.logprobs import token_logprobs
@@ -460,8 +460,15 @@ class Engine:
         (``policy.dormant_steps``)."""
         if not rows:
             return []
+        looked_up = [request for request in rows if request.looks_up]
+        matches = iter(
+            longest_matches([request.drafter for request in looked_up], [r.tokens for r in looked_up])
+        )
         best = self._plan(
-            [request.best_case() for request in rows],
+            [
+                request.best_case(next(matches)) if request.looks_up else request.best_case()
+                for request in rows
+            ],
             num_other_rows,
             num_other_positions,
             self.drafting_s_per_row,
@@ -469,11 +476,18 @@ class Engine:
         num_rows = len(rows) + num_other_rows
         for request, length in zip(rows, best):
             request.rest(length, num_rows)
-        num_drafted = sum(1 for length in best if length)
+        chosen = [request for request, length in zip(rows, best) if length]
         started = time.perf_counter()
-        drafts = [request.propose() if length else EMPTY_DRAFT for request, length in zip(rows, best)]
-        if num_drafted:
-            per_row = (time.perf_counter() - started) / num_drafted
+        built = iter(
+            propose_rows(
+                [request.drafter for request in chosen],
+                [request.tokens for request in chosen],
+                [request.draft_cap for request in chosen],
+            )
+        )
+        drafts = [next(built) if length else EMPTY_DRAFT for length in best]
+        if chosen:
+            per_row = (time.perf_counter() - started) / len(chosen)
             self.drafting_s_per_row += DRAFTING_COST_WEIGHT * (per_row - self.drafting_s_per_row)
         return drafts
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nasd_core.config import SamplingParams, SpecConfig
-from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter
+from nasd_core.drafter import Draft, RequestDrafter
 from nasd_core.logprobs import TokenLogprob
 from nasd_core.metrics import SpecStats
 from nasd_core.policy import AcceptanceEstimator, RowDraft, dormant_steps
@@ -90,17 +90,19 @@ class Request:
             return 0
         return max(0, min(self.spec.num_draft_tokens, self.stopper.num_remaining - 1))
 
-    def propose(self) -> Draft:
-        """This step's draft, up to ``draft_cap`` tokens."""
-        cap = self.draft_cap
-        return self.drafter.propose(self.tokens, cap) if cap else EMPTY_DRAFT
+    @property
+    def looks_up(self) -> bool:
+        """Whether this step asks the drafter for the row's best case (not while it rests, nor
+        when it may draft nothing)."""
+        return not self.num_dormant and self.draft_cap > 0
 
-    def best_case(self) -> RowDraft:
+    def best_case(self, match: tuple[int, str | None] = (0, None)) -> RowDraft:
         """What the batch policy would see if this step's draft were as long and as well
-        matched as it can be (lookups only: no draft is built); nothing while the row rests."""
+        matched as it can be, given the drafter's ``longest_match`` (asked only where
+        ``looks_up``: no draft is built); nothing while the row rests."""
         if self.num_dormant:
             return RowDraft("off", 0, 0, self.acceptance)
-        match_length, source = self.drafter.longest_match(self.tokens) if self.draft_cap else (0, None)
+        match_length, source = match
         # Without a match there is no draft, unless unknown contexts are filled with guesses.
         available = self.draft_cap if match_length or not self.spec.stop_if_unknown else 0
         return RowDraft(self.mode, available, match_length, self.acceptance, source)

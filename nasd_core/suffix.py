@@ -245,29 +245,45 @@ class SuffixIndex:
         return SuffixDraft(tokens, probs, match_length)
 
 
-def draft_best(
-    stores: Sequence[SuffixIndex],
-    context: Sequence[int],
-    max_tokens: int,
-    exclude_own_end: bool = False,
-    max_spec_factor: float = MAX_SPEC_FACTOR,
-) -> tuple[SuffixDraft, int]:
-    """One row's draft from several stores (the request's own tokens first when
-    ``exclude_own_end``: its last position is the context's own end, then shared stores): the
-    store with the longest match drafts (a tie: the earlier). Returns the draft, whose
-    ``match_length`` is the match's even when nothing is drafted (``max_tokens`` 0 asks for the
-    match alone), and that store's index in ``stores`` (-1: none matched). One call of the
-    compiled store where every store is compiled."""
-    if stores and all(store.compiled for store in stores):
-        tokens, probs, match_length, chosen = native.drafter().draft_best(
-            [store._store for store in stores],
-            list(context[-MAX_MATCH:]),
-            max_tokens,
+# One row's query: its stores (the request's own first when ``exclude_own_end``), its context,
+# the most tokens to draft (0: the match alone).
+RowQuery = tuple[Sequence["SuffixIndex"], Sequence[int], int]
+
+
+def draft_rows(
+    queries: Sequence[RowQuery], exclude_own_end: bool = False, max_spec_factor: float = MAX_SPEC_FACTOR
+) -> list[tuple[SuffixDraft, int]]:
+    """Every row's draft from its stores, one compiled call for all rows where every store is
+    compiled: per row, the store with the longest match drafts (a tie: the earlier). Returns
+    each row's draft, whose ``match_length`` is the match's even when nothing is drafted
+    (``max_tokens`` 0 asks for the match alone), and that store's index in the row's stores
+    (-1: none matched). With ``exclude_own_end`` each row's first store is the row's own
+    tokens, whose last position is the context's own end."""
+    every_store = [store for stores, _, _ in queries for store in stores]
+    if every_store and all(store.compiled for store in every_store):
+        answers = native.drafter().draft_rows(
+            [[store._store for store in stores] for stores, _, _ in queries],
+            [list(context[-MAX_MATCH:]) for _, context, _ in queries],
+            [max_tokens for _, _, max_tokens in queries],
             exclude_own_end,
             max_spec_factor,
             MIN_TOKEN_PROB,
         )
-        return SuffixDraft(tokens, probs, match_length), chosen
+        return [(SuffixDraft(tokens, probs, length), chosen) for tokens, probs, length, chosen in answers]
+    return [
+        _reference_draft(stores, context, max_tokens, exclude_own_end, max_spec_factor)
+        for stores, context, max_tokens in queries
+    ]
+
+
+def _reference_draft(
+    stores: Sequence[SuffixIndex],
+    context: Sequence[int],
+    max_tokens: int,
+    exclude_own_end: bool,
+    max_spec_factor: float,
+) -> tuple[SuffixDraft, int]:
+    """``draft_rows`` for one row, store by store (the definition the compiled call follows)."""
     excludes = [
         len(store) - 1 if position == 0 and exclude_own_end else -1 for position, store in enumerate(stores)
     ]
@@ -280,6 +296,17 @@ def draft_best(
         return EMPTY, -1
     draft = stores[chosen].draft(context, max_tokens, excludes[chosen], max_spec_factor)
     return SuffixDraft(draft.tokens, draft.probs, best_length), chosen
+
+
+def draft_best(
+    stores: Sequence[SuffixIndex],
+    context: Sequence[int],
+    max_tokens: int,
+    exclude_own_end: bool = False,
+    max_spec_factor: float = MAX_SPEC_FACTOR,
+) -> tuple[SuffixDraft, int]:
+    """One row's ``draft_rows``."""
+    return draft_rows([(stores, context, max_tokens)], exclude_own_end, max_spec_factor)[0]
 
 
 def best_draft(drafts: Sequence[SuffixDraft]) -> SuffixDraft:

@@ -246,15 +246,15 @@ def test_auto_builds_no_draft_when_no_draft_could_pay(model, tokenizer, single_r
     propose, longest_match = RequestDrafter.propose, RequestDrafter.longest_match
     num_lookups = 0
 
-    def counting_propose(self, tokens, max_tokens):
-        draft = propose(self, tokens, max_tokens)
+    def counting_propose(self, tokens, max_tokens, *suffix):
+        draft = propose(self, tokens, max_tokens, *suffix)
         built.append(len(draft.tokens))
         return draft
 
-    def counting_longest_match(self, tokens):
+    def counting_longest_match(self, tokens, *suffix):
         nonlocal num_lookups
         num_lookups += 1
-        return longest_match(self, tokens)
+        return longest_match(self, tokens, *suffix)
 
     monkeypatch.setattr(RequestDrafter, "propose", counting_propose)
     monkeypatch.setattr(RequestDrafter, "longest_match", counting_longest_match)

@@ -83,7 +83,7 @@ def test_incremental_update_equals_bulk_update():
     }
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(
     sequence=token_lists,
     query=st.lists(st.integers(0, 7), min_size=1, max_size=6),
@@ -91,7 +91,8 @@ def test_incremental_update_equals_bulk_update():
     max_tokens=st.integers(1, 8),
 )
 def test_every_drafted_token_was_seen_after_its_context(sequence, query, max_ngram, max_tokens):
-    index = NGramIndex(IndexConfig(max_ngram=max_ngram, min_ngram=1))
+    # Every successor kept, so counts are exact (past max_successors the rarest is forgotten).
+    index = NGramIndex(IndexConfig(max_ngram=max_ngram, min_ngram=1, max_successors=256))
     index.update(sequence)
     draft, length, _ = index.propose(query, max_tokens)
     context = list(query)
@@ -111,7 +112,7 @@ def test_every_drafted_token_was_seen_after_its_context(sequence, query, max_ngr
         context.append(token)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(sequence=token_lists, query=st.lists(st.integers(0, 7), min_size=1, max_size=6))
 def test_lookup_uses_the_longest_seen_context(sequence, query):
     index = NGramIndex(IndexConfig(max_ngram=3, min_ngram=1))
@@ -128,7 +129,7 @@ def test_lookup_uses_the_longest_seen_context(sequence, query):
         assert match is not None and match.context_length == max(seen)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
 @given(
     sequences=st.lists(token_lists, min_size=1, max_size=6),
     budget=st.integers(1, 40),
@@ -157,7 +158,7 @@ def test_eviction_drops_least_recently_updated_contexts():
     assert index.num_evicted == 1
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
 @given(sequences=st.lists(token_lists, min_size=0, max_size=5), budget=st.integers(5, 200))
 def test_serialisation_round_trips(sequences, budget):
     index = NGramIndex(IndexConfig(max_ngram=3, min_ngram=1, max_entries=budget))
@@ -186,7 +187,7 @@ def test_prompt_lookup_latest_first_and_never_its_own_position():
     assert prompt_lookup([8, 1, 2, 5, 1, 2, 6, 8, 1, 2], 2, max_ngram=3) == ([5, 1], 3)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(sequence=st.lists(st.integers(0, 4), min_size=1, max_size=50), max_tokens=st.integers(1, 6))
 def test_prompt_lookup_copies_a_real_earlier_continuation(sequence, max_tokens):
     draft, length = prompt_lookup(sequence, max_tokens, max_ngram=4, min_ngram=1)
@@ -211,7 +212,7 @@ def brute_force_prompt_lookup(sequence: list[int], max_tokens: int, max_ngram: i
     return [], 0
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=True, database=None)
 @given(
     sequence=st.lists(st.integers(0, 3), min_size=0, max_size=60),
     max_tokens=st.integers(1, 8),
@@ -224,7 +225,7 @@ def test_prompt_lookup_equals_its_definition(sequence, max_tokens, max_ngram, mi
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(
     own=st.lists(st.integers(0, 5), min_size=1, max_size=60),
     shared=st.lists(st.integers(0, 5), min_size=0, max_size=60),

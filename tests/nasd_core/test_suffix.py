@@ -12,7 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nasd_core import native, suffix
-from nasd_core.suffix import MAX_MATCH, SharedSuffixIndex, SuffixIndex, best_draft, draft_best
+from nasd_core.config import SpecConfig
+from nasd_core.drafter import RequestDrafter, longest_matches, propose_rows
+from nasd_core.suffix import MAX_MATCH, SharedSuffixIndex, SuffixIndex, best_draft, draft_best, draft_rows
 
 IMPLEMENTATIONS = ("compiled", "reference")
 
@@ -211,3 +213,58 @@ def test_one_call_over_several_stores_drafts_from_the_longest_match(own, others,
     assert chosen == lengths.index(max(lengths)) and draft.match_length == max(lengths)
     exclude = len(own) - 1 if chosen == 0 else -1
     assert draft.tokens == stores[chosen].draft(own, max_tokens, exclude, 2.0).tokens
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(
+    rows=st.lists(
+        st.tuples(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.integers(0, 8)), max_size=5
+    ),
+    shared=st.lists(st.lists(st.integers(0, 4), max_size=40), max_size=3),
+)
+def test_one_call_for_every_row_equals_each_row_asked_alone(rows, shared):
+    """``draft_rows``: a step's rows in one call (each its own tokens, all the same shared
+    stores) give what each row gets asked alone, compiled and reference alike."""
+    results = []
+    for compiled in (True, False) if native.drafter() is not None else (False,):
+        shared_stores = [SuffixIndex(compiled=compiled) for _ in shared]
+        for store, sequence in zip(shared_stores, shared):
+            store.add_sequence(sequence)
+        queries = []
+        for own, max_tokens in rows:
+            store = SuffixIndex(compiled=compiled)
+            store.start_sequence()
+            store.extend(own)
+            queries.append(([store, *shared_stores], own, max_tokens))
+        together = draft_rows(queries, exclude_own_end=True, max_spec_factor=2.0)
+        assert together == [
+            draft_rows([query], exclude_own_end=True, max_spec_factor=2.0)[0] for query in queries
+        ]
+        results.append(together)
+    assert all(result == results[0] for result in results)
+
+
+def test_a_step_asks_every_rows_drafter_at_once_and_each_gets_its_own_answer():
+    """``propose_rows`` / ``longest_matches``: rows with suffix sources (asked in one call) and a
+    row without (n-gram and prompt lookup, asked alone) each get what their drafter gives alone."""
+    pool = SharedSuffixIndex(1000)
+    pool.update([7, 8, 9, 10, 11, 12, 13])
+    pool.update([1, 2, 3, 50, 51, 52])
+    contexts = [[1, 2, 3, 4, 1, 2, 3], [5, 7, 8, 9], [6, 6, 6], [1, 2, 3, 4, 1, 2]]
+    specs = [SpecConfig(local_index="suffix")] * 3 + [SpecConfig(local_index="hybrid")]
+    drafters = []
+    for spec, context in zip(specs, contexts):
+        drafter = RequestDrafter(spec, [("pool", pool)])
+        drafter.observe(context)
+        drafters.append(drafter)
+    caps = [4, 3, 2, 2]
+    drafts = propose_rows(drafters, contexts, caps)
+    assert drafts == [
+        drafter.propose(context, cap) for drafter, context, cap in zip(drafters, contexts, caps)
+    ]
+    assert drafts[0].tokens[:1] == [4] and drafts[0].source == "request"  # its own tokens: 1 2 3 -> 4
+    assert drafts[1].tokens == [10, 11, 12] and drafts[1].source == "pool"
+    assert drafts[3].tokens[:2] == [3, 4]  # prompt lookup, asked alone
+    matches = longest_matches(drafters, contexts)
+    assert matches == [drafter.longest_match(context) for drafter, context in zip(drafters, contexts)]
+    assert [length for length, _ in matches] == [draft.match_length for draft in drafts]
