@@ -38,6 +38,8 @@ class Draft:
     tokens: list[int]
     source: str | None
     match_length: int = 0
+    # Per token, whether the source's stored continuations split there (suffix stores only).
+    splits: tuple[bool, ...] = ()
 
 
 EMPTY_DRAFT = Draft([], None, 0)
@@ -220,7 +222,9 @@ def suffix_drafts(
     drafts = draft_rows(queries, exclude_own_end=True, max_spec_factor=math.inf)
     for row, store_names, (draft, chosen) in zip(rows, names, drafts):
         answers[row] = (
-            Draft(draft.tokens, store_names[chosen], draft.match_length) if chosen >= 0 else EMPTY_DRAFT
+            Draft(draft.tokens, store_names[chosen], draft.match_length, draft.splits)
+            if chosen >= 0
+            else EMPTY_DRAFT
         )
     return answers
 

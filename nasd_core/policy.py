@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 # Prior chance the first draft is accepted, by matched context length (longer = likelier);
@@ -23,6 +23,13 @@ from dataclasses import dataclass, field
 PRIOR_FIRST_ACCEPT = {1: 0.15, 2: 0.35, 3: 0.5, 4: 0.6}
 PRIOR_FIRST_ACCEPT_LONG = 0.7
 PRIOR_NEXT_ACCEPT = 0.75
+# ...and for a drafted token where the stored continuations of the match split (a suffix
+# store's draft: not every earlier occurrence went on with this token). Measured on the drafter
+# replay's traces (suffix sources, a replica index of the earlier requests): a split first
+# token was accepted 15-21% of the time (unanimous: 33-96% by match length), a split later one
+# 25-40% (unanimous: 74-97%).
+PRIOR_SPLIT_FIRST_ACCEPT = 0.2
+PRIOR_SPLIT_NEXT_ACCEPT = 0.35
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind each prior
 # The engine's pooled acceptance weighs its last ~50 drafts of each match length most.
 POOLED_DECAY = 0.98
@@ -112,11 +119,18 @@ class _Counts:
 
 @dataclass
 class AcceptanceEstimator:
-    """Acceptance by draft source and matched context length, learned from verification outcomes.
+    """Acceptance by draft source, matched context length and whether the draft's stored
+    continuations split at that token, learned from verification outcomes.
 
     Why by source: a match of one length is a copy in the request's own tokens more often
     than in other requests' (32 concurrent creative requests with a replica index of the
     finished ones: request-local drafts 47-48% accepted, replica drafts 35-41%).
+
+    Why by split: a suffix store drafts the most frequent continuation of the match, and where
+    its earlier occurrences went on differently that token is a guess among several (on the
+    replay's traces: 15-40% accepted against 33-97% where every occurrence agreed). Averaged
+    together, the policy would overprice the guesses and underprice the copies. Drafts that
+    carry no such information (n-gram indexes, prompt lookup) count as unanimous.
 
     A request's estimator starts from a prior worth ``PRIOR_WEIGHT`` drafts: the engine's
     pooled estimator (``prior``) where there is one, else the fixed ``PRIOR_*`` table. Every
@@ -128,38 +142,75 @@ class AcceptanceEstimator:
     one measured.
     """
 
-    first: dict[tuple[str | None, int], _Counts] = field(default_factory=dict)
-    following: dict[tuple[str | None, int], _Counts] = field(default_factory=dict)
+    first: dict[tuple[str | None, int, bool], _Counts] = field(default_factory=dict)
+    following: dict[tuple[str | None, int, bool], _Counts] = field(default_factory=dict)
     prior: AcceptanceEstimator | None = None
     decay: float = 1.0
 
     def record(
-        self, match_length: int, num_drafted: int, num_accepted: int, source: str | None = None
+        self,
+        match_length: int,
+        num_drafted: int,
+        num_accepted: int,
+        source: str | None = None,
+        splits: Sequence[bool] = (),
     ) -> None:
-        """Count one verified draft of ``num_drafted`` tokens of which ``num_accepted`` matched."""
+        """Count one verified draft of ``num_drafted`` tokens of which ``num_accepted`` matched;
+        ``splits``: per drafted token, whether its stored continuations split (none: unanimous)."""
         if num_drafted <= 0:
             return
-        key = (source, match_bucket(match_length))
-        self.first.setdefault(key, _Counts()).add(1, num_accepted > 0, self.decay)
-        # Positions 2..: tried while every earlier draft was accepted.
-        self.following.setdefault(key, _Counts()).add(
-            min(num_accepted, num_drafted - 1), max(0, num_accepted - 1), self.decay
+        bucket = match_bucket(match_length)
+        self.first.setdefault((source, bucket, _split_at(splits, 0)), _Counts()).add(
+            1, num_accepted > 0, self.decay
         )
+        # Positions 2..: tried while every earlier draft was accepted, counted by split.
+        trials = {False: 0, True: 0}
+        accepted = {False: 0, True: 0}
+        for position in range(1, min(num_accepted, num_drafted - 1) + 1):
+            split = _split_at(splits, position)
+            trials[split] += 1
+            accepted[split] += position < num_accepted
+        for split in (False, True):
+            if trials[split] or not split:  # the unanimous counts decay every record, as before
+                self.following.setdefault((source, bucket, split), _Counts()).add(
+                    trials[split], accepted[split], self.decay
+                )
         if self.prior is not None:
-            self.prior.record(match_length, num_drafted, num_accepted, source)
+            self.prior.record(match_length, num_drafted, num_accepted, source, splits)
 
-    def rates(self, match_length: int, source: str | None = None) -> tuple[float, float]:
-        """(a_first, a_next) for a draft from ``source`` that matched ``match_length`` tokens."""
+    def rates(self, match_length: int, source: str | None = None, split: bool = False) -> tuple[float, float]:
+        """(a_first, a_next) for a draft token from ``source`` that matched ``match_length``
+        tokens, where its stored continuations ``split`` or not."""
         if self.prior is not None:
-            prior_first, prior_next = self.prior.rates(match_length, source)
+            prior_first, prior_next = self.prior.rates(match_length, source, split)
+        elif split:
+            prior_first, prior_next = PRIOR_SPLIT_FIRST_ACCEPT, PRIOR_SPLIT_NEXT_ACCEPT
         else:
             prior_first, prior_next = _prior_first(match_length), PRIOR_NEXT_ACCEPT
-        key = (source, match_bucket(match_length))
+        key = (source, match_bucket(match_length), split)
         first = self.first.get(key, _Counts())
         following = self.following.get(key, _Counts())
         a_first = (first.accepted + PRIOR_WEIGHT * prior_first) / (first.trials + PRIOR_WEIGHT)
         a_next = (following.accepted + PRIOR_WEIGHT * prior_next) / (following.trials + PRIOR_WEIGHT)
         return a_first, a_next
+
+    def reaches(self, row: RowDraft) -> list[float]:
+        """The chance that each of ``row``'s available draft tokens is reached and accepted
+        (every earlier one accepted too): a falling product of per-token rates."""
+        rates = {False: self.rates(row.match_length, row.source)}
+        reach, reaches = 1.0, []
+        for position in range(row.num_available):
+            split = _split_at(row.splits, position)
+            if split not in rates:
+                rates[split] = self.rates(row.match_length, row.source, split)
+            a_first, a_next = rates[split]
+            reach *= a_first if position == 0 else a_next
+            reaches.append(reach)
+        return reaches
+
+
+def _split_at(splits: Sequence[bool], position: int) -> bool:
+    return position < len(splits) and splits[position]
 
 
 def pooled_acceptance() -> AcceptanceEstimator:
@@ -349,15 +400,6 @@ def _prior_shape(num_rows: int, num_extra: int) -> float:
     return 1.0 + PRIOR_EXTRA_ROW_COST * (num_rows - 1) + PRIOR_EXTRA_TOKEN_COST * num_extra
 
 
-def expected_tokens(a_first: float, a_next: float, num_draft: int) -> float:
-    """E(g): mean tokens emitted by a step verifying ``num_draft`` drafts (bonus included)."""
-    total, reach = 1.0, a_first
-    for _ in range(num_draft):
-        total += reach
-        reach *= a_next
-    return total
-
-
 def choose_draft_length(
     max_draft: int, match_length: int, acceptance: AcceptanceEstimator, step_time: StepTimeModel
 ) -> int:
@@ -387,6 +429,9 @@ class RowDraft:
     match_length: int
     acceptance: AcceptanceEstimator
     source: str | None = None  # the draft's source (acceptance is learned per source)
+    # Per drafted token, whether the source's stored continuations split there (a built suffix
+    # draft; empty for a best case or a source without counts: priced as unanimous).
+    splits: Sequence[bool] = ()
 
 
 def draft_position_cap(num_rows: int, step_time: StepTimeModel) -> int:
@@ -451,14 +496,11 @@ def plan_batch_drafts(
     for index, row in enumerate(rows):
         if row.mode == "off" or row.num_available == 0:
             continue
-        a_first, a_next = row.acceptance.rates(row.match_length, row.source)
+        reaches = row.acceptance.reaches(row)
         if row.mode == "on":
-            base_tokens += expected_tokens(a_first, a_next, row.num_available) - 1.0
+            base_tokens += sum(reaches)
             continue
-        reach = a_first
-        for _ in range(row.num_available):
-            gains.append((reach, index))
-            reach *= a_next
+        gains += [(reach, index) for reach in reaches]
     if not gains:  # nothing to choose (every row off, forced or without a draft): no pricing
         return DraftPlan(forced)
     gains.sort(key=lambda gain: -gain[0])  # stable: equal gains keep row order

@@ -124,7 +124,9 @@ class Request:
 
     def row_draft(self, draft: Draft) -> RowDraft:
         """What the batch policy knows about this row given this step's ``draft``."""
-        return RowDraft(self.mode, len(draft.tokens), draft.match_length, self.acceptance, draft.source)
+        return RowDraft(
+            self.mode, len(draft.tokens), draft.match_length, self.acceptance, draft.source, draft.splits
+        )
 
     def verify_row(self) -> VerifyRow:
         """What verification needs of this row this step."""
@@ -135,7 +137,7 @@ class Request:
         ``emitted`` came out. Updates the output, the drafter, acceptance and counters;
         returns the tokens actually kept (a stop condition can cut the step short)."""
         num_accepted = len(emitted) - 1
-        self.acceptance.record(draft.match_length, num_drafted, num_accepted, draft.source)
+        self.acceptance.record(draft.match_length, num_drafted, num_accepted, draft.source, draft.splits)
         num_taken = self.stopper.extend(emitted)
         kept = emitted[:num_taken]
         self.tokens.extend(kept)

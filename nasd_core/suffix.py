@@ -52,6 +52,11 @@ class SuffixDraft:
     def expected_accepted(self) -> float:
         return sum(self.probs)
 
+    @property
+    def splits(self) -> tuple[bool, ...]:
+        """Per token, whether the match's stored continuations split there (its chance fell)."""
+        return tuple(prob < previous for previous, prob in zip([1.0, *self.probs], self.probs))
+
 
 EMPTY = SuffixDraft([], [], 0)
 

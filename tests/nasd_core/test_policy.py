@@ -13,6 +13,8 @@ from nasd_core.policy import (
     MIN_DRAFT_GAIN,
     MIN_PAYOFF,
     MIN_TRUSTED_SAMPLES,
+    PRIOR_SPLIT_FIRST_ACCEPT,
+    PRIOR_SPLIT_NEXT_ACCEPT,
     AcceptanceEstimator,
     DraftPayoff,
     DraftPlan,
@@ -22,7 +24,6 @@ from nasd_core.policy import (
     cold_start_cap,
     dormant_steps,
     draft_position_cap,
-    expected_tokens,
     match_bucket,
     plan_batch_drafts,
     pooled_acceptance,
@@ -30,10 +31,45 @@ from nasd_core.policy import (
 )
 
 
-def test_expected_tokens_is_the_geometric_sum():
-    assert expected_tokens(0.5, 0.5, 0) == 1.0
-    assert expected_tokens(0.5, 0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
-    assert expected_tokens(1.0, 1.0, 4) == 5.0
+def test_a_drafts_reaches_are_falling_products_of_its_tokens_rates():
+    estimator = AcceptanceEstimator()
+    a_first, a_next = estimator.rates(3)
+    unanimous = estimator.reaches(RowDraft("auto", 3, 3, estimator))
+    assert unanimous == pytest.approx([a_first, a_first * a_next, a_first * a_next**2])
+    split_first, split_next = estimator.rates(3, split=True)
+    assert (split_first, split_next) == (PRIOR_SPLIT_FIRST_ACCEPT, PRIOR_SPLIT_NEXT_ACCEPT)
+    forked = estimator.reaches(RowDraft("auto", 3, 3, estimator, splits=(False, True, False)))
+    assert forked == pytest.approx([a_first, a_first * split_next, a_first * split_next * a_next])
+    # E(g), the tokens a step verifying g drafts emits, is 1 + the first g reaches.
+    assert 1 + sum(unanimous) > 1 + sum(forked)
+
+
+def test_split_and_unanimous_tokens_are_counted_apart():
+    """A draft's tokens after a split in the stored continuations learn their own rates: the
+    guesses among several continuations do not drag down the copies, nor the reverse."""
+    estimator = AcceptanceEstimator()
+    for _ in range(200):
+        # Four drafted, the third a split: the first two accepted, the split rejected.
+        estimator.record(8, 4, 2, "replica", splits=(False, False, True, False))
+    a_first, a_next = estimator.rates(8, "replica")
+    split_first, split_next = estimator.rates(8, "replica", split=True)
+    assert a_first > 0.95 and a_next > 0.95  # the unanimous second token: always accepted
+    assert split_next < 0.05  # the split third token: never
+    assert split_first == pytest.approx(PRIOR_SPLIT_FIRST_ACCEPT)  # no split first token seen
+    assert estimator.rates(8, "request") == AcceptanceEstimator().rates(8, "request")
+
+
+def test_the_policy_drafts_up_to_a_split_and_not_past_it():
+    step_time = StepTimeModel()
+    for extra in range(9):  # one row; each extra position costs 15% of a plain step
+        step_time.observe(1, 1 + extra, 0.1 * (1 + 0.15 * extra), 3)
+    estimator = AcceptanceEstimator()
+    for _ in range(100):
+        estimator.record(16, 6, 3, "replica", splits=(False, False, False, True, False, False))
+    copy = RowDraft("auto", 6, 16, estimator, "replica")
+    assert plan_batch_drafts([copy], step_time).lengths == [6]  # priced as unanimous: all of it
+    forked = RowDraft("auto", 6, 16, estimator, "replica", splits=(False, False, False, True, False, False))
+    assert plan_batch_drafts([forked], step_time).lengths == [3]
 
 
 def test_acceptance_estimator_learns_from_outcomes():
@@ -355,7 +391,7 @@ def test_plan_reports_what_it_promises():
     plan = plan_batch_drafts(rows, step_time)
     a_first, a_next = AcceptanceEstimator().rates(3)
     assert plan.lengths == [2] * 16 and plan.num_chosen == 32
-    assert plan.expected_tokens == pytest.approx(16 * expected_tokens(a_first, a_next, 2))
+    assert plan.expected_tokens == pytest.approx(16 * (1 + a_first + a_first * a_next))
     plain_rate = 16 / step_time.estimate(16, 16)
     assert plan.gain == pytest.approx(plan.expected_tokens / step_time.estimate(16, 48) / plain_rate)
     assert 1.05 < plan.gain < MAX_READ_GAIN

@@ -268,3 +268,14 @@ def test_a_step_asks_every_rows_drafter_at_once_and_each_gets_its_own_answer():
     matches = longest_matches(drafters, contexts)
     assert matches == [drafter.longest_match(context) for drafter, context in zip(drafters, contexts)]
     assert [length for length, _ in matches] == [draft.match_length for draft in drafts]
+
+
+def test_a_draft_marks_the_tokens_where_its_stored_continuations_split(make_index):
+    index = make_index()
+    for ending in ([5, 6, 7], [5, 6, 8], [5, 9, 9]):
+        index.add_sequence([1, 2, 3, 4, *ending])
+    draft = index.draft([1, 2, 3, 4], 3, max_spec_factor=99.0)
+    # 5 follows every occurrence; 6 two of three (split); then 7 and 8 one each (split again).
+    assert draft.tokens[:2] == [5, 6] and draft.splits[:2] == (False, True)
+    assert draft.probs[1] == pytest.approx(2 / 3)
+    assert all(draft.splits[2:])
