@@ -37,6 +37,7 @@ from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
 from nasd_core.drafter import RequestDrafter, longest_matches, new_shared_index, propose_rows
 from nasd_core.ngram import prompt_lookup
 from nasd_core.suffix import MAX_SPEC_FACTOR, SuffixIndex, best_draft
+from pool_service.config import pool_index
 
 TRACES = Path(__file__).resolve().parent / "traces" / "greedy_float32.json"
 MAX_DRAFT = 16
@@ -375,9 +376,27 @@ def batch_drafting(traces: dict[str, list[dict[str, list[int]]]]) -> dict[str, d
     mixed = [
         trace for group in itertools.zip_longest(*traces.values()) for trace in group if trace is not None
     ]
-    return {
+    result: dict[str, dict[str, float]] = {
         mode: batched(mixed, one_call=mode == "one_call").summary() for mode in ("call_per_row", "one_call")
     }
+    result["index"] = shared_index_costs([trace["prompt"] + trace["output"] for trace in mixed])
+    return result
+
+
+def shared_index_costs(sequences: list[list[int]]) -> dict[str, float]:
+    """What a pool index of each kind (the server's budgets) costs to fill with ``sequences``,
+    as a replica replaying the pool at start does (µs per token), and the suffix store's bytes
+    per stored token (``memory_bytes``: estimated from its containers' sizes)."""
+    num_tokens = sum(len(sequence) for sequence in sequences)
+    costs: dict[str, float] = {"tokens": num_tokens}
+    for kind in ("suffix", "ngram"):
+        index = new_shared_index(pool_index(kind))
+        started = time.perf_counter()
+        index.update_many(sequences)
+        costs[f"{kind}_ingest_us_per_token"] = round(1e6 * (time.perf_counter() - started) / num_tokens, 2)
+        if kind == "suffix":
+            costs["suffix_bytes_per_token"] = round(index.memory_bytes() / index.num_entries, 1)
+    return costs
 
 
 def run(traces: dict[str, list[dict[str, list[int]]]], drafters: Sequence[str]) -> dict:
@@ -471,6 +490,15 @@ def markdown_table(payload: dict) -> str:
                 f"| {label} | {cell['us_per_row_step']:.1f} | {cell['tokens_per_step']:.2f} "
                 f"| {cell['drafted_per_step']:.1f} |"
             )
+        if "index" in batch:
+            index = batch["index"]
+            lines += [
+                "",
+                f"A pool index filled with every trace ({index['tokens']:,} tokens, the server's budgets): "
+                f"suffix store {index['suffix_ingest_us_per_token']:.2f} µs per token to fill, "
+                f"{index['suffix_bytes_per_token']:.0f} bytes per stored token; "
+                f"n-gram index {index['ngram_ingest_us_per_token']:.2f} µs per token.",
+            ]
     if "frontier" in payload:
         lines += [
             "",

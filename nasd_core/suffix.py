@@ -24,6 +24,7 @@ store compiled (``nasd_core/csrc/suffix_index.cpp``, built by ``nasd_core.native
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,6 +79,15 @@ class ReferenceSuffixIndex:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    def memory_bytes(self) -> int:
+        """Bytes of the store's lists and dicts and their window keys (shallow: the token ints
+        themselves, mostly shared small ints, are not counted); an estimate."""
+        heads = sum(
+            sys.getsizeof(windows) + sum(sys.getsizeof(window) for window in windows)
+            for windows in self._heads.values()
+        )
+        return sys.getsizeof(self.tokens) + sum(sys.getsizeof(prev) for prev in self._prev.values()) + heads
 
     # ------------------------------------------------------------------ updates
     def add_sequence(self, tokens: Sequence[int]) -> None:
@@ -217,6 +227,10 @@ class SuffixIndex:
     def tokens(self) -> list[int]:
         return list(self._store.tokens)
 
+    def memory_bytes(self) -> int:
+        """Bytes the store holds, estimated from its containers' sizes."""
+        return self._store.memory_bytes()
+
     def add_sequence(self, tokens: Sequence[int]) -> None:
         """Store a whole sequence (a finished request, a pool entry)."""
         self._store.add_sequence(list(tokens))
@@ -351,6 +365,10 @@ class SharedSuffixIndex:
     def num_entries(self) -> int:
         """Stored tokens, over every generation."""
         return sum(len(generation) for generation in self._generations)
+
+    def memory_bytes(self) -> int:
+        """Bytes held over every generation (``SuffixIndex.memory_bytes``)."""
+        return sum(generation.memory_bytes() for generation in self._generations)
 
     def update(self, tokens: Sequence[int]) -> None:
         """Store one finished sequence."""

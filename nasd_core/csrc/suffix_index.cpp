@@ -48,6 +48,20 @@ class SuffixIndex {
   int64_t size() const { return static_cast<int64_t>(tokens_.size()); }
   const Tokens& tokens() const { return tokens_; }
 
+  // Bytes the store holds, from its containers' sizes: the token and chain arrays as allocated,
+  // and each hash-chain head as a node of the map (key, value, next pointer, the allocator's
+  // header) plus its bucket. An estimate of the heap in use, not a measurement of it.
+  int64_t memory_bytes() const {
+    constexpr int64_t kNodeBytes = sizeof(uint64_t) + sizeof(int64_t) + sizeof(void*) + 16;
+    int64_t bytes = static_cast<int64_t>(tokens_.capacity() * sizeof(int64_t));
+    for (int anchor = 0; anchor < kNumAnchors; ++anchor) {
+      bytes += static_cast<int64_t>(prev_[anchor].capacity() * sizeof(int64_t));
+      bytes += static_cast<int64_t>(heads_[anchor].size()) * kNodeBytes;
+      bytes += static_cast<int64_t>(heads_[anchor].bucket_count() * sizeof(void*));
+    }
+    return bytes;
+  }
+
   void add_sequence(const Tokens& sequence) {
     start_sequence();
     extend(sequence);
@@ -253,6 +267,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   py::class_<SuffixIndex>(module, "SuffixIndex")
       .def(py::init<int64_t, int, int>(), py::arg("max_tokens"), py::arg("max_match"), py::arg("max_candidates"))
       .def("__len__", &SuffixIndex::size)
+      .def("memory_bytes", &SuffixIndex::memory_bytes)
       .def_property_readonly("tokens", &SuffixIndex::tokens)
       .def("add_sequence", &SuffixIndex::add_sequence)
       .def("start_sequence", &SuffixIndex::start_sequence)

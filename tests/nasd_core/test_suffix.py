@@ -279,3 +279,18 @@ def test_a_draft_marks_the_tokens_where_its_stored_continuations_split(make_inde
     assert draft.tokens[:2] == [5, 6] and draft.splits[:2] == (False, True)
     assert draft.probs[1] == pytest.approx(2 / 3)
     assert all(draft.splits[2:])
+
+
+def test_memory_is_reported_and_grows_with_what_is_stored(make_index):
+    index = make_index()
+    empty = index.memory_bytes()
+    index.add_sequence(list(range(1000)))
+    held = index.memory_bytes()
+    # At least the tokens and one chain link per anchor length for each (8 bytes apiece).
+    assert held - empty >= 1000 * 8 * 2
+    index.add_sequence(list(range(1000, 3000)))
+    assert index.memory_bytes() > held
+    shared = SharedSuffixIndex(4000, compiled=index.compiled)
+    shared.update(list(range(1000)))
+    shared.update(list(range(1000, 2000)))
+    assert shared.memory_bytes() == sum(store.memory_bytes() for store in shared.stores) > 0
