@@ -462,7 +462,9 @@ class Engine:
             return []
         looked_up = [request for request in rows if request.looks_up]
         matches = iter(
-            longest_matches([request.drafter for request in looked_up], [r.tokens for r in looked_up])
+            longest_matches(
+                [request.drafter for request in looked_up], [request.tokens for request in looked_up]
+            )
         )
         best = self._plan(
             [
