@@ -7,9 +7,10 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -72,6 +73,16 @@ def counting_forwards(model):
         yield counter
     finally:
         counter.close()
+
+
+T = TypeVar("T")
+
+
+def rotated(items: Sequence[T], shift: int) -> list[T]:
+    """``items`` starting at ``shift`` (modulo their count): the run order of compared systems
+    for the ``shift``-th job, so none always runs first (slow drift, caches) and each leads in turn."""
+    shift %= len(items)
+    return [*items[shift:], *items[:shift]]
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -35,6 +35,7 @@ from benchmarks.common import (
     new_figure,
     percentile,
     publish_run,
+    rotated,
     run_metadata,
 )
 from benchmarks.concurrency import MIXES, MODES, add_ratios_to_off, sweep_ratios
@@ -212,8 +213,7 @@ def run_replicas(
                 batch = prompts[sum(sizes[:index]) : sum(sizes[: index + 1])]
                 row, texts = {}, {}
                 # Rotate which mode goes first, so slow drift does not favour one of them.
-                shift = index % len(MODES)
-                for mode in (*MODES[shift:], *MODES[:shift]):
+                for mode in rotated(MODES, index):
                     row[mode], texts[mode] = asyncio.run(run_cell(urls[mode], batch, level, mode, max_tokens))
                     progress.update()
                 add_ratios_to_off(row)

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
+from statistics import geometric_mean
 
-from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
+from benchmarks.common import grouped_bars, new_figure, publish_run, rotated, run_metadata
 from benchmarks.concurrency import MIXES
 from benchmarks.http import (
     MAX_TOKENS,
@@ -54,7 +54,7 @@ def run(cells: dict[str, tuple[int, ...]], rounds: int, num_cpus: int) -> dict:
                     batch, prompts = prompts[: 2 * level], prompts[2 * level :]
                     row, texts = {}, {}
                     # Each server goes first, second and last in turn, so slow drift favours none.
-                    for mode in MODES[number % 3 :] + MODES[: number % 3]:
+                    for mode in rotated(MODES, number):
                         before = engine_counters(urls[mode])
                         row[mode], texts[mode] = asyncio.run(
                             run_cell(urls[mode], batch, level, speculation_of(mode), MAX_TOKENS)
@@ -78,10 +78,6 @@ def run(cells: dict[str, tuple[int, ...]], rounds: int, num_cpus: int) -> dict:
         return results
 
 
-def geometric_mean(values: list[float]) -> float:
-    return math.exp(sum(math.log(value) for value in values) / len(values))
-
-
 def markdown_table(payload: dict) -> str:
     lines = [
         "| mix | C | auto / off, each round | geometric mean | control: off / off, each round "
@@ -96,7 +92,7 @@ def markdown_table(payload: dict) -> str:
             off_rate = sum(entry["off"]["tokens_per_s"] for entry in runs) / len(runs)
             itl = [sum(entry[mode]["itl_p50_ms"] for entry in runs) / len(runs) for mode in ("off", "auto")]
             engine = {
-                name: sum(entry["auto"].get("engine", {}).get(name, 0) for entry in runs)
+                name: sum(entry["auto"]["engine"][name] for entry in runs)
                 for name in ("steps", "drafted_steps", "drafted", "accepted")
             }
             drafted_steps = f"{engine['drafted_steps']} / {engine['steps']}" if engine["steps"] else "-"

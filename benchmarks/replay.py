@@ -261,6 +261,17 @@ class ReplayStats:
     num_accepted: int = 0
     drafting_s: float = 0.0
 
+    def verify(self, draft: Sequence[int], truth: Sequence[int]) -> list[int]:
+        """One greedy verification step of ``draft`` against the trace's next tokens ``truth``:
+        counted here; returns the tokens it emits (the accepted prefix and one more)."""
+        num_accepted = accepted_prefix(draft, truth)
+        emitted = list(truth[: num_accepted + 1])
+        self.num_steps += 1
+        self.num_emitted += len(emitted)
+        self.num_drafted += len(draft)
+        self.num_accepted += num_accepted
+        return emitted
+
     def summary(self) -> dict[str, float]:
         steps = max(1, self.num_steps)
         return {
@@ -297,12 +308,7 @@ def replay(drafter: ReplayDrafter, traces: list[dict[str, list[int]]]) -> Replay
             started = clock()
             draft = drafter.propose(context, min(MAX_DRAFT, len(output) - position))
             stats.drafting_s += clock() - started
-            num_accepted = accepted_prefix(draft, output[position:])
-            emitted = output[position : position + num_accepted + 1]
-            stats.num_steps += 1
-            stats.num_emitted += len(emitted)
-            stats.num_drafted += len(draft)
-            stats.num_accepted += num_accepted
+            emitted = stats.verify(draft, output[position:])
             context.extend(emitted)
             position += len(emitted)
             started = clock()
@@ -351,13 +357,7 @@ def batched(traces: list[dict[str, list[int]]], one_call: bool, num_rows: int = 
                 ]
             stats.drafting_s += clock() - started
             for row, draft in zip(active, drafts):
-                output = wave[row]["output"]
-                num_accepted = accepted_prefix(draft.tokens, output[positions[row] :])
-                emitted = output[positions[row] : positions[row] + num_accepted + 1]
-                stats.num_steps += 1
-                stats.num_emitted += len(emitted)
-                stats.num_drafted += len(draft.tokens)
-                stats.num_accepted += num_accepted
+                emitted = stats.verify(draft.tokens, wave[row]["output"][positions[row] :])
                 contexts[row].extend(emitted)
                 positions[row] += len(emitted)
             started = clock()
@@ -490,15 +490,14 @@ def markdown_table(payload: dict) -> str:
                 f"| {label} | {cell['us_per_row_step']:.1f} | {cell['tokens_per_step']:.2f} "
                 f"| {cell['drafted_per_step']:.1f} |"
             )
-        if "index" in batch:
-            index = batch["index"]
-            lines += [
-                "",
-                f"A pool index filled with every trace ({index['tokens']:,} tokens, the server's budgets): "
-                f"suffix store {index['suffix_ingest_us_per_token']:.2f} µs per token to fill, "
-                f"{index['suffix_bytes_per_token']:.0f} bytes per stored token; "
-                f"n-gram index {index['ngram_ingest_us_per_token']:.2f} µs per token.",
-            ]
+        index = batch["index"]
+        lines += [
+            "",
+            f"A pool index filled with every trace ({index['tokens']:,} tokens, the server's budgets): "
+            f"suffix store {index['suffix_ingest_us_per_token']:.2f} µs per token to fill, "
+            f"{index['suffix_bytes_per_token']:.0f} bytes per stored token; "
+            f"n-gram index {index['ngram_ingest_us_per_token']:.2f} µs per token.",
+        ]
     if "frontier" in payload:
         lines += [
             "",

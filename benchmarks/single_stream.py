@@ -32,6 +32,7 @@ from benchmarks.common import (
     grouped_bars,
     new_figure,
     publish_run,
+    rotated,
     run_metadata,
 )
 from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
@@ -171,10 +172,8 @@ def run_benchmark(
         prompt_ids = list(prompts[name][index])
         reference: list[int] | None = None
         # Rotate the order per prompt so no system always runs first (cache/thermal effects).
-        shift = job_number % len(systems)
-        order = [*systems[shift:], *systems[:shift]]
         outputs = {}
-        for system in order:
+        for system in rotated(systems, job_number):
             with counting_forwards(stock_model if system in STOCK_SYSTEMS else model) as forwards:
                 started = time.perf_counter()
                 output, stats = runners[system](prompt_ids)

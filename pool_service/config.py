@@ -41,9 +41,10 @@ DEFAULT_MAX_FOLLOWED_PARTITIONS = 32
 # the namespaces nobody publishes to would hold their memory in Redis for ever.
 DEFAULT_KEY_TTL_S = 7 * 24 * 3600
 # The pool-fed and replica indexes hold other requests' tokens, matched by suffix (one index
-# each per namespace): the compiled store takes ~60 bytes per stored token on chat traffic that
-# repeats itself and ~230 on text that never does (every window new), so 1M tokens is
-# 60-230 MB per index. With the n-gram kind the budget counts (context, next token) cells.
+# each per namespace): the compiled store takes ~120 bytes per stored token on the drafter
+# replay's chat traces and ~300 on text that never repeats (every window new; estimated by
+# ``SuffixIndex.memory_bytes``), so 1M tokens is 120-300 MB per index. With the n-gram kind
+# the budget counts (context, next token) cells.
 DEFAULT_POOL_INDEX_TOKENS = 1_000_000
 DEFAULT_POOL_NGRAM_ENTRIES = 2_000_000
 DEFAULT_POOL_INDEX = IndexConfig(kind="suffix", max_entries=DEFAULT_POOL_INDEX_TOKENS)
