@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -22,12 +23,18 @@ PLOTS_DIR = Path(__file__).resolve().parent / "plots"
 def run_metadata(model, dtype: str, module: str) -> dict[str, object]:
     """Where and how a result was produced, so a table can be traced back to its run
     (``model`` None: a run that loads none, such as a replay of recorded traces)."""
+    # NASD_COMMIT: where the tree was copied without its git history (a lent GPU machine).
+    commit = os.environ.get("NASD_COMMIT", "")
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
+        commit = (
+            commit
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+            ).stdout.strip()
+        )
     except OSError:
         commit = "unknown"
+    device = model.device if model is not None else torch.device("cpu")
     return {
         "command": " ".join(["python", "-m", module, *sys.argv[1:]]),
         "commit": commit,
@@ -39,6 +46,7 @@ def run_metadata(model, dtype: str, module: str) -> dict[str, object]:
         "torch": torch.__version__,
         "model": (getattr(model.config, "_name_or_path", "") or type(model).__name__) if model else None,
         "dtype": dtype,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
     }
 
 
@@ -97,9 +105,12 @@ def write_result(name: str, payload: dict[str, object]) -> Path:
     return path
 
 
-def result_name(suite: str, dtype: str, quick: bool) -> str:
-    """The file stem a suite's run writes to (results and plot): ``<suite>_<dtype>[_quick]``."""
-    return f"{suite}_{dtype}{'_quick' if quick else ''}"
+def result_name(suite: str, dtype: str, quick: bool, device: str = "cpu") -> str:
+    """The file stem a suite's run writes to (results and plot): ``<suite>_<dtype>[_quick]``,
+    ``<suite>_<device type>_<dtype>[_quick]`` off the CPU (``concurrency_cuda_bfloat16``)."""
+    device_type = device.split(":")[0]
+    where = "" if device_type == "cpu" else f"{device_type}_"
+    return f"{suite}_{where}{dtype}{'_quick' if quick else ''}"
 
 
 def publish_run(
@@ -109,9 +120,10 @@ def publish_run(
     payload: dict,
     plot: Callable[[dict], object],
     markdown_table: Callable[[dict], str],
+    device: str = "cpu",
 ) -> Path:
     """Write a suite's JSON result and PNG plot, print its table; the result's path."""
-    name = result_name(suite, dtype, quick)
+    name = result_name(suite, dtype, quick, device)
     path = write_result(name, payload)
     save_figure(plot(payload), name)
     print(markdown_table(payload))

@@ -8,6 +8,7 @@ interleaved (``run_order``), and their figures pool the runs.
 
     python -m benchmarks.concurrency            # C = 1, 4, 16, 32; 2C requests of 64 tokens
     python -m benchmarks.concurrency --quick    # the full run's C = 1, 4 cells, each mode once
+    python -m benchmarks.concurrency --device cuda --dtype bfloat16 --levels 1 4 16 32 64 --repeats 2
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import cycle, islice
 
@@ -25,7 +27,9 @@ from benchmarks.common import (
     new_figure,
     percentile,
     publish_run,
+    result_name,
     run_metadata,
+    write_result,
 )
 from benchmarks.workloads import long_chats, make_workload
 from nasd_core.calibration import calibrate
@@ -142,11 +146,25 @@ def run_sweep(
     requests_per_level: int = 2,
     repeats: int = REPEATS,
     long_chat_repeats: int = LONG_CHAT_REPEATS,
+    device: str = "cpu",
+    on_cell: Callable[[dict], object] | None = None,
 ) -> dict:
-    model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
+    """The sweep's payload; ``on_cell`` gets it after every finished cell (a run stopped midway,
+    such as one on a machine lent for minutes, keeps the cells it finished)."""
+    model, tokenizer = load_model(config=ModelConfig(dtype=dtype, device=device))
     calibrate(model, max(levels))
     sweep: dict[str, dict] = {}
     orders = {mix: run_order(long_chat_repeats if mix == LONG_CHAT else repeats) for mix in SWEEP_MIXES}
+    payload = {
+        "benchmark": "concurrency",
+        "meta": {
+            **run_metadata(model, dtype, "benchmarks.concurrency"),
+            "max_tokens": max_tokens,
+            "requests_per_level": requests_per_level,
+            "run_order": orders,
+        },
+        "sweep": sweep,
+    }
     cells = [(mix, level) for mix in SWEEP_MIXES for level in levels]
     for mix, level in tqdm(cells, desc="concurrency", unit="cell"):
         order = orders[mix]
@@ -162,16 +180,9 @@ def run_sweep(
             )
         add_ratios_to_off(row)
         sweep.setdefault(mix, {})[str(level)] = row
-    return {
-        "benchmark": "concurrency",
-        "meta": {
-            **run_metadata(model, dtype, "benchmarks.concurrency"),
-            "max_tokens": max_tokens,
-            "requests_per_level": requests_per_level,
-            "run_order": orders,
-        },
-        "sweep": sweep,
-    }
+        if on_cell is not None:
+            on_cell(payload)
+    return payload
 
 
 def mix_prompts(tokenizer, mix: str, count: int) -> list[list[int]]:
@@ -249,13 +260,27 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu", help="torch device of the model (cuda on a GPU)")
+    parser.add_argument("--levels", nargs="*", type=int, default=[1, 4, 16, 32], help="concurrencies")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="runs of off and auto per cell")
     args = parser.parse_args()
     if args.quick:
         # The full run's C = 1 and 4 cells, as defined there, each mode run once.
-        payload = run_sweep([1, 4], 64, args.dtype, requests_per_level=2, repeats=1, long_chat_repeats=1)
+        payload = run_sweep(
+            [1, 4], 64, args.dtype, requests_per_level=2, repeats=1, long_chat_repeats=1, device=args.device
+        )
     else:
-        payload = run_sweep([1, 4, 16, 32], 64, args.dtype)
-    publish_run("concurrency", args.dtype, args.quick, payload, plot, markdown_table)
+        name = result_name("concurrency", args.dtype, args.quick, args.device)
+        payload = run_sweep(
+            args.levels,
+            64,
+            args.dtype,
+            repeats=args.repeats,
+            long_chat_repeats=min(args.repeats, LONG_CHAT_REPEATS),
+            device=args.device,
+            on_cell=lambda partial: write_result(name, partial),
+        )
+    publish_run("concurrency", args.dtype, args.quick, payload, plot, markdown_table, args.device)
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ def make_runners(
     stop_ids = eos_ids(model, tokenizer)
 
     def hf(prompt_ids: list[int], on_model=model, **extra) -> tuple[list[int], None]:
-        inputs = torch.tensor([prompt_ids])
+        inputs = torch.tensor([prompt_ids], device=on_model.device)
         with torch.inference_mode():
             out = on_model.generate(
                 inputs,
@@ -149,11 +149,12 @@ def run_benchmark(
     dtype: str,
     seed: int,
     systems: tuple[str, ...] = SYSTEMS,
+    device: str = "cpu",
 ) -> dict:
-    model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
+    model, tokenizer = load_model(config=ModelConfig(dtype=dtype, device=device))
     stock_model = None
     if any(system in STOCK_SYSTEMS for system in systems):
-        stock_model, _ = load_model(config=ModelConfig(dtype=dtype, cpu_fast_path=False))
+        stock_model, _ = load_model(config=ModelConfig(dtype=dtype, device=device, cpu_fast_path=False))
     step_time = calibrate(model, 1)
     runners = make_runners(model, tokenizer, max_tokens, step_time, stock_model)
     prompts = {
@@ -300,12 +301,17 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="*", default=None, choices=list(WORKLOADS))
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--seed", type=int, default=0, help="workload generator seed")
+    parser.add_argument("--device", default="cpu", help="torch device of the model (cuda on a GPU)")
     args = parser.parse_args()
     num_prompts = args.prompts or (1 if args.quick else 5)
     workloads = args.workloads or list(QUICK_WORKLOADS if args.quick else WORKLOADS)
     systems = QUICK_SYSTEMS if args.quick else SYSTEMS
-    payload = run_benchmark(num_prompts, args.max_tokens, workloads, args.dtype, args.seed, systems)
-    publish_run("single_stream", args.dtype, args.quick, payload, plot, markdown_table)
+    if args.device != "cpu":  # the stock/fast kernel pairs compare CPU kernels only
+        systems = tuple(system for system in systems if system not in STOCK_SYSTEMS)
+    payload = run_benchmark(
+        num_prompts, args.max_tokens, workloads, args.dtype, args.seed, systems, args.device
+    )
+    publish_run("single_stream", args.dtype, args.quick, payload, plot, markdown_table, args.device)
 
 
 if __name__ == "__main__":

@@ -4,16 +4,28 @@ This is the surface the ``auto`` policy weighs drafts against. float32 is timed 
 transformers' stock CPU kernels and with the CPU fast path ``load_model`` applies by default
 (``nasd_core/cpu_kernels.py``), in the same run.
 
+On another device (a GPU) or for a larger architecture with random weights, one model is
+timed and the run also checks the policy's cost model and the attention layout:
+- the probe's surface (what ``calibrate`` gives the policy), then steps of widths the probe
+  never timed, each beside the step-time model's estimate for it (the interpolation error the
+  policy prices drafts with);
+- decode and 5-position steps with every row attended by its own SDPA call and with the rows
+  padded into one call per layer (``ModelRunner.batch_attention``), at two context lengths.
+
 python -m benchmarks.step_cost                      # float32 stock/fast and bfloat16, rows 1..32
+python -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b --rows 1 4 16 32 64
 """
 
 from __future__ import annotations
 
 import argparse
 
+import torch
+
 from benchmarks.common import run_metadata, write_result
-from nasd_core.calibration import PROBE_POSITIONS, measure_step_times
+from nasd_core.calibration import PROBE_POSITIONS, fill_rows, measure_step_times, time_step
 from nasd_core.config import ModelConfig
+from nasd_core.model_runner import ModelRunner
 from nasd_core.models import load_model
 from nasd_core.policy import StepTimeModel
 
@@ -23,6 +35,113 @@ VARIANTS = {
     "float32_stock_kernels": ModelConfig(dtype="float32", cpu_fast_path=False),
     "bfloat16": ModelConfig(dtype="bfloat16"),
 }
+
+
+# Architectures timed with random weights (their shapes are what a step costs; weights are not).
+# qwen2-1.5b: Qwen2-1.5B's published config, the ~1.5B class a GPU replica would serve.
+ARCHITECTURES = {
+    "qwen2-1.5b": {
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+}
+# Widths the probe does not time (PROBE_POSITIONS has 1-6, 9, 17): the cost model interpolates them.
+HELD_OUT_WIDTHS = (7, 12)
+LAYOUT_WIDTHS = (1, 5)
+LAYOUT_CONTEXTS = (256, 1024)
+
+
+def random_model(arch: str, dtype: str, device: str):
+    """``arch`` with random weights, built on ``device`` (no weights to load or carry)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(ARCHITECTURES[arch])
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    return model.eval()
+
+
+def filled_runner(model, num_rows: int, context_length: int, max_width: int) -> ModelRunner:
+    """A runner whose first ``num_rows`` rows hold ``context_length`` cached tokens each."""
+    row_tokens = context_length + max_width
+    runner = ModelRunner(model, kv_cache_tokens=num_rows * row_tokens, block_size=row_tokens)
+    fill_rows(runner, num_rows, context_length, row_tokens)
+    return runner
+
+
+def fastest_ms(runner: ModelRunner, widths: list[int], context_length: int, repeats: int) -> float:
+    return round(1000 * min(time_step(runner, widths, context_length) for _ in range(repeats)), 2)
+
+
+def held_out(model, step_time: StepTimeModel, rows: list[int], repeats: int) -> dict:
+    """Measured and estimated ms of steps at ``HELD_OUT_WIDTHS`` per row, by rows."""
+    context_length = 256  # the probe's
+    runner = filled_runner(model, max(rows), context_length, max(HELD_OUT_WIDTHS))
+    result: dict[int, dict[int, dict[str, float]]] = {}
+    for num_rows in rows:
+        for width in HELD_OUT_WIDTHS:
+            measured = fastest_ms(runner, [width] * num_rows, context_length, repeats)
+            estimated = round(1000 * step_time.estimate(num_rows, num_rows * width), 2)
+            result.setdefault(num_rows, {})[width] = {"measured_ms": measured, "estimated_ms": estimated}
+    del runner
+    return result
+
+
+def attention_layouts(model, rows: list[int], repeats: int) -> dict:
+    """ms of steps with rows attended one call each (``per_row``) and in one padded call
+    (``batched``), by context length, rows and width."""
+    result: dict[int, dict[int, dict[int, dict[str, float]]]] = {}
+    for context_length in LAYOUT_CONTEXTS:
+        runner = filled_runner(model, max(rows), context_length, max(LAYOUT_WIDTHS))
+        for num_rows in rows:
+            for width in LAYOUT_WIDTHS:
+                cell = {}
+                for layout, batched in (("per_row", False), ("batched", True)):
+                    runner.batch_attention = batched
+                    cell[layout] = fastest_ms(runner, [width] * num_rows, context_length, repeats)
+                result.setdefault(context_length, {}).setdefault(num_rows, {})[width] = cell
+        del runner
+    return result
+
+
+def device_run(args: argparse.Namespace) -> None:
+    """One model on ``args.device``: surface, held-out estimates, attention layouts."""
+    if args.arch:
+        model = random_model(args.arch, args.dtype, args.device)
+    else:
+        model, _ = load_model(config=ModelConfig(dtype=args.dtype, device=args.device))
+    warm = filled_runner(model, 1, 16, 1)
+    for _ in range(3):  # first calls pay one-off costs (handles, kernel selection)
+        time_step(warm, [1], 16)
+    del warm
+    step_time = measure_step_times(
+        model, PROBE_POSITIONS, rows=args.rows, repeats=args.repeats, step_time=StepTimeModel()
+    )
+    payload = {
+        "benchmark": "step_cost",
+        "meta": {
+            **run_metadata(model, args.dtype, "benchmarks.step_cost"),
+            "arch": args.arch or "embedded",
+            "parameters": sum(parameter.numel() for parameter in model.parameters()),
+        },
+        "ms_by_rows_and_positions": {args.dtype: {rows: shape_ms(step_time, rows) for rows in args.rows}},
+        "held_out": held_out(model, step_time, args.rows, args.repeats),
+        "attention_layouts": attention_layouts(model, args.rows, args.repeats),
+    }
+    name = f"step_cost_{args.device.split(':')[0]}_{args.arch or 'embedded'}"
+    print(f"results: {write_result(name, payload)}")
+    for rows, by_positions in payload["ms_by_rows_and_positions"][args.dtype].items():
+        print(f"{rows} rows, ms by positions per row:", by_positions)
 
 
 def shape_ms(step_time: StepTimeModel, num_rows: int) -> dict[int, float]:
@@ -39,7 +158,13 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--rows", nargs="*", type=int, default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="torch device (not cpu: one model, device_run)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="with --device")
+    parser.add_argument("--arch", choices=list(ARCHITECTURES), default=None, help="random weights of this")
     args = parser.parse_args()
+    if args.device != "cpu" or args.arch:
+        device_run(args)
+        return
     surfaces: dict[str, dict[int, dict[int, float]]] = {}
     meta: dict[str, object] = {}
     for variant in args.variants:

@@ -13,10 +13,15 @@ Two ways to attend, chosen per row when the step is planned (``plan_step``):
   every row's blocks in place and splits the work by row, head and run of keys over the
   cores: a decode step of 32 rows x 1536 cached tokens took 198 ms where one SDPA call per
   row and layer took 294 (`python -m benchmarks.kv_steps`, a 2-core Xeon);
-- prompt chunks (matrix-shaped work SDPA does well), other devices and dtypes, and machines
-  where the kernel could not be built use one SDPA call per row over a view of the pool (a
-  gathered copy for a fragmented row). On a GPU the same layout maps onto a paged/varlen
-  kernel; this loop is the device-agnostic reference and the kernel's test oracle.
+- off the CPU (a GPU), rows of a few positions go to one SDPA call per layer for all of them
+  (``BatchedRows``): each row's keys gathered from the pool into a padded batch, a mask per
+  row. A call per row and layer there is a kernel launch per row and layer (32 rows x 30
+  layers is ~1000 launches a step), which costs more than the attention itself; one padded
+  call reads some extra keys instead, which a GPU's memory bandwidth makes cheap;
+- prompt chunks (matrix-shaped work SDPA does well), CPU dtypes other than float32, and
+  machines where the kernel could not be built use one SDPA call per row over a view of the
+  pool (a gathered copy for a fragmented row): the device-agnostic reference and the other
+  paths' test oracle.
 
 Grouped-query attention: the ``groups`` query heads that share a key/value head are folded
 into the query-position axis, so one SDPA call serves them without copying keys.
@@ -30,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional
@@ -53,6 +59,10 @@ KERNEL_MAX_POSITIONS = 6
 KERNEL_MAX_KEYS_PER_UNIT = 1024
 KERNEL_MIN_KEYS_PER_UNIT = 128
 KERNEL_UNITS_PER_THREAD = 8
+# Off the CPU, rows of at most this many new positions are attended in one padded call per
+# layer: every verification width the policy drafts (up to 16 drafts + 1), not prompt chunks,
+# whose padding would cost a chunk's width for every row.
+BATCH_MAX_POSITIONS = 32
 
 
 def keys_per_unit(total_keys: int, num_threads: int) -> int:
@@ -83,14 +93,31 @@ class KernelRows:
 
 
 @dataclass
+class BatchedRows:
+    """Rows attended together by one SDPA call per layer, padded to the step's widest row and
+    longest context. Padding reads only real data: a padded query repeats its row's last one,
+    a padded key is the row's first (the pool's unwritten slots may hold NaN bit patterns,
+    which a zero attention weight would not cancel), and both are masked or dropped."""
+
+    query_index: torch.Tensor  # [rows * positions] packed position of each (padded) query
+    key_slots: torch.Tensor  # [rows * keys] pool slot of each (padded) key
+    mask: torch.Tensor  # [rows, 1, groups * positions, keys] bool: which keys a query sees
+    real_index: torch.Tensor  # indices into the padded queries of the real ones, in packed order
+    out_index: torch.Tensor  # the packed positions of those real queries
+    num_positions: int
+    num_keys: int
+
+
+@dataclass
 class StepLayout:
     """Where every packed position belongs: passed to the model as a forward kwarg."""
 
     cache: PagedKVCache
-    segments: list[Segment]  # the rows attended with SDPA
+    segments: list[Segment]  # the rows attended with SDPA one by one
     write_slots: torch.Tensor
     groups: int
     kernel_rows: KernelRows | None = None
+    batched_rows: BatchedRows | None = None
 
 
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -99,15 +126,26 @@ def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def plan_step(
-    cache: PagedKVCache, spans: list[Segment], write_slots: torch.Tensor, groups: int, use_kernel: bool
+    cache: PagedKVCache,
+    spans: list[Segment],
+    write_slots: torch.Tensor,
+    groups: int,
+    use_kernel: bool,
+    batch_rows: bool = False,
 ) -> StepLayout:
     """The step's layout from the rows' spans (segments without masks): short rows to the
-    kernel when ``use_kernel``, the rest to SDPA with their causal masks."""
+    kernel when ``use_kernel``, else to one padded SDPA call when ``batch_rows``, the rest to
+    SDPA row by row with their causal masks."""
     to_kernel: list[Segment] = []
+    to_batch: list[Segment] = []
     to_sdpa: list[Segment] = []
     for span in spans:
-        kernel = use_kernel and span.num_positions <= KERNEL_MAX_POSITIONS
-        (to_kernel if kernel else to_sdpa).append(span)
+        if use_kernel and span.num_positions <= KERNEL_MAX_POSITIONS:
+            to_kernel.append(span)
+        elif batch_rows and span.num_positions <= BATCH_MAX_POSITIONS:
+            to_batch.append(span)
+        else:
+            to_sdpa.append(span)
     kernel_rows = None
     if to_kernel:
         kernel_rows = KernelRows(
@@ -119,7 +157,41 @@ def plan_step(
         replace(span, mask=causal_mask(span.num_positions, span.length, groups, cache.device))
         for span in to_sdpa
     ]
-    return StepLayout(cache, segments, write_slots, groups, kernel_rows)
+    batched_rows = plan_batch(cache, to_batch, groups) if to_batch else None
+    return StepLayout(cache, segments, write_slots, groups, kernel_rows, batched_rows)
+
+
+def plan_batch(cache: PagedKVCache, spans: list[Segment], groups: int) -> BatchedRows:
+    """The padded batch of ``spans``, its index tensors built on the host and moved once."""
+    counts = np.array([span.num_positions for span in spans])
+    lengths = np.array([span.length for span in spans])
+    starts = np.array([span.start for span in spans])
+    num_positions, num_keys = int(counts.max()), int(lengths.max())
+    # Query p of a row is its min(p, count - 1)-th new position; it sees keys up to its own.
+    query_offset = np.minimum(np.arange(num_positions)[None, :], counts[:, None] - 1)
+    query_index = starts[:, None] + query_offset
+    last_key = (lengths - counts)[:, None] + query_offset
+    real_index = np.flatnonzero(np.arange(num_positions)[None, :] < counts[:, None])
+    positions = np.arange(num_keys)[None, :]
+    positions = np.where(positions < lengths[:, None], positions, 0)
+    table = cache.block_table([span.row_id for span in spans]).numpy().astype(np.int64)
+    block_size = cache.block_size
+    key_slots = (
+        np.take_along_axis(table, positions // block_size, axis=1) * block_size + positions % block_size
+    )
+    device = cache.device
+    last_key_device = torch.from_numpy(last_key).to(device)
+    # [rows, positions, keys], each group's copy stacked on the query axis (groups x positions).
+    mask = torch.arange(num_keys, device=device)[None, None, :] <= last_key_device[:, :, None]
+    return BatchedRows(
+        query_index=torch.from_numpy(query_index.reshape(-1)).to(device),
+        key_slots=torch.from_numpy(key_slots.reshape(-1)).to(device),
+        mask=mask.repeat(1, groups, 1).unsqueeze(1),
+        real_index=torch.from_numpy(real_index).to(device),
+        out_index=torch.from_numpy(query_index.reshape(-1)[real_index]).to(device),
+        num_positions=num_positions,
+        num_keys=num_keys,
+    )
 
 
 def causal_mask(num_positions: int, length: int, groups: int, device: torch.device) -> torch.Tensor | None:
@@ -170,6 +242,8 @@ def paged_attention(
         )
     else:
         out = query.new_empty(query.shape[2], query.shape[1], head_dim)  # [T, heads, D]
+    if nasd_step.batched_rows is not None:
+        attend_batch(out, query[0], cache, layer, nasd_step.batched_rows, groups, scale)
     for segment in nasd_step.segments:
         start, count = segment.start, segment.num_positions
         row_keys, row_values = cache.row_kv(layer, segment.row_id, segment.length)
@@ -184,6 +258,37 @@ def paged_attention(
         )
         out[start : start + count] = row_out.view(num_kv_heads * groups, count, head_dim).transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def attend_batch(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    batch: BatchedRows,
+    groups: int,
+    scale: float,
+) -> None:
+    """Write into ``out`` ([T, heads, D]) the attention of the batch's queries (``query``:
+    [heads, T, D]) over their rows' keys in ``layer``: one SDPA call for every row."""
+    heads, _, head_dim = query.shape
+    num_rows = batch.mask.shape[0]
+    kv_heads = heads // groups
+    keys = (
+        cache.keys[layer].index_select(1, batch.key_slots).view(kv_heads, num_rows, batch.num_keys, head_dim)
+    )
+    values = cache.values[layer].index_select(1, batch.key_slots)
+    values = values.view(kv_heads, num_rows, batch.num_keys, head_dim)
+    # [heads, rows * P, D] -> [rows, kv_heads, groups * P, D]: heads sharing a key/value head stack up.
+    row_query = query.index_select(1, batch.query_index).view(heads, num_rows, batch.num_positions, head_dim)
+    row_query = row_query.transpose(0, 1).reshape(num_rows, kv_heads, groups * batch.num_positions, head_dim)
+    row_out = functional.scaled_dot_product_attention(
+        row_query, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=batch.mask, scale=scale
+    )
+    # [rows, kv_heads, groups * P, D] -> [rows * P, heads, D] -> the real queries' rows of ``out``.
+    row_out = row_out.reshape(num_rows, heads, batch.num_positions, head_dim).transpose(1, 2)
+    real = row_out.reshape(num_rows * batch.num_positions, heads, head_dim).index_select(0, batch.real_index)
+    out.index_copy_(0, batch.out_index, real)
 
 
 # Where a model switched to paged attention keeps the name of the implementation it had.

@@ -202,10 +202,11 @@ class EngineConfig(_Config):
     max_waiting: int = Field(
         256, ge=0, description="Most queued requests; beyond this add_request is refused."
     )
-    prefill_chunk_tokens: int = Field(
-        256,
+    prefill_chunk_tokens: int | None = Field(
+        None,
         ge=1,
-        description="Prompt tokens prefilled per step, over all new requests (running rows keep decoding).",
+        description="Prompt tokens prefilled per step, over all new requests (running rows keep decoding); "
+        "None: 256 on a CPU, 2048 on a GPU.",
     )
     kv_cache_tokens: int | None = Field(
         None,

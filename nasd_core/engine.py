@@ -46,6 +46,16 @@ from nasd_core.verify import verify_rows
 
 TokenListener = Callable[[Request, list[int]], None]
 DRAFTING_COST_WEIGHT = 0.1  # moving-average weight of each step's drafting time per row
+# Prompt tokens per step by default. On a CPU a step's cost grows with its tokens from the
+# first ones, so chunks stay short and running rows keep their inter-token latency; on a GPU a
+# small model's step is mostly fixed cost (~600 kernel launches for the embedded one), so short
+# chunks would multiply a long prompt's steps: a 1000-token chat takes 4 steps of 256, 1 of 2048.
+CPU_PREFILL_CHUNK_TOKENS = 256
+GPU_PREFILL_CHUNK_TOKENS = 2048
+
+
+def default_prefill_chunk(device: torch.device) -> int:
+    return CPU_PREFILL_CHUNK_TOKENS if device.type == "cpu" else GPU_PREFILL_CHUNK_TOKENS
 
 
 class Engine:
@@ -79,6 +89,7 @@ class Engine:
             model, self.config.kv_cache_tokens, self.config.kv_block_size, self.config.max_batch_rows
         )
         self.cache = self.runner.cache
+        self.prefill_chunk_tokens = self.config.prefill_chunk_tokens or default_prefill_chunk(model.device)
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
         self.running: list[Request] = []
@@ -308,7 +319,7 @@ class Engine:
         inter-token latency stays bounded.
         """
         chunks = []
-        budget = self.config.prefill_chunk_tokens
+        budget = self.prefill_chunk_tokens
         for request in list(self.prefilling):
             target = len(request.prompt_ids) - 1
             waits_for_source = request.prefill_source is not None and request.num_prefilled < target

@@ -72,9 +72,17 @@ class ModelRunner:
         kv_cache_tokens: positions the pool holds (None: ``default_kv_tokens``).
         block_size: positions per block.
         max_rows: rows the default budget is sized for.
+        batch_attention: attend short rows in one padded call per layer (None: off the CPU).
     """
 
-    def __init__(self, model, kv_cache_tokens: int | None = None, block_size: int = 32, max_rows: int = 32):
+    def __init__(
+        self,
+        model,
+        kv_cache_tokens: int | None = None,
+        block_size: int = 32,
+        max_rows: int = 32,
+        batch_attention: bool | None = None,
+    ):
         self.model = model
         use_paged_attention(model)
         num_layers, heads, kv_heads, head_dim = attention_shape(model)
@@ -85,6 +93,8 @@ class ModelRunner:
         )
         self.device = model.device
         self.use_kernel = kernel_available(model.device, model.dtype)
+        # Off the CPU, short rows share one attention call per layer (see nasd_core/attention.py).
+        self.batch_attention = model.device.type != "cpu" if batch_attention is None else batch_attention
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         logger.info(
             "paged KV-cache: %d positions in blocks of %d (%.2f GB reserved)",
@@ -111,7 +121,9 @@ class ModelRunner:
             token_ids.extend(row.token_ids)
             positions.extend(range(start, end))
             slots.append(self.cache.slots(row.row_id, start, end))
-        layout = plan_step(self.cache, spans, torch.cat(slots), self.groups, self.use_kernel)
+        layout = plan_step(
+            self.cache, spans, torch.cat(slots), self.groups, self.use_kernel, self.batch_attention
+        )
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         extra = {"logits_to_keep": keep} if self._takes_logits_to_keep else {}
         output = self.model(

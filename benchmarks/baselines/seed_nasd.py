@@ -77,9 +77,10 @@ def seed_nasd_generate(
     input_ids[0, :prompt_len] = torch.tensor(prompt_ids)
     storage.initialize(input_ids[:, :prompt_len])
 
-    out = model(input_ids=input_ids[:, :prompt_len], use_cache=True)
+    # The n-gram table and the ids live on the host; only the model's inputs go to its device.
+    out = model(input_ids=input_ids[:, :prompt_len].to(model.device), use_cache=True)
     cache = out.cache
-    first = out.logits[:, -1, :].argmax(-1)
+    first = out.logits[:, -1, :].argmax(-1).cpu()
     input_ids[0, prompt_len] = first
     storage.update(input_ids[:, :prompt_len], first)
     position = prompt_len + 1
@@ -97,12 +98,12 @@ def seed_nasd_generate(
             drafts[0, position + k] = token[0]
         # Feed [last accepted, drafts...]: the cache holds everything before the last token.
         step = model(
-            input_ids=drafts[:, position - 1 : position + corrected_gamma],
+            input_ids=drafts[:, position - 1 : position + corrected_gamma].to(model.device),
             cache=cache,
             use_cache=True,
         )
         cache = step.cache
-        choices = step.logits[0].argmax(-1)
+        choices = step.logits[0].argmax(-1).cpu()
         accepted = corrected_gamma
         for i in range(corrected_gamma):
             if drafts[0, position + i] != choices[i]:
@@ -113,7 +114,7 @@ def seed_nasd_generate(
         input_ids[0, position : position + accepted] = drafts[0, position : position + accepted]
         bonus = choices[accepted]
         input_ids[0, position + accepted] = bonus
-        top = step.logits[0].topk(filler_top_k).indices if filler_top_k > 1 else None
+        top = step.logits[0].topk(filler_top_k).indices.cpu() if filler_top_k > 1 else None
         for i in range(accepted + 1):
             context = input_ids[:, : position + i]
             storage.update(context, input_ids[:, position + i])

@@ -134,3 +134,35 @@ def test_runner_logits_are_the_same_with_and_without_the_kernel(model):
             )
         )
     torch.testing.assert_close(results[0], results[1], atol=2e-4, rtol=0)
+
+
+def test_rows_attended_in_one_padded_call_get_the_logits_of_one_call_per_row(model):
+    """The GPU layout (short rows padded into one SDPA call per layer) on this CPU: rows of
+    different lengths and widths, a fragmented row, a prompt chunk beside them, and a rollback
+    whose stale slots the padding must never read."""
+    generator = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (70, 300, 33, 90)
+    ]
+    widths = [1, 5, 12, 40]  # the last is wider than BATCH_MAX_POSITIONS: a chunk, fed row by row
+    results = []
+    for batch_attention in (True, False):
+        # Exactly the rows' blocks (10 + 39 + 6 + 13 of 8 positions) and a one-block hole left
+        # among them, so row 1, allocated last, cannot be one contiguous run.
+        runner = ModelRunner(model, kv_cache_tokens=68 * 8, block_size=8, batch_attention=batch_attention)
+        runner.use_kernel = False
+        for row in (0, "hole", 2, 3):
+            runner.cache.allocate(row, len(prompts[row]) + 8 if row != "hole" else 8)
+        runner.cache.free("hole")
+        runner.cache.allocate(1, len(prompts[1]) + 8)
+        cut = [len(prompt) - width for prompt, width in zip(prompts, widths)]
+        runner.forward([StepRow(row, prompt[: cut[row]] + [0] * 3, 0) for row, prompt in enumerate(prompts)])
+        for row in range(len(prompts)):
+            runner.cache.set_length(row, cut[row])  # roll back the 3 junk positions
+        results.append(
+            runner.forward(
+                [StepRow(row, prompt[cut[row] :], widths[row]) for row, prompt in enumerate(prompts)]
+            )
+        )
+    assert runner.cache.rows[1].start_slot is None, "row 1 should be fragmented"
+    torch.testing.assert_close(results[0], results[1], atol=2e-4, rtol=0)

@@ -71,24 +71,36 @@ def test_a_row_that_can_never_fit_is_refused():
         cache.allocate("huge", 33)
 
 
-def test_runner_logits_equal_a_plain_forward_across_chunks_rows_and_rollback(model):
-    """Ragged steps (prompt chunks and multi-position rows in one forward) give each row the
-    logits a plain full-sequence forward gives it; a rollback and refeed gives them again."""
-    runner = ModelRunner(model, kv_cache_tokens=1024, block_size=16)
+def runner_and_plain_logits(
+    model, batch_attention: bool | None = None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(runner's, plain forward's) logits of three rows over ragged steps (prompt chunks and
+    two-position rows in one forward), then again after a rollback and refeed of each row's
+    last position; on the model's device, as float32 on the host."""
+    runner = ModelRunner(model, kv_cache_tokens=1024, block_size=16, batch_attention=batch_attention)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (3, 40, 90)]
     with torch.inference_mode():
-        expected = [model(input_ids=torch.tensor([prompt])).logits[0] for prompt in prompts]
+        expected = [
+            model(input_ids=torch.tensor([prompt], device=model.device)).logits[0].float().cpu()
+            for prompt in prompts
+        ]
     for row, prompt in enumerate(prompts):
         runner.cache.allocate(row, len(prompt))
     runner.forward([StepRow(row, prompt[:-2], 0) for row, prompt in enumerate(prompts)])
     logits = runner.forward([StepRow(row, prompt[-2:], 2) for row, prompt in enumerate(prompts)])
+    assert logits.device == model.device
+    pairs = [(logits[2 * row : 2 * row + 2].float().cpu(), expected[row][-2:]) for row in range(len(prompts))]
     for row in range(len(prompts)):
-        torch.testing.assert_close(logits[2 * row : 2 * row + 2], expected[row][-2:], atol=2e-4, rtol=0)
         runner.cache.set_length(row, len(prompts[row]) - 1)
     logits = runner.forward([StepRow(row, prompt[-1:], 1) for row, prompt in enumerate(prompts)])
-    for row in range(len(prompts)):
-        torch.testing.assert_close(logits[row], expected[row][-1], atol=2e-4, rtol=0)
+    return pairs + [(logits[row].float().cpu(), expected[row][-1]) for row in range(len(prompts))]
+
+
+def test_runner_logits_equal_a_plain_forward_across_chunks_rows_and_rollback(model):
+    """Each row gets the logits a plain full-sequence forward gives it, and again after a rollback."""
+    for ours, plain in runner_and_plain_logits(model):
+        torch.testing.assert_close(ours, plain, atol=2e-4, rtol=0)
 
 
 def test_engine_admits_by_free_blocks_and_frees_them_on_finish_and_cancel(model, tokenizer):

@@ -35,7 +35,9 @@ def reference_decode(model, prompt_ids: list[int], params: SamplingParams, stop_
     output: list[int] = []
     while len(output) < params.max_tokens:
         with torch.inference_mode():
-            logits = model(torch.tensor([prompt_ids + output])).logits[0, -1].float()
+            logits = (
+                model(torch.tensor([prompt_ids + output], device=model.device)).logits[0, -1].float().cpu()
+            )
         logits = logits.clone()  # a normal tensor: edited in place below
         for token, bias in params.logit_bias.items():
             logits[token] += bias
@@ -100,7 +102,12 @@ def test_logprobs_are_the_plain_forwards_log_softmax(model, tokenizer):
         result = generate(model, tokenizer, prompt_ids, params, SpecConfig(mode=mode, num_draft_tokens=8))
         assert [entry.token_id for entry in result.logprobs] == result.token_ids
         with torch.inference_mode():
-            full = model(torch.tensor([prompt_ids + result.token_ids])).logits[0].float()
+            full = (
+                model(torch.tensor([prompt_ids + result.token_ids], device=model.device))
+                .logits[0]
+                .float()
+                .cpu()
+            )
         reference = torch.log_softmax(full[len(prompt_ids) - 1 : -1], dim=-1)
         for position, entry in enumerate(result.logprobs):
             assert entry.logprob == pytest.approx(reference[position, entry.token_id].item(), abs=1e-3)

@@ -45,21 +45,28 @@ def lossy_rule(probs: torch.Tensor, draft: list[int], uniforms: torch.Tensor) ->
     return emitted
 
 
-@pytest.fixture(scope="module")
-def two_position_probs(model, tokenizer):
-    """Target distributions at two verified positions of a real prompt, with a plausible draft."""
+def target_probs(model, tokenizer) -> tuple[torch.Tensor, list[int]]:
+    """Target distributions at two verified positions of a real prompt (on the model's
+    device), with a plausible draft."""
     params = SamplingParams(temperature=1.0, top_k=8)
     prompt = tokenizer.encode("The three primary colors are red, yellow and", add_special_tokens=False)
+
+    def forward(ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([ids], device=model.device)).logits[0].float()
+
     with torch.inference_mode():
-        first = logits_to_probs(model(torch.tensor([prompt])).logits[0, -1:], params)[0]
+        first = logits_to_probs(forward(prompt)[-1:], params)[0]
         # Draft: the second most likely token, then that context's most likely token.
         d1 = int(torch.topk(first, 2).indices[1])
-        logits = model(torch.tensor([[*prompt, d1]])).logits[0, -2:]
+        logits = forward([*prompt, d1])[-2:]
         d2 = int(logits[-1].argmax())
-        probs = logits_to_probs(
-            torch.cat([logits, model(torch.tensor([[*prompt, d1, d2]])).logits[0, -1:]]), params
-        )
+        probs = logits_to_probs(torch.cat([logits, forward([*prompt, d1, d2])[-1:]]), params)
     return probs, [d1, d2]
+
+
+@pytest.fixture(scope="module")
+def two_position_probs(model, tokenizer):
+    return target_probs(model, tokenizer)
 
 
 def run_rule(rule, probs, draft, seed: int = 1234) -> tuple[Counter, Counter]:

