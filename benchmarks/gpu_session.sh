@@ -45,7 +45,7 @@ phase1() {
 transformers.__version__, torch.cuda.get_device_name())"
         python3 -c "from nasd_core import native; print('C++ drafter:', native.drafter() is not None)"
     } 2>&1 | tee "$OUT/env.txt"
-    logged step_cost 300 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
+    logged step_cost 200 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
         --rows 1 2 4 8 16 32 64 --repeats 3
     results step_cost_cuda_qwen2-1.5b.json
 }
