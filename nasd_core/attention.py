@@ -256,7 +256,7 @@ def paged_attention(
             attn_mask=segment.mask,
             scale=scale,
         )
-        out[start : start + count] = row_out.view(num_kv_heads * groups, count, head_dim).transpose(0, 1)
+        out[start : start + count] = row_out.reshape(num_kv_heads * groups, count, head_dim).transpose(0, 1)
     return out.unsqueeze(0), None
 
 
