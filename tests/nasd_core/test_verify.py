@@ -86,7 +86,7 @@ def chi_square_p(counts: Counter, probs: torch.Tensor) -> float:
     support = torch.nonzero(probs).flatten().tolist()
     assert set(counts) <= set(support), "sampled a token with zero probability"
     observed = np.array([counts.get(token, 0) for token in support], dtype=float)
-    expected = probs[support].double().numpy()
+    expected = probs[support].double().cpu().numpy()
     expected = expected / expected.sum() * observed.sum()
     return float(chisquare(observed, expected).pvalue)
 
