@@ -170,6 +170,12 @@ def run_sweep(
         order = orders[mix]
         prompts = mix_prompts(tokenizer, mix, requests_per_level * level)
         runs = {mode: CellRun() for mode in MODES}
+        if device != "cpu":
+            # On an H100 the first run of every cell was 1.1-3x slower than the cell's last run of
+            # the same mode (results/concurrency_cuda_bfloat16.json, ``runs_table``), likely its
+            # clocks falling while the host prepares a cell (it idles at 345 MHz; not confirmed).
+            # An untimed run first keeps that out of the compared runs.
+            run_cell(model, tokenizer, prompts, level, "off", max_tokens, CellRun())
         for mode in order:
             run_cell(model, tokenizer, prompts, level, mode, max_tokens, runs[mode])
         row = {mode: {**runs[mode].summary(), "runs": order.count(mode)} for mode in MODES}
@@ -210,6 +216,28 @@ def markdown_table(payload: dict) -> str:
                 f"| {row['auto']['ratio_to_off']:.2f}x{flags} | {off_spread(row['off'])} "
                 f"| {row['auto']['itl_p50_ms']:.0f} / "
                 f"{row['auto']['itl_p99_ms']:.0f} | {row['auto']['tokens_per_step']:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+def runs_table(payload: dict) -> str:
+    """Every run of every cell in its run order (``run_order``: off, on, auto, auto, off): where
+    runs of one mode differ by more than the modes do (a run-order effect, such as a GPU's
+    clocks rising over a cell), the pooled ratios of ``markdown_table`` would mislead."""
+    lines = [
+        "| mix | concurrency | off, 1st run tok/s | on | auto runs | off, last run | auto / last off "
+        "| auto tokens/step | outputs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mix, levels in payload["sweep"].items():
+        for level, row in levels.items():
+            off_runs, auto_runs = row["off"]["run_tokens_per_s"], row["auto"]["run_tokens_per_s"]
+            auto_mean = sum(auto_runs) / len(auto_runs)
+            same = "identical" if all(row[mode]["identical_to_off"] for mode in MODES) else "≠ off"
+            lines.append(
+                f"| {mix} | {level} | {off_runs[0]:.1f} | {row['on']['run_tokens_per_s'][0]:.1f} "
+                f"| {' / '.join(f'{rate:.1f}' for rate in auto_runs)} | {off_runs[-1]:.1f} "
+                f"| {auto_mean / off_runs[-1]:.2f}x | {row['auto']['tokens_per_step']:.2f} | {same} |"
             )
     return "\n".join(lines)
 

@@ -23,6 +23,12 @@ from benchmarks.common import RESULTS_DIR, result_name, save_figure
 
 SUITES = ("single_stream", "concurrency", "pool", "http", "http_ab", "replay", "drafter_ab", "pool_scale")
 README = Path(__file__).resolve().parent.parent / "README.md"
+# Runs on a lent GPU (benchmarks/gpu_session.sh): README block -> (result file stem, suite, table).
+GPU_BLOCKS = {
+    "gpu_step_cost": ("step_cost_cuda_qwen2-1.5b", "step_cost", "markdown_table"),
+    "gpu_concurrency": ("concurrency_cuda_bfloat16", "concurrency", "runs_table"),
+    "gpu_single_stream": ("single_stream_cuda_bfloat16", "single_stream", "markdown_table"),
+}
 DTYPE = "float32"
 # A quick run uses fewer prompts and tokens: a ratio within this factor of the full run's is
 # taken as reproduced (cells of the full run alone vary by about ±15% on a 2-core VM).
@@ -67,7 +73,22 @@ def block(suite: str, payload: dict) -> str:
 
 
 def readme_tables() -> dict[str, str]:
-    return {suite: block(suite, payload) for suite in SUITES if (payload := load(suite)) is not None}
+    tables = {suite: block(suite, payload) for suite in SUITES if (payload := load(suite)) is not None}
+    for name, (stem, suite, table) in GPU_BLOCKS.items():
+        path = RESULTS_DIR / f"{stem}.json"
+        if path.exists():
+            tables[name] = gpu_block(getattr(suite_module(suite), table), json.loads(path.read_text()), path)
+    return tables
+
+
+def gpu_block(table, payload: dict, path: Path) -> str:
+    """The README block of a GPU run: its table and where it came from (the device named)."""
+    meta = payload["meta"]
+    return (
+        table(payload) + f"\n\n<sub>`{meta['command']}` at commit {meta['commit']}, {meta['date_utc']} UTC, "
+        f"{meta['device']} (host: {meta['processor']}, {meta['cpu_threads']} threads), "
+        f"torch {meta['torch']}, {meta['dtype']}; data: `benchmarks/results/{path.name}`</sub>"
+    )
 
 
 def compare(full: dict[str, float], quick: dict[str, float]) -> tuple[list[str], int]:

@@ -144,6 +144,45 @@ def device_run(args: argparse.Namespace) -> None:
         print(f"{rows} rows, ms by positions per row:", by_positions)
 
 
+def markdown_table(payload: dict) -> str:
+    """A device run's tables: the probe's surface; held-out widths, measured and as the cost
+    model estimates them; decode and 5-position steps in the two attention layouts."""
+    ((dtype, surface),) = payload["ms_by_rows_and_positions"].items()
+    widths = list(next(iter(surface.values())))
+    lines = [
+        f"| rows \\ positions per row ({dtype}, ms) | " + " | ".join(widths) + " |",
+        "|---|" + "---|" * len(widths),
+        *(
+            f"| {rows} | " + " | ".join(f"{ms:.1f}" for ms in row.values()) + " |"
+            for rows, row in surface.items()
+        ),
+        "",
+        "| rows | "
+        + " | ".join(f"{width} per row: measured / estimated ms" for width in HELD_OUT_WIDTHS)
+        + " |",
+        "|---|" + "---|" * len(HELD_OUT_WIDTHS),
+    ]
+    for rows, cells in payload["held_out"].items():
+        lines.append(
+            f"| {rows} | "
+            + " | ".join(f"{cell['measured_ms']:.1f} / {cell['estimated_ms']:.1f}" for cell in cells.values())
+            + " |"
+        )
+    contexts = list(payload["attention_layouts"])
+    header = [f"ctx {context}, {width} per row" for context in contexts for width in LAYOUT_WIDTHS]
+    lines += ["", "| rows | " + " | ".join(f"{name}: per-row / batched ms" for name in header) + " |"]
+    lines.append("|---|" + "---|" * len(header))
+    for rows in payload["attention_layouts"][contexts[0]]:
+        cells = [
+            payload["attention_layouts"][context][rows][str(width)]
+            for context in contexts
+            for width in LAYOUT_WIDTHS
+        ]
+        pairs = (f"{cell['per_row']:.1f} / {cell['batched']:.1f}" for cell in cells)
+        lines.append(f"| {rows} | " + " | ".join(pairs) + " |")
+    return "\n".join(lines)
+
+
 def shape_ms(step_time: StepTimeModel, num_rows: int) -> dict[int, float]:
     """Milliseconds of a step of ``num_rows`` rows by positions per row (fastest of the repeats)."""
     return {
