@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
-from benchmarks.replay import MAX_DRAFT, TRACES, accepted_prefix, greedy_traces
+from benchmarks.replay import MAX_DRAFT, PARAPHRASE_TRACES, TRACES, accepted_prefix, greedy_traces
 from benchmarks.workloads import WORKLOADS, make_workload, paraphrase
 from deployments.router import DEFAULT_LOAD_BOUND, bounded_load_order, load_capacity
 from deployments.schemas import GenerateRequest
@@ -70,7 +70,6 @@ from pool_service.local_redis import LocalRedis
 from pool_service.store import open_store
 from pool_service.sync import PoolSync
 
-PARAPHRASE_TRACES = TRACES.with_name("paraphrase_float32.json")
 REPLICA_COUNTS = (8, 64, 512)
 TOKENS_PER_S = 5000  # per replica: a GPU replica batching many requests
 TENANTS = 256

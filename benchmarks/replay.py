@@ -21,6 +21,7 @@ of 600-1600 prompt tokens built from several conversations (``long_chat``).
 from __future__ import annotations
 
 import argparse
+import heapq
 import itertools
 import json
 import math
@@ -36,10 +37,15 @@ from nasd_core import native
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
 from nasd_core.drafter import RequestDrafter, longest_matches, new_shared_index, propose_rows
 from nasd_core.ngram import prompt_lookup
-from nasd_core.suffix import MAX_SPEC_FACTOR, SuffixIndex, best_draft
+from nasd_core.suffix import MAX_SPEC_FACTOR, SEPARATOR, SuffixIndex, best_draft
 from pool_service.config import pool_index
 
 TRACES = Path(__file__).resolve().parent / "traces" / "greedy_float32.json"
+# The same questions reworded, answered greedily (``python -m benchmarks.pool_scale --record``).
+PARAPHRASE_TRACES = TRACES.with_name("paraphrase_float32.json")
+# Workloads whose answers are free text, not copied from the prompt: where a pool holding
+# another wording's answer is the only source of long matches (the pool benchmark's paraphrases).
+FREE_TEXT = ("multi_turn", "summarisation", "creative")
 MAX_DRAFT = 16
 NUM_PROMPTS = 16
 MAX_TOKENS = 128
@@ -48,7 +54,7 @@ SCOPES = ("local", "cross")
 # swept, so drafters are compared at the same drafted tokens per step, the verification work
 # they ask for, rather than each at its one default.
 FRONTIER_FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0)
-FRONTIER_DRAFTERS = ("ngram", "suffix", "suffix_decoding")
+FRONTIER_DRAFTERS = ("ngram", "suffix", "suffix_tree", "suffix_decoding")
 
 
 # ----------------------------------------------------------------------------- recording
@@ -101,7 +107,7 @@ class ReplayDrafter(Protocol):
 
     def start(self, prompt: list[int]) -> None: ...
 
-    def propose(self, context: list[int], max_tokens: int) -> list[int]: ...
+    def propose(self, context: list[int], max_tokens: int) -> list[int] | TreeDraft: ...
 
     def observe(self, context: list[int]) -> None: ...
 
@@ -201,6 +207,69 @@ class SuffixDrafter:
             self.shared.add_sequence(sequence)
 
 
+@dataclass(frozen=True)
+class TreeDraft:
+    """Candidate continuations sharing their prefixes: each node is its path from the root.
+    Verified as a tree would be in one step (each node's position sees its ancestors only),
+    greedy: the kept tokens are the longest path of nodes the model's own tokens follow."""
+
+    nodes: frozenset[tuple[int, ...]]
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+# Tree drafts: nodes per step at most (two full 16-token paths), and the least probability
+# (share of the match's occurrences that continue so) a node may have.
+TREE_MAX_NODES = 32
+TREE_MIN_PROB = 0.03
+
+
+def suffix_tree(
+    index: SuffixIndex, context: list[int], max_tokens: int, exclude: int, max_spec_factor: float
+) -> tuple[TreeDraft, int]:
+    """The tree of every continuation of ``context``'s longest match in ``index``, most probable
+    nodes first (a node's probability: the share of the match's occurrences that continue with
+    its path), up to ``TREE_MAX_NODES`` nodes of depth at most ``max_spec_factor`` x the match
+    and ``max_tokens``; and the match length."""
+    match_length, alive = index.match(context, exclude)
+    if not alive or max_tokens <= 0:
+        return TreeDraft(frozenset()), match_length
+    tokens = index.tokens
+    depth_limit = min(max_tokens, math.ceil(max_spec_factor * match_length))
+    nodes: list[tuple[int, ...]] = []
+    frontier: list[tuple[float, tuple[int, ...], list[int]]] = [(-1.0, (), alive)]
+    while frontier and len(nodes) < TREE_MAX_NODES:
+        negative_prob, path, positions = heapq.heappop(frontier)
+        if path:
+            nodes.append(path)
+        if len(path) >= depth_limit:
+            continue
+        children: dict[int, list[int]] = {}
+        for position in positions:
+            following = position + len(path) + 1
+            if following < len(tokens) and tokens[following] != SEPARATOR:
+                children.setdefault(tokens[following], []).append(position)
+        for token, members in children.items():
+            prob = -negative_prob * len(members) / len(positions)
+            if prob >= TREE_MIN_PROB:
+                heapq.heappush(frontier, (-prob, (*path, token), members))
+    return TreeDraft(frozenset(nodes)), match_length
+
+
+class SuffixTreeDrafter(SuffixDrafter):
+    """``SuffixDrafter``'s stores and sizing, drafting a tree of every likely continuation of
+    the longest match instead of its one most likely path (measured here, not in the engine)."""
+
+    def propose(self, context: list[int], max_tokens: int) -> TreeDraft:
+        factor = self.max_spec_factor
+        best = suffix_tree(self.local, context, max_tokens, len(self.local) - 1, factor)
+        if self.shared is not None:
+            shared = suffix_tree(self.shared, context, max_tokens, -1, factor)
+            best = shared if shared[1] > best[1] else best
+        return best[0]
+
+
 class SuffixDecoding:
     """ArcticInference's SuffixDecoding with vLLM's defaults for its ``suffix`` method (tree
     depth 24, ``max_spec_factor`` 1, ``min_token_prob`` 0.1, path drafts): the request's own
@@ -248,6 +317,7 @@ DRAFTERS: dict[str, type] = {
     "ngram": NGramDrafter,
     "engine_suffix": EngineSuffixDrafter,
     "suffix": SuffixDrafter,
+    "suffix_tree": SuffixTreeDrafter,
     "suffix_decoding": SuffixDecoding,
 }
 
@@ -261,9 +331,10 @@ class ReplayStats:
     num_accepted: int = 0
     drafting_s: float = 0.0
 
-    def verify(self, draft: Sequence[int], truth: Sequence[int]) -> list[int]:
-        """One greedy verification step of ``draft`` against the trace's next tokens ``truth``:
-        counted here; returns the tokens it emits (the accepted prefix and one more)."""
+    def verify(self, draft: Sequence[int] | TreeDraft, truth: Sequence[int]) -> list[int]:
+        """One greedy verification step of ``draft`` (a path or a tree) against the trace's next
+        tokens ``truth``: counted here; returns the tokens it emits (the accepted prefix and one
+        more)."""
         num_accepted = accepted_prefix(draft, truth)
         emitted = list(truth[: num_accepted + 1])
         self.num_steps += 1
@@ -283,8 +354,14 @@ class ReplayStats:
         }
 
 
-def accepted_prefix(draft: Sequence[int], truth: Sequence[int]) -> int:
-    """How many leading draft tokens equal the trace's next tokens."""
+def accepted_prefix(draft: Sequence[int] | TreeDraft, truth: Sequence[int]) -> int:
+    """How many of the trace's next tokens the draft holds in order: its leading tokens (a
+    path), or the deepest node on the trace's own path (a tree)."""
+    if isinstance(draft, TreeDraft):
+        num_accepted = 0
+        while num_accepted < len(truth) and tuple(truth[: num_accepted + 1]) in draft.nodes:
+            num_accepted += 1
+        return num_accepted
     num_accepted = 0
     for drafted, actual in zip(draft, truth):
         if drafted != actual:
@@ -293,9 +370,12 @@ def accepted_prefix(draft: Sequence[int], truth: Sequence[int]) -> int:
     return num_accepted
 
 
-def replay(drafter: ReplayDrafter, traces: list[dict[str, list[int]]]) -> ReplayStats:
-    """Greedy speculative decoding of every trace, in order, through ``drafter``."""
-    stats = ReplayStats()
+def replay(
+    drafter: ReplayDrafter, traces: list[dict[str, list[int]]], into: ReplayStats | None = None
+) -> ReplayStats:
+    """Greedy speculative decoding of every trace, in order, through ``drafter`` (counted in
+    ``into`` if given)."""
+    stats = into if into is not None else ReplayStats()
     clock = time.perf_counter
     for trace in traces:
         prompt, output = trace["prompt"], trace["output"]
@@ -447,6 +527,28 @@ def frontier(traces: dict[str, list[dict[str, list[int]]]]) -> dict:
     }
 
 
+def paraphrase_gain(originals: dict[str, list[dict]], paraphrases: dict[str, list[dict]]) -> dict:
+    """Tokens per step on the reworded questions of ``FREE_TEXT`` workloads with the original
+    question and answer held as an earlier request (``warm``: what the shared pool gives a
+    replica) and without (``cold``), for path and tree drafts; the pool benchmark's paraphrase
+    workload asks warm / cold of the engine."""
+    result: dict[str, dict[str, float]] = {}
+    for name in ("suffix", "suffix_tree"):
+        cell = {}
+        for warmth in ("cold", "warm"):
+            stats = ReplayStats()
+            for workload in FREE_TEXT:
+                for original, reworded in zip(originals[workload], paraphrases[workload]):
+                    drafter = DRAFTERS[name]("cross" if warmth == "warm" else "local")
+                    if warmth == "warm":
+                        drafter.finish(original["prompt"] + original["output"])
+                    replay(drafter, [reworded], into=stats)
+            cell[warmth] = stats.summary()
+        cell["warm_over_cold"] = round(cell["warm"]["tokens_per_step"] / cell["cold"]["tokens_per_step"], 3)
+        result[name] = cell
+    return result
+
+
 def at_drafted(points: list[dict[str, float]], drafted: float) -> float | None:
     """Tokens ratio where a curve (points ordered by factor) passes ``drafted``, by linear
     interpolation between its neighbouring points; None where it never does."""
@@ -519,6 +621,22 @@ def markdown_table(payload: dict) -> str:
                     + " | ".join(cells)
                     + f" | {'-' if equal is None else f'{equal:.3f}'} |"
                 )
+    if "paraphrase" in payload:
+        lines += [
+            "",
+            f"Reworded questions ({', '.join(FREE_TEXT)}; `benchmarks/traces/paraphrase_float32.json`), "
+            "with the original question and answer held as an earlier request (warm) and without (cold):",
+            "",
+            "| drafts | cold tok/step / drafted | warm tok/step / drafted | warm / cold |",
+            "|---|---|---|---|",
+        ]
+        for name, cell in payload["paraphrase"].items():
+            cold, warm = cell["cold"], cell["warm"]
+            lines.append(
+                f"| {name} | {cold['tokens_per_step']:.2f} / {cold['drafted_per_step']:.1f} "
+                f"| {warm['tokens_per_step']:.2f} / {warm['drafted_per_step']:.1f} "
+                f"| {cell['warm_over_cold']:.2f}x |"
+            )
     return "\n".join(lines)
 
 
@@ -592,6 +710,8 @@ def main() -> None:
     }
     if "suffix_decoding" in drafters:
         payload["frontier"] = frontier(traces)
+    if PARAPHRASE_TRACES.exists():
+        payload["paraphrase"] = paraphrase_gain(traces, json.loads(PARAPHRASE_TRACES.read_text())["traces"])
     publish_run("replay", "float32", args.quick, payload, plot, markdown_table)
 
 

@@ -250,3 +250,34 @@ def test_pool_scale_service_partitions_cut_ingest_and_keep_repeats_draftable(mon
     assert partitioned["published_tokens"] > 0 and partitioned["repeats"] > 50
     assert partitioned["busiest_ingest_share_of_full"] < 0.6
     assert partitioned["repeat_hit_rate"] >= 0.8
+
+
+def test_a_tree_draft_keeps_the_deepest_node_on_the_models_path():
+    from benchmarks.replay import TreeDraft, accepted_prefix
+
+    tree = TreeDraft(frozenset({(1,), (1, 2), (1, 3), (1, 3, 4)}))
+    assert accepted_prefix(tree, [1, 3, 4, 5]) == 3
+    assert accepted_prefix(tree, [1, 2, 9]) == 2
+    assert accepted_prefix(tree, [7, 1]) == 0
+    assert accepted_prefix([1, 3, 5], [1, 3, 4]) == 2  # a path: its leading tokens
+
+
+def test_suffix_tree_holds_every_continuation_of_the_match_and_the_path_draft():
+    from benchmarks.replay import TREE_MAX_NODES, suffix_tree
+    from nasd_core.suffix import SuffixIndex
+
+    index = SuffixIndex()
+    for sequence in ([5, 6, 7, 8, 9], [5, 6, 7, 1, 2], [5, 6, 7, 8, 3]):
+        index.add_sequence(sequence)
+    context = [4, 5, 6, 7]
+    tree, match_length = suffix_tree(index, context, max_tokens=16, exclude=-1, max_spec_factor=1.0)
+    assert match_length == 3
+    # Depth up to the match length; both continuations after 7 (8 twice, 1 once), and theirs.
+    assert tree.nodes == {(8,), (1,), (8, 9), (8, 3), (1, 2)}
+    path = index.draft(context, 16, max_spec_factor=1.0).tokens
+    assert all(tuple(path[: depth + 1]) in tree.nodes for depth in range(len(path)))
+    shallow, _ = suffix_tree(index, context, max_tokens=1, exclude=-1, max_spec_factor=1.0)
+    assert shallow.nodes == {(8,), (1,)}
+    index.add_sequence([5, 6, 7] + list(range(100, 100 + 2 * TREE_MAX_NODES)))
+    wide, _ = suffix_tree(index, context, max_tokens=64, exclude=-1, max_spec_factor=30.0)
+    assert len(wide) == TREE_MAX_NODES
