@@ -274,16 +274,20 @@ def attend_batch(
     heads, _, head_dim = query.shape
     num_rows = batch.mask.shape[0]
     kv_heads = heads // groups
-    keys = (
-        cache.keys[layer].index_select(1, batch.key_slots).view(kv_heads, num_rows, batch.num_keys, head_dim)
-    )
-    values = cache.values[layer].index_select(1, batch.key_slots)
-    values = values.view(kv_heads, num_rows, batch.num_keys, head_dim)
+
+    def gathered(pool: torch.Tensor) -> torch.Tensor:  # [kv_heads, slots, D] -> [rows, kv_heads, keys, D]
+        rows_keys = pool.index_select(1, batch.key_slots).view(kv_heads, num_rows, batch.num_keys, head_dim)
+        return rows_keys.transpose(0, 1)
+
     # [heads, rows * P, D] -> [rows, kv_heads, groups * P, D]: heads sharing a key/value head stack up.
     row_query = query.index_select(1, batch.query_index).view(heads, num_rows, batch.num_positions, head_dim)
     row_query = row_query.transpose(0, 1).reshape(num_rows, kv_heads, groups * batch.num_positions, head_dim)
     row_out = functional.scaled_dot_product_attention(
-        row_query, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=batch.mask, scale=scale
+        row_query,
+        gathered(cache.keys[layer]),
+        gathered(cache.values[layer]),
+        attn_mask=batch.mask,
+        scale=scale,
     )
     # [rows, kv_heads, groups * P, D] -> [rows * P, heads, D] -> the real queries' rows of ``out``.
     row_out = row_out.reshape(num_rows, heads, batch.num_positions, head_dim).transpose(1, 2)

@@ -278,6 +278,6 @@ def test_suffix_tree_holds_every_continuation_of_the_match_and_the_path_draft():
     assert all(tuple(path[: depth + 1]) in tree.nodes for depth in range(len(path)))
     shallow, _ = suffix_tree(index, context, max_tokens=1, exclude=-1, max_spec_factor=1.0)
     assert shallow.nodes == {(8,), (1,)}
-    index.add_sequence([5, 6, 7] + list(range(100, 100 + 2 * TREE_MAX_NODES)))
+    index.add_sequence([5, 6, 7, *range(100, 100 + 2 * TREE_MAX_NODES)])
     wide, _ = suffix_tree(index, context, max_tokens=64, exclude=-1, max_spec_factor=30.0)
     assert len(wide) == TREE_MAX_NODES

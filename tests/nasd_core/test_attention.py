@@ -120,7 +120,10 @@ def test_runner_logits_are_the_same_with_and_without_the_kernel(model):
     prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (70, 300, 33)]
     widths = [1, 5, 12]
     results = []
-    for use_kernel in (True, False):
+    # A first, discarded run: the first forwards of a process can round differently from the
+    # later ones (seen 2.3e-3 apart, one process in two, SDPA against SDPA), which is warm-up
+    # of the CPU's math libraries, not the kernel against SDPA (4e-5 apart once warm).
+    for use_kernel in (False, True, False):
         runner = ModelRunner(model, kv_cache_tokens=2048, block_size=32)
         assert runner.use_kernel
         runner.use_kernel = use_kernel
@@ -133,7 +136,7 @@ def test_runner_logits_are_the_same_with_and_without_the_kernel(model):
                 [StepRow(row, prompt[cut[row] :], widths[row]) for row, prompt in enumerate(prompts)]
             )
         )
-    torch.testing.assert_close(results[0], results[1], atol=2e-4, rtol=0)
+    torch.testing.assert_close(results[1], results[2], atol=2e-4, rtol=0)
 
 
 def test_rows_attended_in_one_padded_call_get_the_logits_of_one_call_per_row(model):
@@ -146,7 +149,7 @@ def test_rows_attended_in_one_padded_call_get_the_logits_of_one_call_per_row(mod
     ]
     widths = [1, 5, 12, 40]  # the last is wider than BATCH_MAX_POSITIONS: a chunk, fed row by row
     results = []
-    for batch_attention in (True, False):
+    for batch_attention in (False, True, False):  # the first run warms up (see the test above)
         # Exactly the rows' blocks (10 + 39 + 6 + 13 of 8 positions) and a one-block hole left
         # among them, so row 1, allocated last, cannot be one contiguous run.
         runner = ModelRunner(model, kv_cache_tokens=68 * 8, block_size=8, batch_attention=batch_attention)
@@ -165,4 +168,4 @@ def test_rows_attended_in_one_padded_call_get_the_logits_of_one_call_per_row(mod
             )
         )
     assert runner.cache.rows[1].start_slot is None, "row 1 should be fragmented"
-    torch.testing.assert_close(results[0], results[1], atol=2e-4, rtol=0)
+    torch.testing.assert_close(results[1], results[2], atol=2e-4, rtol=0)
