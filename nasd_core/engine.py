@@ -47,9 +47,10 @@ from nasd_core.verify import verify_rows
 TokenListener = Callable[[Request, list[int]], None]
 DRAFTING_COST_WEIGHT = 0.1  # moving-average weight of each step's drafting time per row
 # Prompt tokens per step by default. On a CPU a step's cost grows with its tokens from the
-# first ones, so chunks stay short and running rows keep their inter-token latency; on a GPU a
-# small model's step is mostly fixed cost (~600 kernel launches for the embedded one), so short
-# chunks would multiply a long prompt's steps: a 1000-token chat takes 4 steps of 256, 1 of 2048.
+# first ones, so chunks stay short and running rows keep their inter-token latency; on a GPU it
+# hardly grows (a 1.5B model on an H100: 23-28 ms from 1 to 1088 positions,
+# benchmarks/results/step_cost_cuda_qwen2-1.5b.json), so short chunks would only multiply a long
+# prompt's steps: a 1000-token chat takes 4 steps of 256, 1 of 2048.
 CPU_PREFILL_CHUNK_TOKENS = 256
 GPU_PREFILL_CHUNK_TOKENS = 2048
 
