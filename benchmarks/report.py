@@ -63,12 +63,18 @@ def render_readme(readme: str, tables: dict[str, str]) -> str:
 
 def block(suite: str, payload: dict) -> str:
     """The README block of one suite: its table and where it came from."""
-    meta = payload["meta"]
+    return suite_module(suite).markdown_table(payload) + footer(payload["meta"], result_path(suite))
+
+
+def footer(meta: dict, path: Path) -> str:
+    """Where a table came from: command, commit, date, machine (a GPU run names its device and
+    host), torch, dtype and the result file."""
+    machine = f"{meta['processor']} ({meta['cpu_threads']} threads)"
+    if meta.get("device", "cpu") != "cpu":
+        machine = f"{meta['device']} (host: {meta['processor']}, {meta['cpu_threads']} threads)"
     return (
-        suite_module(suite).markdown_table(payload)
-        + f"\n\n<sub>`{meta['command']}` at commit {meta['commit']}, {meta['date_utc']} UTC, "
-        f"{meta['processor']} ({meta['cpu_threads']} threads), torch {meta['torch']}, {meta['dtype']}; "
-        f"data: `benchmarks/results/{result_path(suite).name}`</sub>"
+        f"\n\n<sub>`{meta['command']}` at commit {meta['commit']}, {meta['date_utc']} UTC, "
+        f"{machine}, torch {meta['torch']}, {meta['dtype']}; data: `benchmarks/results/{path.name}`</sub>"
     )
 
 
@@ -77,18 +83,9 @@ def readme_tables() -> dict[str, str]:
     for name, (stem, suite, table) in GPU_BLOCKS.items():
         path = RESULTS_DIR / f"{stem}.json"
         if path.exists():
-            tables[name] = gpu_block(getattr(suite_module(suite), table), json.loads(path.read_text()), path)
+            payload = json.loads(path.read_text())
+            tables[name] = getattr(suite_module(suite), table)(payload) + footer(payload["meta"], path)
     return tables
-
-
-def gpu_block(table, payload: dict, path: Path) -> str:
-    """The README block of a GPU run: its table and where it came from (the device named)."""
-    meta = payload["meta"]
-    return (
-        table(payload) + f"\n\n<sub>`{meta['command']}` at commit {meta['commit']}, {meta['date_utc']} UTC, "
-        f"{meta['device']} (host: {meta['processor']}, {meta['cpu_threads']} threads), "
-        f"torch {meta['torch']}, {meta['dtype']}; data: `benchmarks/results/{path.name}`</sub>"
-    )
 
 
 def compare(full: dict[str, float], quick: dict[str, float]) -> tuple[list[str], int]:

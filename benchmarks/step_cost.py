@@ -23,7 +23,7 @@ import argparse
 import torch
 
 from benchmarks.common import run_metadata, write_result
-from nasd_core.calibration import PROBE_POSITIONS, fill_rows, measure_step_times, time_step
+from nasd_core.calibration import PROBE_POSITIONS, filled_runner, measure_step_times, time_step
 from nasd_core.config import ModelConfig
 from nasd_core.model_runner import ModelRunner
 from nasd_core.models import load_model
@@ -69,14 +69,6 @@ def random_model(arch: str, dtype: str, device: str):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     return model.eval()
-
-
-def filled_runner(model, num_rows: int, context_length: int, max_width: int) -> ModelRunner:
-    """A runner whose first ``num_rows`` rows hold ``context_length`` cached tokens each."""
-    row_tokens = context_length + max_width
-    runner = ModelRunner(model, kv_cache_tokens=num_rows * row_tokens, block_size=row_tokens)
-    fill_rows(runner, num_rows, context_length, row_tokens)
-    return runner
 
 
 def fastest_ms(runner: ModelRunner, widths: list[int], context_length: int, repeats: int) -> float:

@@ -82,6 +82,15 @@ def fill_rows(runner: ModelRunner, num_rows: int, context_length: int, row_token
         cache.set_length(row, context_length)
 
 
+def filled_runner(model, num_rows: int, context_length: int, max_width: int) -> ModelRunner:
+    """A runner whose rows ``0..num_rows-1`` hold ``context_length`` cached tokens each, with
+    room for steps of up to ``max_width`` positions per row."""
+    row_tokens = context_length + max_width
+    runner = ModelRunner(model, kv_cache_tokens=num_rows * row_tokens, block_size=row_tokens)
+    fill_rows(runner, num_rows, context_length, row_tokens)
+    return runner
+
+
 @torch.inference_mode()
 def time_step(runner: ModelRunner, widths: Sequence[int], context_length: int) -> float:
     """Seconds of one step where row i (of rows filled by ``fill_rows``) feeds ``widths[i]``
@@ -114,10 +123,7 @@ def measure_step_times(
     """
     step_time = step_time if step_time is not None else model_step_time(model)
     positions = list(range(1, positions + 1)) if isinstance(positions, int) else list(positions)
-    max_rows = max(rows)
-    row_tokens = context_length + max(positions)
-    runner = ModelRunner(model, kv_cache_tokens=max_rows * row_tokens, block_size=row_tokens)
-    fill_rows(runner, max_rows, context_length, row_tokens)
+    runner = filled_runner(model, max(rows), context_length, max(positions))
     for num_rows in rows:
         shapes = [[width] * num_rows for width in positions]
         if num_rows > 1:

@@ -33,8 +33,7 @@ PROMPTS = [
 MAX_TOKENS = [14, 20, 24, 10, 18, 12, 22, 16, 8, 20, 15, 24]
 
 
-@pytest.fixture(scope="module")
-def single_runs(model, tokenizer):
+def single_sequence_runs(model, tokenizer) -> list[list[int]]:
     """Each prompt's single-sequence greedy output (itself equal to transformers' greedy)."""
     return [
         generate(
@@ -42,6 +41,11 @@ def single_runs(model, tokenizer):
         ).token_ids
         for prompt, max_tokens in zip(PROMPTS, MAX_TOKENS)
     ]
+
+
+@pytest.fixture(scope="module")
+def single_runs(model, tokenizer):
+    return single_sequence_runs(model, tokenizer)
 
 
 def run_staggered(

@@ -48,15 +48,6 @@ def cuda_bf16_model():
     return load_model(config=ModelConfig(device="cuda", dtype="bfloat16"))[0]
 
 
-def single_runs(model, tokenizer) -> list[list[int]]:
-    return [
-        generate(
-            model, tokenizer, prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off")
-        ).token_ids
-        for prompt, max_tokens in zip(test_engine.PROMPTS, test_engine.MAX_TOKENS)
-    ]
-
-
 def unexplained_divergences(model, tokenizer, outputs, references, tie: float) -> list[str]:
     """Where an output first differs from its reference, unless the plain forward's top two
     logits there are the two tokens and within ``tie`` of each other."""
@@ -99,13 +90,13 @@ def test_runner_logits_in_bfloat16_are_the_plain_forwards_within_rounding(cuda_b
 def test_batched_greedy_equals_single_sequence_runs_on_the_device(cuda_model, mode):
     model, tokenizer = cuda_model
     test_engine.test_batched_greedy_equals_single_sequence_runs(
-        model, tokenizer, single_runs(model, tokenizer), mode, block_size=32
+        model, tokenizer, test_engine.single_sequence_runs(model, tokenizer), mode, block_size=32
     )
 
 
 def test_bfloat16_batched_greedy_differs_from_single_runs_only_at_near_ties(cuda_model, cuda_bf16_model):
     tokenizer = cuda_model[1]
-    references = single_runs(cuda_bf16_model, tokenizer)
+    references = test_engine.single_sequence_runs(cuda_bf16_model, tokenizer)
     engine = Engine(cuda_bf16_model, tokenizer, EngineConfig(max_batch_rows=8, prefill_chunk_tokens=16))
     spec = SpecConfig(mode="on", num_draft_tokens=5)
     outputs = test_engine.run_staggered(engine, test_engine.PROMPTS, test_engine.MAX_TOKENS, spec)
