@@ -88,10 +88,18 @@ class CellRun:
 
 
 def run_cell(
-    model, tokenizer, prompts: list[list[int]], concurrency: int, mode: str, max_tokens: int, into: CellRun
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    concurrency: int,
+    mode: str,
+    max_tokens: int,
+    into: CellRun,
+    step_graphs: bool = False,
 ) -> None:
     """One run of (concurrency, mode) over ``prompts``, added to ``into``."""
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=concurrency, max_waiting=len(prompts)))
+    config = EngineConfig(max_batch_rows=concurrency, max_waiting=len(prompts), step_graphs=step_graphs)
+    engine = Engine(model, tokenizer, config)
     last_emit: dict[str, float] = {}
 
     def on_tokens(request, token_ids) -> None:
@@ -148,11 +156,13 @@ def run_sweep(
     long_chat_repeats: int = LONG_CHAT_REPEATS,
     device: str = "cpu",
     on_cell: Callable[[dict], object] | None = None,
+    step_graphs: bool = False,
 ) -> dict:
     """The sweep's payload; ``on_cell`` gets it after every finished cell (a run stopped midway,
-    such as one on a machine lent for minutes, keeps the cells it finished)."""
+    such as one on a machine lent for minutes, keeps the cells it finished). ``step_graphs``:
+    every engine (and the probe) on fixed-shape steps, CUDA graphs on a GPU."""
     model, tokenizer = load_model(config=ModelConfig(dtype=dtype, device=device))
-    calibrate(model, max(levels))
+    calibrate(model, max(levels), step_graphs=step_graphs)
     sweep: dict[str, dict] = {}
     orders = {mix: run_order(long_chat_repeats if mix == LONG_CHAT else repeats) for mix in SWEEP_MIXES}
     payload = {
@@ -162,6 +172,7 @@ def run_sweep(
             "max_tokens": max_tokens,
             "requests_per_level": requests_per_level,
             "run_order": orders,
+            "step_graphs": step_graphs,
         },
         "sweep": sweep,
     }
@@ -175,9 +186,9 @@ def run_sweep(
             # the same mode (results/concurrency_cuda_bfloat16.json, ``runs_table``), likely its
             # clocks falling while the host prepares a cell (it idles at 345 MHz; not confirmed).
             # An untimed run first keeps that out of the compared runs.
-            run_cell(model, tokenizer, prompts, level, "off", max_tokens, CellRun())
+            run_cell(model, tokenizer, prompts, level, "off", max_tokens, CellRun(), step_graphs)
         for mode in order:
-            run_cell(model, tokenizer, prompts, level, mode, max_tokens, runs[mode])
+            run_cell(model, tokenizer, prompts, level, mode, max_tokens, runs[mode], step_graphs)
         row = {mode: {**runs[mode].summary(), "runs": order.count(mode)} for mode in MODES}
         # Greedy: every mode must produce the same tokens; a mismatch is reported, not hidden.
         for mode in MODES:
@@ -291,6 +302,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="torch device of the model (cuda on a GPU)")
     parser.add_argument("--levels", nargs="*", type=int, default=[1, 4, 16, 32], help="concurrencies")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="runs of off and auto per cell")
+    parser.add_argument(
+        "--step-graphs", action="store_true", help="engines on fixed-shape steps (CUDA graphs on a GPU)"
+    )
     args = parser.parse_args()
     if args.quick:
         # The full run's C = 1 and 4 cells, as defined there, each mode run once.
@@ -307,6 +321,7 @@ def main() -> None:
             long_chat_repeats=min(args.repeats, LONG_CHAT_REPEATS),
             device=args.device,
             on_cell=lambda partial: write_result(name, partial),
+            step_graphs=args.step_graphs,
         )
     publish_run("concurrency", args.dtype, args.quick, payload, plot, markdown_table, args.device)
 

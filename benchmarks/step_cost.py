@@ -10,10 +10,12 @@ timed and the run also checks the policy's cost model and the attention layout:
   never timed, each beside the step-time model's estimate for it (the interpolation error the
   policy prices drafts with);
 - decode and 5-position steps with every row attended by its own SDPA call and with the rows
-  padded into one call per layer (``ModelRunner.batch_attention``), at two context lengths.
+  padded into one call per layer (``ModelRunner.batch_attention``), at two context lengths;
+- with ``--step-graphs``, the probe's surface again on fixed-shape steps, replayed from CUDA
+  graphs on a GPU (``nasd_core/step_graphs.py``).
 
 python -m benchmarks.step_cost                      # float32 stock/fast and bfloat16, rows 1..32
-python -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b --rows 1 4 16 32 64
+python -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b --rows 1 4 16 64 --step-graphs
 """
 
 from __future__ import annotations
@@ -119,6 +121,17 @@ def device_run(args: argparse.Namespace) -> None:
     step_time = measure_step_times(
         model, PROBE_POSITIONS, rows=args.rows, repeats=args.repeats, step_time=StepTimeModel()
     )
+    graphs_surface = None
+    if args.step_graphs:
+        graphs_time = measure_step_times(
+            model,
+            PROBE_POSITIONS,
+            args.rows,
+            repeats=args.repeats,
+            step_time=StepTimeModel(),
+            step_graphs=True,
+        )
+        graphs_surface = {rows: shape_ms(graphs_time, rows) for rows in args.rows}
     payload = {
         "benchmark": "step_cost",
         "meta": {
@@ -130,6 +143,8 @@ def device_run(args: argparse.Namespace) -> None:
         "held_out": held_out(model, step_time, args.rows, args.repeats),
         "attention_layouts": attention_layouts(model, args.rows, args.repeats),
     }
+    if graphs_surface is not None:
+        payload["step_graphs"] = graphs_surface
     name = f"step_cost_{args.device.split(':')[0]}_{args.arch or 'embedded'}"
     print(f"results: {write_result(name, payload)}")
     for rows, by_positions in payload["ms_by_rows_and_positions"][args.dtype].items():
@@ -160,6 +175,18 @@ def markdown_table(payload: dict) -> str:
             + " | ".join(f"{cell['measured_ms']:.1f} / {cell['estimated_ms']:.1f}" for cell in cells.values())
             + " |"
         )
+    if "step_graphs" in payload:
+        lines += [
+            "",
+            f"| rows \\ positions per row, steps replayed from CUDA graphs ({dtype}, ms) | "
+            + " | ".join(widths)
+            + " |",
+            "|---|" + "---|" * len(widths),
+            *(
+                f"| {rows} | " + " | ".join(f"{ms:.1f}" for ms in row.values()) + " |"
+                for rows, row in payload["step_graphs"].items()
+            ),
+        ]
     contexts = list(payload["attention_layouts"])
     header = [f"ctx {context}, {width} per row" for context in contexts for width in LAYOUT_WIDTHS]
     lines += ["", "| rows | " + " | ".join(f"{name}: per-row / batched ms" for name in header) + " |"]
@@ -192,6 +219,11 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="torch device (not cpu: one model, device_run)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="with --device")
     parser.add_argument("--arch", choices=list(ARCHITECTURES), default=None, help="random weights of this")
+    parser.add_argument(
+        "--step-graphs",
+        action="store_true",
+        help="with --device: also time the surface on fixed-shape steps (replayed from CUDA graphs on a GPU)",
+    )
     args = parser.parse_args()
     if args.device != "cpu" or args.arch:
         device_run(args)

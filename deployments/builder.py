@@ -70,6 +70,7 @@ ENV_VARS = {
     "max_batch_rows": "NASD_MAX_BATCH_ROWS",
     "max_waiting": "NASD_MAX_WAITING",
     "probe_max_rows": "NASD_PROBE_MAX_ROWS",
+    "step_graphs": "NASD_STEP_GRAPHS",
     "autoscaling": "NASD_AUTOSCALING",
 }
 
@@ -131,6 +132,11 @@ class AppArgs(BaseModel):
         "8 s on 2 CPU cores), so `auto` starts calibrated; 0 = no probe: auto starts from TensorRT-LLM's "
         "table and learns step times as it runs.",
     )
+    step_graphs: bool = Field(
+        False,
+        description="Decode and verification steps in fixed shapes, replayed from CUDA graphs on a GPU "
+        "(EngineConfig.step_graphs; Llama, Mistral and Qwen2/3 models).",
+    )
     autoscaling: dict[str, Any] | None = Field(
         None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas."
     )
@@ -191,6 +197,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     }
     engine = EngineConfig(
         **engine_limits,
+        step_graphs=args.step_graphs,
         spec=SpecConfig(
             mode=args.speculation,
             num_draft_tokens=args.num_draft_tokens,

@@ -210,7 +210,12 @@ class NASDServer:
         self.model, self.tokenizer = load_model(None, config.model)
         if config.probe_max_rows:
             started = time.perf_counter()
-            calibrate(self.model, min(config.probe_max_rows, config.engine.max_batch_rows), repeats=1)
+            calibrate(
+                self.model,
+                min(config.probe_max_rows, config.engine.max_batch_rows),
+                repeats=1,
+                step_graphs=config.engine.step_graphs,
+            )
             logger.info("step times probed in %.1f s", time.perf_counter() - started)
         self.async_engine = AsyncEngine(Engine(self.model, self.tokenizer, config.engine))
         self.async_engine.start()

@@ -99,13 +99,16 @@ class BatchedRows:
     a padded key is the row's first (the pool's unwritten slots may hold NaN bit patterns,
     which a zero attention weight would not cancel), and both are masked or dropped."""
 
-    query_index: torch.Tensor  # [rows * positions] packed position of each (padded) query
     key_slots: torch.Tensor  # [rows * keys] pool slot of each (padded) key
-    mask: torch.Tensor  # [rows, 1, groups * positions, keys] bool: which keys a query sees
-    real_index: torch.Tensor  # indices into the padded queries of the real ones, in packed order
-    out_index: torch.Tensor  # the packed positions of those real queries
+    mask: torch.Tensor | None  # [rows, 1, groups * positions, keys] bool: which keys a query sees
     num_positions: int
     num_keys: int
+    # For rows packed without padding: the packed position of each padded query, the indices
+    # of the real ones among them and their packed positions. None: the step itself is laid
+    # out rows x num_positions (``nasd_core/step_graphs.py``), so all three are the identity.
+    query_index: torch.Tensor | None = None
+    real_index: torch.Tensor | None = None
+    out_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -167,31 +170,49 @@ def plan_batch(cache: PagedKVCache, spans: list[Segment], groups: int) -> Batche
     lengths = np.array([span.length for span in spans])
     starts = np.array([span.start for span in spans])
     num_positions, num_keys = int(counts.max()), int(lengths.max())
-    # Query p of a row is its min(p, count - 1)-th new position; it sees keys up to its own.
-    query_offset = np.minimum(np.arange(num_positions)[None, :], counts[:, None] - 1)
+    query_offset, last_key = padded_queries(counts, lengths, num_positions)
     query_index = starts[:, None] + query_offset
-    last_key = (lengths - counts)[:, None] + query_offset
     real_index = np.flatnonzero(np.arange(num_positions)[None, :] < counts[:, None])
-    positions = np.arange(num_keys)[None, :]
-    positions = np.where(positions < lengths[:, None], positions, 0)
-    table = cache.block_table([span.row_id for span in spans]).numpy().astype(np.int64)
-    block_size = cache.block_size
-    key_slots = (
-        np.take_along_axis(table, positions // block_size, axis=1) * block_size + positions % block_size
-    )
+    key_slots = padded_key_slots(cache, [span.row_id for span in spans], lengths, num_keys)
     device = cache.device
-    last_key_device = torch.from_numpy(last_key).to(device)
-    # [rows, positions, keys], each group's copy stacked on the query axis (groups x positions).
-    mask = torch.arange(num_keys, device=device)[None, None, :] <= last_key_device[:, :, None]
     return BatchedRows(
-        query_index=torch.from_numpy(query_index.reshape(-1)).to(device),
         key_slots=torch.from_numpy(key_slots.reshape(-1)).to(device),
-        mask=mask.repeat(1, groups, 1).unsqueeze(1),
-        real_index=torch.from_numpy(real_index).to(device),
-        out_index=torch.from_numpy(query_index.reshape(-1)[real_index]).to(device),
+        mask=row_mask(torch.from_numpy(last_key).to(device), num_keys, groups),
         num_positions=num_positions,
         num_keys=num_keys,
+        query_index=torch.from_numpy(query_index.reshape(-1)).to(device),
+        real_index=torch.from_numpy(real_index).to(device),
+        out_index=torch.from_numpy(query_index.reshape(-1)[real_index]).to(device),
     )
+
+
+def padded_queries(
+    counts: np.ndarray, lengths: np.ndarray, num_positions: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """For rows feeding ``counts`` new positions (``lengths`` cached after them), padded to
+    ``num_positions`` queries each: which new position each query repeats (a padded one, the
+    row's last) and the last key it sees (its own); both ``[rows, num_positions]``."""
+    query_offset = np.minimum(np.arange(num_positions)[None, :], counts[:, None] - 1)
+    return query_offset, (lengths - counts)[:, None] + query_offset
+
+
+def padded_key_slots(
+    cache: PagedKVCache, row_ids: list[Hashable], lengths: np.ndarray, num_keys: int
+) -> np.ndarray:
+    """``[rows, num_keys]`` pool slots of each row's first ``num_keys`` positions, those past
+    its length replaced by its first (written, so finite; the mask hides them)."""
+    positions = np.arange(num_keys)[None, :]
+    positions = np.where(positions < lengths[:, None], positions, 0)
+    table = cache.block_table(row_ids).numpy().astype(np.int64)
+    block_size = cache.block_size
+    return np.take_along_axis(table, positions // block_size, axis=1) * block_size + positions % block_size
+
+
+def row_mask(last_key: torch.Tensor, num_keys: int, groups: int) -> torch.Tensor:
+    """``[rows, 1, groups * positions, num_keys]`` mask of queries that see keys up to
+    ``last_key`` (``[rows, positions]``), each group's copy stacked on the query axis."""
+    mask = torch.arange(num_keys, device=last_key.device)[None, None, :] <= last_key[:, :, None]
+    return mask.repeat(1, groups, 1).unsqueeze(1)
 
 
 def causal_mask(num_positions: int, length: int, groups: int, device: torch.device) -> torch.Tensor | None:
@@ -228,6 +249,9 @@ def paged_attention(
     cache.write(layer, nasd_step.write_slots, key[0], value[0])
     num_kv_heads, head_dim = key.shape[1], key.shape[3]
     scale = scaling if scaling is not None else head_dim**-0.5
+    batch = nasd_step.batched_rows
+    if batch is not None and batch.out_index is None:  # a padded step: every query is the batch's
+        return attend_batch(query[0], cache, layer, batch, groups, scale).unsqueeze(0), None
     kernel_rows = nasd_step.kernel_rows
     if kernel_rows is not None:
         out = torch.ops.nasd.paged_attention(
@@ -242,8 +266,9 @@ def paged_attention(
         )
     else:
         out = query.new_empty(query.shape[2], query.shape[1], head_dim)  # [T, heads, D]
-    if nasd_step.batched_rows is not None:
-        attend_batch(out, query[0], cache, layer, nasd_step.batched_rows, groups, scale)
+    if batch is not None:
+        attended = attend_batch(query[0], cache, layer, batch, groups, scale)
+        out.index_copy_(0, batch.out_index, attended.index_select(0, batch.real_index))
     for segment in nasd_step.segments:
         start, count = segment.start, segment.num_positions
         row_keys, row_values = cache.row_kv(layer, segment.row_id, segment.length)
@@ -261,27 +286,28 @@ def paged_attention(
 
 
 def attend_batch(
-    out: torch.Tensor,
     query: torch.Tensor,
     cache: PagedKVCache,
     layer: int,
     batch: BatchedRows,
     groups: int,
     scale: float,
-) -> None:
-    """Write into ``out`` ([T, heads, D]) the attention of the batch's queries (``query``:
-    [heads, T, D]) over their rows' keys in ``layer``: one SDPA call for every row."""
+) -> torch.Tensor:
+    """The attention of the batch's padded queries (from ``query``: [heads, T, D]) over their
+    rows' keys in ``layer``, one SDPA call for every row: ``[rows * positions, heads, D]``."""
     heads, _, head_dim = query.shape
-    num_rows = batch.mask.shape[0]
+    num_rows = batch.key_slots.shape[0] // batch.num_keys
     kv_heads = heads // groups
 
     def gathered(pool: torch.Tensor) -> torch.Tensor:  # [kv_heads, slots, D] -> [rows, kv_heads, keys, D]
         rows_keys = pool.index_select(1, batch.key_slots).view(kv_heads, num_rows, batch.num_keys, head_dim)
         return rows_keys.transpose(0, 1)
 
+    if batch.query_index is not None:
+        query = query.index_select(1, batch.query_index)
     # [heads, rows * P, D] -> [rows, kv_heads, groups * P, D]: heads sharing a key/value head stack up.
-    row_query = query.index_select(1, batch.query_index).view(heads, num_rows, batch.num_positions, head_dim)
-    row_query = row_query.transpose(0, 1).reshape(num_rows, kv_heads, groups * batch.num_positions, head_dim)
+    row_query = query.reshape(heads, num_rows, batch.num_positions, head_dim).transpose(0, 1)
+    row_query = row_query.reshape(num_rows, kv_heads, groups * batch.num_positions, head_dim)
     row_out = functional.scaled_dot_product_attention(
         row_query,
         gathered(cache.keys[layer]),
@@ -289,10 +315,9 @@ def attend_batch(
         attn_mask=batch.mask,
         scale=scale,
     )
-    # [rows, kv_heads, groups * P, D] -> [rows * P, heads, D] -> the real queries' rows of ``out``.
+    # [rows, kv_heads, groups * P, D] -> [rows * P, heads, D]
     row_out = row_out.reshape(num_rows, heads, batch.num_positions, head_dim).transpose(1, 2)
-    real = row_out.reshape(num_rows * batch.num_positions, heads, head_dim).index_select(0, batch.real_index)
-    out.index_copy_(0, batch.out_index, real)
+    return row_out.reshape(num_rows * batch.num_positions, heads, head_dim)
 
 
 # Where a model switched to paged attention keeps the name of the implementation it had.

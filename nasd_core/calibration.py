@@ -82,11 +82,15 @@ def fill_rows(runner: ModelRunner, num_rows: int, context_length: int, row_token
         cache.set_length(row, context_length)
 
 
-def filled_runner(model, num_rows: int, context_length: int, max_width: int) -> ModelRunner:
+def filled_runner(
+    model, num_rows: int, context_length: int, max_width: int, step_graphs: bool = False
+) -> ModelRunner:
     """A runner whose rows ``0..num_rows-1`` hold ``context_length`` cached tokens each, with
-    room for steps of up to ``max_width`` positions per row."""
+    room for steps of up to ``max_width`` positions per row (and the graphs' scratch block)."""
     row_tokens = context_length + max_width
-    runner = ModelRunner(model, kv_cache_tokens=num_rows * row_tokens, block_size=row_tokens)
+    runner = ModelRunner(
+        model, kv_cache_tokens=(num_rows + 1) * row_tokens, block_size=row_tokens, step_graphs=step_graphs
+    )
     fill_rows(runner, num_rows, context_length, row_tokens)
     return runner
 
@@ -112,6 +116,7 @@ def measure_step_times(
     context_length: int = 256,
     repeats: int = 3,
     step_time: StepTimeModel | None = None,
+    step_graphs: bool = False,
 ) -> StepTimeModel:
     """Time steps of every shape ``rows`` x ``positions`` per row (an int means 1..positions),
     and, for more than one row, ragged steps where one row feeds that many positions and the
@@ -123,7 +128,7 @@ def measure_step_times(
     """
     step_time = step_time if step_time is not None else model_step_time(model)
     positions = list(range(1, positions + 1)) if isinstance(positions, int) else list(positions)
-    runner = filled_runner(model, max(rows), context_length, max(positions))
+    runner = filled_runner(model, max(rows), context_length, max(positions), step_graphs)
     for num_rows in rows:
         shapes = [[width] * num_rows for width in positions]
         if num_rows > 1:
@@ -139,7 +144,10 @@ def measure_step_times(
     return step_time
 
 
-def calibrate(model, max_rows: int, repeats: int = 2) -> StepTimeModel:
-    """Probe the model's shared step-time surface at 1, 2, 4, ... rows up to ``max_rows``."""
+def calibrate(model, max_rows: int, repeats: int = 2, step_graphs: bool = False) -> StepTimeModel:
+    """Probe the model's shared step-time surface at 1, 2, 4, ... rows up to ``max_rows``
+    (through fixed-shape steps with ``step_graphs``, as the engines that use them run)."""
     rows = {2**power for power in range(max_rows.bit_length()) if 2**power <= max_rows} | {max_rows}
-    return measure_step_times(model, PROBE_POSITIONS, rows=sorted(rows), repeats=repeats)
+    return measure_step_times(
+        model, PROBE_POSITIONS, rows=sorted(rows), repeats=repeats, step_graphs=step_graphs
+    )

@@ -215,6 +215,11 @@ class EngineConfig(_Config):
         "on a CPU, reserved but resident only once written; 60% of the free GPU memory on a GPU).",
     )
     kv_block_size: int = Field(32, ge=1, le=4096, description="Positions per KV-cache block.")
+    step_graphs: bool = Field(
+        False,
+        description="Run decode and verification steps in fixed shapes, replayed from CUDA graphs on a "
+        "GPU (nasd_core/step_graphs.py; Llama, Mistral and Qwen2/3 models). Off until checked on a GPU.",
+    )
     spec: SpecConfig = Field(
         default_factory=lambda: SpecConfig(), description="Default speculation settings."
     )

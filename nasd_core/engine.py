@@ -87,7 +87,11 @@ class Engine:
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.step_time = model_step_time(model)
         self.runner = runner or ModelRunner(
-            model, self.config.kv_cache_tokens, self.config.kv_block_size, self.config.max_batch_rows
+            model,
+            self.config.kv_cache_tokens,
+            self.config.kv_block_size,
+            self.config.max_batch_rows,
+            step_graphs=self.config.step_graphs,
         )
         self.cache = self.runner.cache
         self.prefill_chunk_tokens = self.config.prefill_chunk_tokens or default_prefill_chunk(model.device)

@@ -21,6 +21,7 @@ import torch
 
 from nasd_core.attention import NO_MASK, Segment, kernel_available, plan_step, use_paged_attention
 from nasd_core.kv_cache import PagedKVCache
+from nasd_core.step_graphs import GRAPH_MODEL_TYPES, RowInput, StepGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class ModelRunner:
         block_size: positions per block.
         max_rows: rows the default budget is sized for.
         batch_attention: attend short rows in one padded call per layer (None: off the CPU).
+        step_graphs: run decode and verification steps in fixed shapes (``nasd_core/step_graphs.py``),
+            replayed from CUDA graphs on a GPU; needs a model type ``StepGraphs.supports``.
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class ModelRunner:
         block_size: int = 32,
         max_rows: int = 32,
         batch_attention: bool | None = None,
+        step_graphs: bool = False,
     ):
         self.model = model
         use_paged_attention(model)
@@ -96,6 +100,16 @@ class ModelRunner:
         # Off the CPU, short rows share one attention call per layer (see nasd_core/attention.py).
         self.batch_attention = model.device.type != "cpu" if batch_attention is None else batch_attention
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.no_mask = NO_MASK.to(self.device)
+        if step_graphs and not StepGraphs.supports(model):
+            raise ValueError(
+                f"step graphs serve model types {sorted(GRAPH_MODEL_TYPES)}, not {model.config.model_type!r}"
+            )
+        self.graphs = (
+            StepGraphs(model, self.cache, self.groups, capture=self.device.type == "cuda")
+            if step_graphs
+            else None
+        )
         logger.info(
             "paged KV-cache: %d positions in blocks of %d (%.2f GB reserved)",
             self.cache.capacity_tokens,
@@ -107,6 +121,18 @@ class ModelRunner:
     def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
         """One forward over every row's new tokens; ``[sum of num_logits, vocab]`` logits, in
         row order, on the model's device. Every fed position is cached afterwards."""
+        shape = None
+        if self.graphs is not None and all(row.num_logits == len(row.token_ids) for row in rows):
+            inputs = [RowInput(row.row_id, row.token_ids, self.cache.length(row.row_id)) for row in rows]
+            shape = self.graphs.shape_for(inputs)
+        logits = self.graphs.forward(inputs, shape) if shape is not None else self._packed_forward(rows)
+        for row in rows:
+            cached = self.cache.length(row.row_id) + len(row.token_ids)
+            self.cache.set_length(row.row_id, cached)
+        return logits
+
+    def _packed_forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
+        """The step as one sequence of every row's positions, no padding."""
         token_ids: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor] = []
@@ -129,13 +155,10 @@ class ModelRunner:
         output = self.model(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
-            attention_mask=NO_MASK.to(self.device),
+            attention_mask=self.no_mask,
             use_cache=False,
             nasd_step=layout,
             **extra,
         )
-        for row in rows:
-            cached = self.cache.length(row.row_id) + len(row.token_ids)
-            self.cache.set_length(row.row_id, cached)
         logits = output.logits[0]
         return logits if self._takes_logits_to_keep else logits[keep]

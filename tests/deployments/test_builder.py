@@ -71,6 +71,7 @@ def test_string_arguments_from_the_cli_are_coerced():
         "max_waiting": "16",
         "tenant_isolation": "true",
         "pool_namespace": "",
+        "step_graphs": "true",
     }
     replica, config = replica_of(build_app(args))
     assert config.model.device == "cuda" and config.model.dtype == "bfloat16"
@@ -80,6 +81,7 @@ def test_string_arguments_from_the_cli_are_coerced():
     assert config.pool_namespace is None  # empty means unset
     assert (config.engine.spec.mode, config.engine.spec.num_draft_tokens) == ("off", 5)
     assert (config.engine.max_batch_rows, config.engine.max_waiting) == (8, 16)
+    assert config.engine.step_graphs
     assert replica.num_replicas == 3
     assert replica.ray_actor_options == {"num_cpus": 4.0, "num_gpus": 1.0}
     assert replica.max_ongoing_requests == 24

@@ -22,7 +22,7 @@ from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine import Engine
 from nasd_core.models import load_model
 from nasd_core.sampling import sample_tokens
-from tests.nasd_core import test_engine, test_kv_cache, test_processors, test_verify
+from tests.nasd_core import test_engine, test_kv_cache, test_processors, test_step_graphs, test_verify
 
 pytestmark = [
     pytest.mark.gpu,
@@ -94,15 +94,38 @@ def test_batched_greedy_equals_single_sequence_runs_on_the_device(cuda_model, mo
     )
 
 
-def test_bfloat16_batched_greedy_differs_from_single_runs_only_at_near_ties(cuda_model, cuda_bf16_model):
+@pytest.mark.parametrize("step_graphs", [False, True])
+def test_bfloat16_batched_greedy_differs_from_single_runs_only_at_near_ties(
+    cuda_model, cuda_bf16_model, step_graphs
+):
     tokenizer = cuda_model[1]
     references = test_engine.single_sequence_runs(cuda_bf16_model, tokenizer)
-    engine = Engine(cuda_bf16_model, tokenizer, EngineConfig(max_batch_rows=8, prefill_chunk_tokens=16))
+    config = EngineConfig(max_batch_rows=8, prefill_chunk_tokens=16, step_graphs=step_graphs)
+    engine = Engine(cuda_bf16_model, tokenizer, config)
     spec = SpecConfig(mode="on", num_draft_tokens=5)
     outputs = test_engine.run_staggered(engine, test_engine.PROMPTS, test_engine.MAX_TOKENS, spec)
     assert engine.stats.num_accepted > 0, "speculation was not exercised"
+    if step_graphs:
+        assert engine.runner.graphs is not None and not engine.runner.graphs.failed
     ordered = [outputs[index] for index in range(len(test_engine.PROMPTS))]
     assert not unexplained_divergences(cuda_bf16_model, tokenizer, ordered, references, BFLOAT16_TIE)
+
+
+def test_steps_replayed_from_cuda_graphs_get_the_packed_paths_logits(cuda_model):
+    runner, logits = test_step_graphs.fixed_and_packed_logits(cuda_model[0])
+    assert runner.graphs is not None and not runner.graphs.failed, "a capture failed (see the warning)"
+    assert all(step.graph is not None for step in runner.graphs.steps.values())
+    for fixed, packed in logits:
+        torch.testing.assert_close(fixed, packed, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_an_engine_on_cuda_graphs_emits_the_single_sequence_greedy_tokens(cuda_model, mode):
+    model, tokenizer = cuda_model
+    references = test_engine.single_sequence_runs(model, tokenizer)
+    engine = test_step_graphs.run_engine_on_fixed_steps(model, tokenizer, references, mode)
+    assert engine.runner.graphs is not None and not engine.runner.graphs.failed
+    assert all(step.graph is not None for step in engine.runner.graphs.steps.values())
 
 
 def test_single_sequence_greedy_equals_transformers_greedy_on_the_device(cuda_model):

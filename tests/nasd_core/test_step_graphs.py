@@ -1,0 +1,106 @@
+"""Fixed-shape steps (``nasd_core/step_graphs.py``) against the packed path, on this CPU.
+
+On a GPU these steps are replayed from CUDA graphs (``test_gpu.py`` checks that); here they
+run eagerly, which holds their layout to the packed path's logits: rows padded to a bucket
+of rows and positions, keys padded to a power of two, a scratch slot for every padded
+write, fragmented rows and rolled-back drafts whose stale slots the padding must never read.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nasd_core.config import EngineConfig, SpecConfig
+from nasd_core.engine import Engine
+from nasd_core.model_runner import ModelRunner, StepRow
+from nasd_core.step_graphs import SCRATCH_ROW, StepShape, bucket, key_bucket
+from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered, single_sequence_runs
+
+
+@pytest.fixture(scope="module")
+def single_runs(model, tokenizer):
+    return single_sequence_runs(model, tokenizer)
+
+
+def test_buckets_hold_the_step():
+    assert bucket(1, (1, 2, 4)) == 1 and bucket(3, (1, 2, 4)) == 4 and bucket(5, (1, 2, 4)) is None
+    assert key_bucket(1) == 128 and key_bucket(129) == 256 and key_bucket(1024) == 1024
+
+
+def fragmented_runner(model, prompts: list[list[int]], step_graphs: bool) -> ModelRunner:
+    """A runner whose rows hold ``prompts`` with 8 spare positions each, row 1 fragmented
+    around a hole left by a freed row."""
+    # Exactly the rows' blocks (and the scratch block): row 1, allocated last, must take the hole.
+    num_blocks = sum(-(-(len(prompt) + 8) // 8) for prompt in prompts) + step_graphs
+    runner = ModelRunner(model, kv_cache_tokens=num_blocks * 8, block_size=8, step_graphs=step_graphs)
+    for row in (0, "hole", *range(2, len(prompts))):
+        runner.cache.allocate(row, len(prompts[row]) + 8 if row != "hole" else 8)
+    runner.cache.free("hole")
+    runner.cache.allocate(1, len(prompts[1]) + 8)
+    assert runner.cache.rows[1].start_slot is None, "row 1 should be fragmented"
+    return runner
+
+
+def run_steps(runner: ModelRunner, prompts: list[list[int]], widths: list[int]) -> list[torch.Tensor]:
+    """Prefill all but each row's last ``widths`` tokens plus 3 junk positions (rolled back),
+    verify the last ``widths`` tokens, then decode three steps of one token per row (the
+    second with the last row left out); every step's logits."""
+    cut = [len(prompt) - width for prompt, width in zip(prompts, widths)]
+    runner.forward([StepRow(row, prompt[: cut[row]] + [0] * 3, 0) for row, prompt in enumerate(prompts)])
+    for row in range(len(prompts)):
+        runner.cache.set_length(row, cut[row])
+    results = [
+        runner.forward([StepRow(row, prompt[cut[row] :], widths[row]) for row, prompt in enumerate(prompts)])
+    ]
+    for step in range(3):
+        rows = range(len(prompts) - 1) if step == 1 else range(len(prompts))
+        results.append(runner.forward([StepRow(row, [(step * 31 + row) % 49152], 1) for row in rows]))
+    return results
+
+
+def fixed_and_packed_logits(model) -> tuple[ModelRunner, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``run_steps`` on fixed-shape steps and on the packed path: the fixed-shape runner and
+    each step's (fixed, packed) logits."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (70, 300, 33)]
+    widths = [1, 5, 12]  # 3 rows of up to 12 positions: a 4 x 17 step with a padded row
+    results = {}
+    for step_graphs in (False, True, False):  # the first run warms up (see test_attention)
+        runner = fragmented_runner(model, prompts, step_graphs)
+        results[step_graphs] = run_steps(runner, prompts, widths)
+        if step_graphs:
+            fixed_runner = runner
+    return fixed_runner, list(zip(results[True], results[False], strict=True))
+
+
+def test_fixed_shape_steps_get_the_logits_of_the_packed_path(model):
+    runner, logits = fixed_and_packed_logits(model)
+    assert runner.graphs is not None
+    # The prompt chunks took the packed path; every other step a fixed shape.
+    assert set(runner.graphs.steps) == {StepShape(4, 17, 512), StepShape(4, 1, 512), StepShape(2, 1, 512)}
+    for fixed, packed in logits:
+        torch.testing.assert_close(fixed, packed, atol=2e-4, rtol=0)
+
+
+def run_engine_on_fixed_steps(model, tokenizer, references: list[list[int]], mode: str) -> Engine:
+    """The staggered prompts on an engine with fixed-shape steps: rows joining and leaving
+    between steps (row counts off the buckets), drafts of every width, prompt chunks beside
+    decode steps (those steps take the packed path); its greedy outputs must be ``references``."""
+    engine = Engine(
+        model, tokenizer, EngineConfig(max_batch_rows=6, prefill_chunk_tokens=16, step_graphs=True)
+    )
+    outputs = run_staggered(engine, PROMPTS, MAX_TOKENS, SpecConfig(mode=mode, num_draft_tokens=5))
+    mismatches = [index for index, expected in enumerate(references) if outputs[index] != expected]
+    assert not mismatches, f"rows {mismatches} differ from their single-sequence runs"
+    assert engine.stats.num_accepted > 0, "speculation was not exercised"
+    assert engine.runner.graphs is not None and len(engine.runner.graphs.steps) > 2
+    assert list(engine.cache.rows) == [SCRATCH_ROW], "every request's blocks are back"
+    return engine
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_an_engine_on_fixed_shape_steps_emits_the_single_sequence_greedy_tokens(
+    model, tokenizer, single_runs, mode
+):
+    run_engine_on_fixed_steps(model, tokenizer, single_runs, mode)
