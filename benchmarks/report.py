@@ -21,7 +21,17 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, result_name, save_figure
 
-SUITES = ("single_stream", "concurrency", "pool", "http", "http_ab", "replay", "drafter_ab", "pool_scale")
+SUITES = (
+    "single_stream",
+    "concurrency",
+    "prefix_cache",
+    "pool",
+    "http",
+    "http_ab",
+    "replay",
+    "drafter_ab",
+    "pool_scale",
+)
 README = Path(__file__).resolve().parent.parent / "README.md"
 # Runs on a lent GPU (benchmarks/gpu_session.sh): README block -> (result file stem, suite, table).
 GPU_BLOCKS = {

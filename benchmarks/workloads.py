@@ -285,19 +285,28 @@ LONG_CHAT_TOKENS = (600, 1000, 1600)
 def long_chats(tokenizer, count: int) -> list[list[int]]:
     """Chat prompts of mixed lengths (``LONG_CHAT_TOKENS`` in turn): earlier conversations of
     every workload as history, a workload's request as the last turn."""
+    return [chat_ids(tokenizer, messages) for messages in long_chat_messages(tokenizer, count)]
+
+
+def long_chat_messages(tokenizer, count: int) -> list[Messages]:
+    """The messages of ``long_chats``' prompts."""
     conversations = [conv for name in WORKLOADS for conv in make_workload(name, 8, seed=11)]
-    prompts = []
+    chats = []
     for index in range(count):
         target = LONG_CHAT_TOKENS[index % len(LONG_CHAT_TOKENS)]
-        messages: list[dict[str, str]] = []
+        messages: Messages = []
         offset = index
         while True:
             messages.extend(conversations[offset % len(conversations)])
             offset += 7
-            ids = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-            if len(ids) >= target:
+            if len(chat_ids(tokenizer, messages)) >= target:
                 break
-        prompts.append(list(ids))
-    return prompts
+        chats.append(messages)
+    return chats
+
+
+def chat_ids(tokenizer, messages: Messages) -> list[int]:
+    """The prompt of a chat: its messages on the model's chat template, ready for the answer."""
+    return list(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )

@@ -45,6 +45,7 @@ from deployments.schemas import (
     GenerateRequest,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     TokenizeRequest,
     TokenLogprob,
     TokensResult,
@@ -187,6 +188,13 @@ async def _merged(
                         prompt_tokens=sum(usage.prompt_tokens for usage in usages),
                         completion_tokens=sum(usage.completion_tokens for usage in usages),
                         total_tokens=sum(usage.total_tokens for usage in usages),
+                        prompt_tokens_details=PromptTokensDetails(
+                            cached_tokens=sum(
+                                usage.prompt_tokens_details.cached_tokens
+                                for usage in usages
+                                if usage.prompt_tokens_details is not None
+                            )
+                        ),
                     )
                     chunk.nasd = sum_spec(specs) if all(specs) else None
             yield chunk

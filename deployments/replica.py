@@ -28,6 +28,7 @@ from deployments.schemas import (
     ErrorInfo,
     GenerateChunk,
     GenerateRequest,
+    PromptTokensDetails,
     TokenizeRequest,
     TokenLogprob,
     TokensResult,
@@ -312,6 +313,8 @@ class NASDServer:
                 request_id=first_id if index == 0 else None,
                 shared=shared,
                 prefill_from=first_id if index else None,
+                # Tenants reuse only their own prompts' cached prefixes.
+                prefix_salt=request.user if self.config.pool.tenant_isolation else None,
             )
             for index in range(request.n)
         ]
@@ -463,6 +466,7 @@ class NASDServer:
             prompt_tokens=len(prompt_ids),
             completion_tokens=num_output,
             total_tokens=len(prompt_ids) + num_output,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.num_cached_prompt_tokens),
         )
         return last.model_copy(update={"usage": usage, "nasd": stats.to_dict(), "replica": self.stats()})
 

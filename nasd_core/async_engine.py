@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -92,11 +92,13 @@ class AsyncEngine:
         request_id: str | None = None,
         shared: Sequence[tuple[str, SharedIndex]] | None = None,
         prefill_from: str | None = None,
+        prefix_salt: Hashable = None,
     ) -> AsyncIterator[StreamChunk]:
         """Stream one request's tokens. Leaving the iteration early cancels the request.
 
         ``shared`` overrides the engine's shared draft sources for this request;
-        ``prefill_from``: another choice of the same prompt whose prefill this one copies.
+        ``prefill_from``: another choice of the same prompt whose prefill this one copies;
+        ``prefix_salt``: whose cached prompt prefixes it may reuse (``Engine.add_request``).
 
         Raises:
             InvalidRequestError, EngineOverloadedError: from ``Engine.add_request``.
@@ -140,6 +142,7 @@ class AsyncEngine:
                 shared=shared,
                 prefill_from=prefill_from,
                 drafter=drafter,
+                prefix_salt=prefix_salt,
             )
 
         added_id = await asyncio.wrap_future(self.call(add))

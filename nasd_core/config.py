@@ -215,6 +215,13 @@ class EngineConfig(_Config):
         "on a CPU, reserved but resident only once written; 60% of the free GPU memory on a GPU).",
     )
     kv_block_size: int = Field(32, ge=1, le=4096, description="Positions per KV-cache block.")
+    prefix_cache_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Positions of finished requests' keys and values kept for later prompts that start "
+        "with the same tokens (the next turn of a chat, a shared system prompt), in whole KV blocks; None: "
+        "8192 on a CPU (resident memory), the whole pool on a GPU; 0: off.",
+    )
     step_graphs: bool = Field(
         False,
         description="Run decode and verification steps in fixed shapes, replayed from CUDA graphs on a "

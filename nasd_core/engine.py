@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -53,6 +53,10 @@ DRAFTING_COST_WEIGHT = 0.1  # moving-average weight of each step's drafting time
 # prompt's steps: a 1000-token chat takes 4 steps of 256, 1 of 2048.
 CPU_PREFILL_CHUNK_TOKENS = 256
 GPU_PREFILL_CHUNK_TOKENS = 2048
+# Prefix cache kept by default on a CPU, in positions: its blocks stay resident there (the
+# embedded model's keys and values are 46 KB a position: 8192 of them are ~380 MB), a chat's
+# history or two. On a GPU free blocks are memory already taken, so every one may stay cached.
+CPU_PREFIX_CACHE_TOKENS = 8192
 
 
 def default_prefill_chunk(device: torch.device) -> int:
@@ -94,6 +98,11 @@ class Engine:
             step_graphs=self.config.step_graphs,
         )
         self.cache = self.runner.cache
+        prefix_tokens = self.config.prefix_cache_tokens
+        if prefix_tokens is None:
+            on_cpu = model.device.type == "cpu"
+            prefix_tokens = CPU_PREFIX_CACHE_TOKENS if on_cpu else self.cache.capacity_tokens
+        self.cache.prefix_cache_blocks = prefix_tokens // self.cache.block_size
         self.prefill_chunk_tokens = self.config.prefill_chunk_tokens or default_prefill_chunk(model.device)
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
@@ -121,6 +130,7 @@ class Engine:
         local_index: NGramIndex | None = None,
         prefill_from: str | None = None,
         drafter: RequestDrafter | None = None,
+        prefix_salt: Hashable = None,
     ) -> str:
         """Queue a request; returns its id.
 
@@ -132,6 +142,8 @@ class Engine:
         instead of prefilling them again (if that request is already gone, it prefills itself).
         ``drafter``: one ``new_drafter`` made for this prompt and spec on another thread (its
         prompt indexing then costs the engine thread nothing); None: made here.
+        ``prefix_salt``: the prompt reuses (and leaves) prefix-cache blocks only among requests
+        of the same salt (a tenant's id keeps tenants from reading each other's prompts' timing).
 
         Raises:
             InvalidRequestError: bad prompt or parameters (nothing is queued).
@@ -186,6 +198,7 @@ class Engine:
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             arrival_time=time.perf_counter(),
             prefill_source=source,
+            prefix_salt=prefix_salt,
         )
         self.requests[request_id] = request
         self.waiting.append(request)
@@ -249,7 +262,7 @@ class Engine:
         aborted = [*self.running, *self.prefilling, *self.waiting]
         for request in aborted:
             request.cancelled = True
-            self._finish(request)
+            self._finish(request, keep_prefix=False)
         self.running, self.prefilling, self.waiting = [], deque(), deque()
         return aborted
 
@@ -309,7 +322,13 @@ class Engine:
             if not self.cache.can_allocate(num_tokens):
                 return
             self.waiting.popleft()
-            self.cache.allocate(request.request_id, num_tokens)
+            # The prompt's positions come from the prefix cache as far as it holds them (all but
+            # the last token: the first decode step feeds that); prompt logprobs need every
+            # position's logits, and a choice copying another's prefill gets it that way.
+            reuse = request.prefill_source is None and request.prompt_logprobs is None
+            prefix = request.prompt_ids[:-1] if reuse and self.cache.prefix_cache_blocks else ()
+            cached = self.cache.allocate(request.request_id, num_tokens, prefix, request.prefix_salt)
+            request.num_prefilled = request.stats.num_cached_prompt_tokens = cached
             request.status = RequestStatus.PREFILLING
             self.prefilling.append(request)
             capacity -= 1
@@ -359,6 +378,7 @@ class Engine:
 
     def _start_running(self, request: Request) -> None:
         self.prefilling.remove(request)
+        self._cache_prefix(request)  # later prompts with this one's prefix reuse it from now
         if request.params.max_tokens == 0:  # only scoring the prompt: done once it is in
             request.stopper.finish_reason = "length"
             self._finish(request)
@@ -539,9 +559,18 @@ class Engine:
             self._finish(request)
         return done
 
-    def _finish(self, request: Request) -> None:
+    def _cache_prefix(self, request: Request) -> None:
+        """Index the request's cached positions (prompt and output) for later prompts."""
+        if self.cache.prefix_cache_blocks and request.request_id in self.cache.rows:
+            self.cache.cache_prefix(request.request_id, request.tokens)
+
+    def _finish(self, request: Request, keep_prefix: bool = True) -> None:
+        """Retire a request; its blocks are freed, its prefix kept unless the engine is aborting
+        (after a broken step, its keys and values are not trusted)."""
         request.status = RequestStatus.FINISHED
         request.finish_time = time.perf_counter()
+        if keep_prefix:
+            self._cache_prefix(request)
         self.cache.free(request.request_id)
         self.stats.merge(request.stats)
         if request.request_id in self._detached:

@@ -15,6 +15,13 @@ a token is written there, and a finished row's pages are handed back to the OS
 (``madvise(MADV_DONTNEED)``): resident memory follows the tokens rows hold now, not every
 token the pool has ever held (32 rows of ~800 tokens that finish at different times peaked at
 1.53x their live KV bytes before, `python -m benchmarks.kv_steps`).
+
+Prefix cache: a finished row's full blocks stay indexed by the tokens they hold (and the
+block before them), so a later prompt that starts with the same tokens (the next turn of a
+chat, a shared system prompt) reuses their keys and values instead of computing them again.
+Such blocks are shared read-only: a row only writes positions after the blocks it reused.
+A cached block no row holds is kept until its room is needed or more than
+``prefix_cache_blocks`` are kept, oldest use first; then its memory is freed as above.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import sys
-from collections.abc import Hashable
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -72,6 +80,7 @@ class RowBlocks:
     written: int = 0  # most positions ever written (a rollback lowers length, not this)
     start_slot: int | None = None  # first slot when the blocks are one contiguous run
     _slots: torch.Tensor | None = None  # every reserved slot, for fragmented rows
+    salt: Hashable = None  # prefix-cache entries of this row are found only with the same salt
 
     def capacity(self, block_size: int) -> int:
         return len(self.block_ids) * block_size
@@ -121,6 +130,7 @@ class PagedKVCache:
         num_blocks: blocks in the pool (its capacity is ``num_blocks * block_size`` positions).
         block_size: positions per block.
         dtype, device: of the pool (the model's).
+        prefix_cache_blocks: most blocks kept for later prompts once no row holds them (0: none).
     """
 
     def __init__(
@@ -132,6 +142,7 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        prefix_cache_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
@@ -148,6 +159,15 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks)
         self.rows: dict[Hashable, RowBlocks] = {}
         self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.keys[0].element_size()
+        # Prefix cache. A block's key is (the block before it, that block's generation, the salt,
+        # its tokens): the generation counts the block's allocations, so a key made before its
+        # parent was reused for other tokens can never match again.
+        self.prefix_cache_blocks = prefix_cache_blocks
+        self._refs = np.zeros(num_blocks, dtype=np.int64)
+        self._generation = np.zeros(num_blocks, dtype=np.int64)
+        self._cached: dict[tuple, int] = {}  # key -> block
+        self._block_key: dict[int, tuple] = {}  # block -> its key, for the cached blocks
+        self._unused: OrderedDict[int, None] = OrderedDict()  # cached blocks no row holds, oldest first
 
     # ------------------------------------------------------------ capacity
     @property
@@ -162,12 +182,22 @@ class PagedKVCache:
         return self.blocks_for(num_tokens) <= self.allocator.num_blocks
 
     def can_allocate(self, num_tokens: int) -> bool:
-        """Whether a row of ``num_tokens`` fits in the blocks free now."""
-        return self.blocks_for(num_tokens) <= self.allocator.num_free
+        """Whether a row of ``num_tokens`` fits in the blocks free now (cached ones no row holds
+        count as free: they are given up for it)."""
+        return self.blocks_for(num_tokens) <= self.num_available
+
+    @property
+    def num_available(self) -> int:
+        """Blocks a new row can take: free, or cached and held by no row."""
+        return self.allocator.num_free + len(self._unused)
 
     # ---------------------------------------------------------------- rows
-    def allocate(self, row_id: Hashable, num_tokens: int) -> None:
-        """Reserve room for ``num_tokens`` positions of a new row (its length starts at 0).
+    def allocate(
+        self, row_id: Hashable, num_tokens: int, prefix: Sequence[int] = (), salt: Hashable = None
+    ) -> int:
+        """Reserve room for ``num_tokens`` positions of a new row; returns how many of its first
+        positions already hold keys and values: the longest run of whole cached blocks that
+        ``prefix`` starts with (under ``salt``), which the row shares (its length starts there).
 
         Raises:
             ContextLengthError: the row could never fit the pool.
@@ -181,8 +211,20 @@ class PagedKVCache:
             )
         if row_id in self.rows:
             raise ValueError(f"row {row_id!r} already holds blocks")
-        block_ids = self.allocator.allocate(self.blocks_for(num_tokens))
-        row = RowBlocks(block_ids)
+        num_blocks = self.blocks_for(num_tokens)
+        if num_blocks > self.num_available:
+            raise MemoryError(f"{num_blocks} blocks asked, {self.num_available} available")
+        shared = self._cached_prefix(prefix, salt)[:num_blocks]
+        for block in shared:
+            self._unused.pop(block, None)
+        self._refs[shared] += 1
+        self._evict(max(0, num_blocks - len(shared) - self.allocator.num_free))
+        fresh = self.allocator.allocate(num_blocks - len(shared))
+        self._refs[fresh] = 1
+        self._generation[fresh] += 1
+        block_ids = shared + fresh
+        row = RowBlocks(block_ids, salt=salt)
+        row.length = row.written = len(shared) * self.block_size
         if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1:
             row.start_slot = block_ids[0] * self.block_size
         else:
@@ -190,17 +232,33 @@ class PagedKVCache:
             blocks = torch.tensor(block_ids).unsqueeze(1) * self.block_size
             row._slots = (blocks + offsets).flatten().to(self.device)
         self.rows[row_id] = row
+        return row.length
 
     def free(self, row_id: Hashable) -> None:
         """Give a row's blocks back (finished, cancelled or aborted); unknown rows are ignored.
-        On a CPU the memory of the slots it wrote goes back to the OS."""
+        Its cached blocks stay for later prompts (up to ``prefix_cache_blocks`` of them); on a
+        CPU the memory of the other slots it wrote goes back to the OS."""
         row = self.rows.pop(row_id, None)
         if row is None:
             return
-        self.allocator.free(row.block_ids)
-        if self.device.type != "cpu" or row.written == 0:
+        self._refs[row.block_ids] -= 1
+        released = [block for block in row.block_ids if not self._refs[block]]
+        for block in released:
+            if block in self._block_key:
+                self._unused[block] = None
+                self._unused.move_to_end(block)
+        written = set(row.block_ids[: self.blocks_for(row.written)])
+        self._release([block for block in released if block not in self._block_key], written)
+        self._evict(len(self._unused) - self.prefix_cache_blocks)
+
+    def _release(self, block_ids: list[int], written: set[int]) -> None:
+        """Free ``block_ids``; on a CPU hand the pages of the ``written`` ones back to the OS."""
+        self.allocator.free(block_ids)
+        if self.device.type != "cpu":
             return
-        written_blocks = np.asarray(row.block_ids[: self.blocks_for(row.written)])
+        written_blocks = np.asarray(sorted(block for block in block_ids if block in written))
+        if not written_blocks.size:
+            return
         # Runs of consecutive block ids are consecutive slots: one range per run and head.
         run_starts = np.flatnonzero(np.diff(written_blocks, prepend=-2) != 1)
         run_ends = np.append(run_starts[1:], len(written_blocks))
@@ -208,6 +266,53 @@ class PagedKVCache:
             first_slot = int(written_blocks[start]) * self.block_size
             for pool in (*self.keys, *self.values):
                 release_pages(pool, first_slot, (end - start) * self.block_size)
+
+    # -------------------------------------------------------- prefix cache
+    def _key(self, parent: int | None, salt: Hashable, tokens: Sequence[int]) -> tuple:
+        if parent is None:
+            return (-1, 0, salt, tuple(tokens))
+        return (parent, int(self._generation[parent]), salt, tuple(tokens))
+
+    def _cached_prefix(self, prefix: Sequence[int], salt: Hashable) -> list[int]:
+        """The cached blocks holding ``prefix``'s first whole blocks, as long a run as there is."""
+        blocks: list[int] = []
+        parent = None
+        size = self.block_size
+        for start in range(0, len(prefix) - size + 1, size):
+            block = self._cached.get(self._key(parent, salt, prefix[start : start + size]))
+            if block is None:
+                break
+            blocks.append(block)
+            parent = block
+        return blocks
+
+    def cache_prefix(self, row_id: Hashable, tokens: Sequence[int]) -> None:
+        """Index the row's whole blocks among its first ``len(tokens)`` positions (which hold
+        the keys and values of ``tokens``) for later prompts starting with those tokens. A
+        block whose tokens are cached already (in another block) is left out."""
+        row = self.rows[row_id]
+        parent = None
+        size = self.block_size
+        for index in range(min(len(tokens), row.length) // size):
+            block = row.block_ids[index]
+            if block not in self._block_key:
+                key = self._key(parent, row.salt, tokens[index * size : (index + 1) * size])
+                if key in self._cached:
+                    block = self._cached[key]  # the same tokens: later blocks follow that one
+                else:
+                    self._cached[key] = block
+                    self._block_key[block] = key
+            parent = block
+
+    def _evict(self, num_blocks: int) -> None:
+        """Give up the ``num_blocks`` cached blocks unused longest (their entries and memory)."""
+        evicted = []
+        for _ in range(min(num_blocks, len(self._unused))):
+            block, _ = self._unused.popitem(last=False)
+            del self._cached[self._block_key.pop(block)]
+            evicted.append(block)
+        if evicted:
+            self._release(evicted, set(evicted))
 
     def length(self, row_id: Hashable) -> int:
         return self.rows[row_id].length
@@ -268,12 +373,14 @@ class PagedKVCache:
 
     # ------------------------------------------------------------- reports
     def usage(self) -> dict[str, int]:
-        """Bytes of the pool, reserved by rows, and holding real tokens now."""
+        """Bytes of the pool, reserved by rows, holding real tokens now, and kept by the prefix
+        cache with no row holding them (a block two rows share counts for each)."""
         reserved = sum(row.capacity(self.block_size) for row in self.rows.values())
         live = sum(row.length for row in self.rows.values())
         return {
             "kv_bytes_pool": self.capacity_tokens * self.bytes_per_token,
             "kv_bytes_reserved": reserved * self.bytes_per_token,
             "kv_bytes_live": live * self.bytes_per_token,
+            "kv_bytes_cached": len(self._unused) * self.block_size * self.bytes_per_token,
             "kv_rows": len(self.rows),
         }

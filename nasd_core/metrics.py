@@ -25,6 +25,7 @@ class SpecStats:
     prefill_time_s: float = 0.0
     decode_time_s: float = 0.0
     drafting_time_s: float = 0.0
+    num_cached_prompt_tokens: int = 0  # prompt positions whose keys and values came from the prefix cache
 
     def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, source: str | None) -> None:
         """Count one verification step (``num_emitted`` may be cut short by a stop condition)."""
@@ -52,6 +53,7 @@ class SpecStats:
             "prefill_time_s",
             "decode_time_s",
             "drafting_time_s",
+            "num_cached_prompt_tokens",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in (
@@ -105,6 +107,7 @@ class SpecStats:
             "decode_time_s": round(self.decode_time_s, 6),
             "drafting_time_s": round(self.drafting_time_s, 6),
             "drafting_share": round(self.drafting_share, 6),
+            "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
         }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from nasd_core.config import SamplingParams, SpecConfig
@@ -47,6 +47,8 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # Another choice of the same prompt whose prefill this one copies (Engine.add_request).
     prefill_source: Request | None = None
+    # Prefix-cache entries are shared only among requests of the same salt (a tenant).
+    prefix_salt: Hashable = None
     status: RequestStatus = RequestStatus.WAITING
     tokens: list[int] = field(default_factory=list)
     acceptance: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)

@@ -159,7 +159,18 @@ def test_compare_flags_ratios_outside_the_noise_band():
 
 
 @pytest.mark.parametrize(
-    "suite", ["single_stream", "concurrency", "pool", "http", "http_ab", "replay", "drafter_ab", "pool_scale"]
+    "suite",
+    [
+        "single_stream",
+        "concurrency",
+        "prefix_cache",
+        "pool",
+        "http",
+        "http_ab",
+        "replay",
+        "drafter_ab",
+        "pool_scale",
+    ],
 )
 def test_committed_results_carry_provenance_and_plot(suite):
     from benchmarks import report

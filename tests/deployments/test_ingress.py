@@ -141,6 +141,28 @@ def test_completion_stream_equals_library_greedy_and_reports_usage_last(app, ref
     assert chunks[-2].choices[0].finish_reason == expected.finish_reason
 
 
+def test_a_chats_next_turn_reports_its_cached_prompt_tokens_and_the_library_text(app, reference, tokenizer):
+    """The second turn's prompt starts with the first's prompt and answer: their whole KV blocks
+    come from the replica's prefix cache (``usage.prompt_tokens_details.cached_tokens``), and the
+    text is still the library's greedy text for that prompt."""
+    messages = [
+        {"role": "system", "content": "You are a terse assistant for a bicycle shop. " * 8},
+        {"role": "user", "content": "Which tyre pressure suits a city bike?"},
+    ]
+    first = app.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "And for a road bike?"},
+    ]
+    second = app.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0
+    )
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert second.choices[0].message.content == reference(prompt).text
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 32
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+
+
 def test_chat_equals_library_greedy_on_the_chat_template(app, reference, chat_prompt):
     expected = reference(chat_prompt, max_tokens=24)
     response = app.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)

@@ -121,7 +121,7 @@ def test_engine_admits_by_free_blocks_and_frees_them_on_finish_and_cancel(model,
         engine.step()
     results = [engine.pop_result(request_id) for request_id in ids]
     assert results[1].token_ids == results[2].token_ids and len(results[1].token_ids) == 8
-    assert not engine.cache.rows and engine.cache.allocator.num_free == engine.cache.allocator.num_blocks
+    assert not engine.cache.rows and engine.cache.num_available == engine.cache.allocator.num_blocks
     with pytest.raises(ContextLengthError):
         engine.add_request(prompt, SamplingParams(max_tokens=2 * (num_prompt + 8)))
 
