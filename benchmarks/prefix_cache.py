@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
 from benchmarks.common import grouped_bars, new_figure, percentile, publish_run, run_metadata
 from benchmarks.workloads import WORKLOADS, Messages, chat_ids, long_chat_messages, make_workload
 from nasd_core.calibration import calibrate
@@ -50,6 +52,7 @@ def run_conversations(
     questions = follow_up_questions()
     histories = [list(messages) for messages in chats]
     answers: list[list[list[int]]] = [[] for _ in chats]
+    prompts: list[list[list[int]]] = [[] for _ in chats]
     sent: dict[str, tuple[int, float]] = {}  # request id -> (chat, time sent)
     first_token: dict[str, float] = {}
     ttft: dict[str, list[float]] = {"first": [], "later": []}
@@ -60,8 +63,9 @@ def run_conversations(
             first_token[request.request_id] = time.perf_counter()
 
     def send(chat: int) -> None:
+        prompts[chat].append(chat_ids(tokenizer, histories[chat]))
         request_id = engine.add_request(
-            chat_ids(tokenizer, histories[chat]),
+            prompts[chat][-1],
             SamplingParams(max_tokens=max_tokens),
             SpecConfig(mode="auto"),
             on_tokens=on_tokens,
@@ -98,7 +102,29 @@ def run_conversations(
         "ttft_first_p50_s": round(percentile(ttft["first"], 50), 3),
         "ttft_later_p50_s": round(percentile(ttft["later"], 50), 3),
         "answers": answers,
+        "prompts": prompts,
     }
+
+
+def divergences(model, prompts: list[list[list[int]]], first: list, second: list) -> list[dict]:
+    """Where each conversation's answers first differ between two runs (its histories are the
+    same up to that turn), with the plain forward's top-two logit gap there: a near-tie, which
+    different batch and chunk shapes may round either way, or not."""
+    found = []
+    for chat, (ours, theirs) in enumerate(zip(first, second)):
+        turn = next((turn for turn, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if turn is None:
+            continue
+        a, b = ours[turn], theirs[turn]
+        position = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        context = prompts[chat][turn] + a[:position]
+        with torch.inference_mode():
+            logits = model(torch.tensor([context])).logits[0, -1]
+        top = torch.topk(logits, 2).values
+        found.append(
+            {"chat": chat, "turn": turn, "token": position, "top2_gap": round(float(top[0] - top[1]), 5)}
+        )
+    return found
 
 
 def run_benchmark(levels: list[int], turns: int, max_tokens: int, dtype: str) -> dict:
@@ -121,7 +147,11 @@ def run_benchmark(levels: list[int], turns: int, max_tokens: int, dtype: str) ->
             system: run_conversations(model, tokenizer, chats, level, turns, max_tokens, SYSTEMS[system])
             for system in order
         }
-        row["identical_answers"] = row["no_cache"].pop("answers") == row["prefix_cache"].pop("answers")
+        answers = [row[system].pop("answers") for system in SYSTEMS]
+        prompts = row["no_cache"].pop("prompts")
+        row["prefix_cache"].pop("prompts")
+        row["identical_answers"] = answers[0] == answers[1]
+        row["divergences"] = divergences(model, prompts, *answers)
         row["tokens_per_s_ratio"] = round(
             row["prefix_cache"]["tokens_per_s"] / row["no_cache"]["tokens_per_s"], 3
         )
@@ -142,7 +172,8 @@ def markdown_table(payload: dict) -> str:
     ]
     for level, row in payload["levels"].items():
         off, on = row["no_cache"], row["prefix_cache"]
-        mark = "" if row["identical_answers"] else " ≠"
+        gaps = [divergence["top2_gap"] for divergence in row.get("divergences", [])]
+        mark = "" if row["identical_answers"] else f" ≠ {len(gaps)}, top-2 gap <= {max(gaps, default=0):.3f}"
         lines.append(
             f"| {2 * int(level)} ({level}){mark} | {on['prompt_tokens']} "
             f"| {on['cached_prompt_tokens'] / on['prompt_tokens']:.0%} "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.report import SUITES
 from benchmarks.single_stream import SYSTEMS, Totals, markdown_table
 from benchmarks.workloads import WORKLOADS, make_workload
 from nasd_core.metrics import SpecStats
@@ -158,20 +159,7 @@ def test_compare_flags_ratios_outside_the_noise_band():
     assert len(lines) == 2 and "outside" in lines[1] and "outside" not in lines[0]
 
 
-@pytest.mark.parametrize(
-    "suite",
-    [
-        "single_stream",
-        "concurrency",
-        "prefix_cache",
-        "pool",
-        "http",
-        "http_ab",
-        "replay",
-        "drafter_ab",
-        "pool_scale",
-    ],
-)
+@pytest.mark.parametrize("suite", SUITES)
 def test_committed_results_carry_provenance_and_plot(suite):
     from benchmarks import report
 
