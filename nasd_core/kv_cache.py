@@ -225,7 +225,8 @@ class PagedKVCache:
         block_ids = shared + fresh
         row = RowBlocks(block_ids, salt=salt)
         row.length = row.written = len(shared) * self.block_size
-        if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1:
+        # One run in order (reused blocks come first, so the ids need not be sorted).
+        if all(later == earlier + 1 for earlier, later in zip(block_ids, block_ids[1:])):
             row.start_slot = block_ids[0] * self.block_size
         else:
             offsets = torch.arange(self.block_size)

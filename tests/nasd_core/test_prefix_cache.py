@@ -54,6 +54,30 @@ def test_a_prompt_reuses_the_whole_cached_blocks_it_starts_with_and_nothing_else
     assert cache.slots("b", 8, 9).item() not in range(blocks[0] * BLOCK, (blocks[1] + 1) * BLOCK)
 
 
+def test_reused_blocks_out_of_order_are_read_in_the_rows_order():
+    """Shared blocks 0 and 2 then fresh blocks 1 and 3: ids spanning a run of four, not in its
+    order, so the row must be read block by block, not as one run of the pool."""
+    cache = cache_with(num_blocks=4)
+    for row in ("h0", "h1", "h2", "h3"):
+        cache.allocate(row, BLOCK)
+    cache.free("h0")
+    cache.free("h2")
+    tokens = list(range(20, 28))
+    cache.allocate("x", 8)
+    keys = torch.tensor(tokens, dtype=torch.float32).view(1, -1, 1).expand(1, -1, 2)
+    cache.write(0, cache.slots("x", 0, 8), keys, keys)
+    cache.set_length("x", 8)
+    cache.cache_prefix("x", tokens)
+    assert cache.rows["x"].block_ids == [0, 2]
+    cache.free("x")
+    cache.free("h1")
+    cache.free("h3")
+    assert cache.allocate("y", 16, [*tokens, 5]) == 8
+    assert cache.rows["y"].block_ids == [0, 2, 1, 3]
+    assert torch.equal(cache.row_kv(0, "y", 8)[0][0, 0, :, 0], torch.tensor(tokens, dtype=torch.float32))
+    assert cache.slots("y", 8, 9).item() == 1 * BLOCK  # its first own position: block 1's first slot
+
+
 def test_cached_blocks_are_kept_while_their_room_is_not_needed_and_given_up_oldest_first():
     cache = cache_with(num_blocks=6, kept_blocks=3)
     finished_row(cache, "old", list(range(8)))  # 2 cached blocks (of 3 reserved)
