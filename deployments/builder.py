@@ -71,6 +71,7 @@ ENV_VARS = {
     "max_waiting": "NASD_MAX_WAITING",
     "probe_max_rows": "NASD_PROBE_MAX_ROWS",
     "step_graphs": "NASD_STEP_GRAPHS",
+    "prefix_cache_tokens": "NASD_PREFIX_CACHE_TOKENS",
     "autoscaling": "NASD_AUTOSCALING",
 }
 
@@ -131,6 +132,12 @@ class AppArgs(BaseModel):
         description="At replica start, time verification steps of 1, 2, 4, ... up to this many rows (8 rows: "
         "8 s on 2 CPU cores), so `auto` starts calibrated; 0 = no probe: auto starts from TensorRT-LLM's "
         "table and learns step times as it runs.",
+    )
+    prefix_cache_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Positions of finished requests' KV kept for later prompts with the same start "
+        "(EngineConfig.prefix_cache_tokens; None: 8192 on a CPU, the whole pool on a GPU; 0: off).",
     )
     step_graphs: bool = Field(
         False,
@@ -198,6 +205,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     engine = EngineConfig(
         **engine_limits,
         step_graphs=args.step_graphs,
+        prefix_cache_tokens=args.prefix_cache_tokens,
         spec=SpecConfig(
             mode=args.speculation,
             num_draft_tokens=args.num_draft_tokens,

@@ -27,6 +27,7 @@ A cached block no row holds is kept until its room is needed or more than
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import sys
 from collections import OrderedDict
@@ -226,7 +227,7 @@ class PagedKVCache:
         row = RowBlocks(block_ids, salt=salt)
         row.length = row.written = len(shared) * self.block_size
         # One run in order (reused blocks come first, so the ids need not be sorted).
-        if all(later == earlier + 1 for earlier, later in zip(block_ids, block_ids[1:])):
+        if all(later == earlier + 1 for earlier, later in itertools.pairwise(block_ids)):
             row.start_slot = block_ids[0] * self.block_size
         else:
             offsets = torch.arange(self.block_size)

@@ -72,6 +72,7 @@ def test_string_arguments_from_the_cli_are_coerced():
         "tenant_isolation": "true",
         "pool_namespace": "",
         "step_graphs": "true",
+        "prefix_cache_tokens": "0",
     }
     replica, config = replica_of(build_app(args))
     assert config.model.device == "cuda" and config.model.dtype == "bfloat16"
@@ -81,7 +82,7 @@ def test_string_arguments_from_the_cli_are_coerced():
     assert config.pool_namespace is None  # empty means unset
     assert (config.engine.spec.mode, config.engine.spec.num_draft_tokens) == ("off", 5)
     assert (config.engine.max_batch_rows, config.engine.max_waiting) == (8, 16)
-    assert config.engine.step_graphs
+    assert config.engine.step_graphs and config.engine.prefix_cache_tokens == 0
     assert replica.num_replicas == 3
     assert replica.ray_actor_options == {"num_cpus": 4.0, "num_gpus": 1.0}
     assert replica.max_ongoing_requests == 24
