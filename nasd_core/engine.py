@@ -378,7 +378,6 @@ class Engine:
 
     def _start_running(self, request: Request) -> None:
         self.prefilling.remove(request)
-        self._cache_prefix(request)  # later prompts with this one's prefix reuse it from now
         if request.params.max_tokens == 0:  # only scoring the prompt: done once it is in
             request.stopper.finish_reason = "length"
             self._finish(request)
@@ -433,6 +432,9 @@ class Engine:
 
         for request, row in chunks:
             request.stats.prefill_time_s += step_s * len(row.token_ids) / num_positions
+            # Each whole block is reusable as soon as it is in: a request arriving while a long
+            # prompt with the same start is still being prefilled reuses what is done.
+            self._cache_prefix(request)
             if request.num_prefilled == len(request.prompt_ids) - 1:
                 self._start_running(request)
 

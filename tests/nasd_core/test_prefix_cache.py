@@ -159,3 +159,25 @@ def test_a_request_scoring_its_prompt_reuses_nothing(model, tokenizer):
         [entry.logprob for entry in first.prompt_logprobs[1:]], abs=1e-4
     )
     assert plain.token_ids == first.token_ids
+
+
+def test_a_prompt_arriving_during_anothers_prefill_reuses_the_blocks_already_in(model, tokenizer):
+    system = tokenizer("System: you answer questions about the solar system, briefly.\n" * 6).input_ids
+    prompts = [system + tokenizer(question).input_ids for question in ("User: Mars?", "User: Venus?")]
+    outputs, cached = {}, {}
+    for cache_tokens in (0, 4096):
+        config = EngineConfig(
+            max_batch_rows=2, kv_block_size=16, prefill_chunk_tokens=32, prefix_cache_tokens=cache_tokens
+        )
+        engine = Engine(model, tokenizer, config)
+        first = engine.add_request(prompts[0], SamplingParams(max_tokens=8))
+        for _ in range(2):  # two chunks of the first prompt are in: 64 positions, 4 blocks
+            engine.step()
+        second = engine.add_request(prompts[1], SamplingParams(max_tokens=8))
+        while not engine.is_finished():
+            engine.step()
+        results = [engine.pop_result(request_id) for request_id in (first, second)]
+        outputs[cache_tokens] = [result.token_ids for result in results]
+        cached[cache_tokens] = results[1].stats.num_cached_prompt_tokens
+    assert outputs[4096] == outputs[0]
+    assert cached == {0: 0, 4096: 64}
