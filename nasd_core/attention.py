@@ -32,6 +32,7 @@ implementation the model had before, with its own masks.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 
@@ -44,9 +45,16 @@ from nasd_core import native
 from nasd_core.kv_cache import PagedKVCache
 
 PAGED_ATTENTION = "nasd_paged"
+
+
 # A 4-D attention mask makes transformers skip building its own (it would build a T x T mask
 # for the packed sequence, which ragged attention never reads).
-NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
+@functools.cache
+def no_mask(device: torch.device) -> torch.Tensor:
+    """An all-true ``[1, 1, 1, 1]`` mask on ``device``, made once per device (every step passes it)."""
+    return torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+
+
 # Rows of at most this many new positions go to the kernel; longer ones (wide verifications,
 # prompt chunks) to SDPA, whose matrix-shaped kernels win from there: a step of 16 rows x 1536
 # tokens took 263 ms with every row at 5 positions in the kernel and 285 with SDPA, 403 and 369

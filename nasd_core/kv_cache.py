@@ -247,8 +247,7 @@ class PagedKVCache:
         released = [block for block in row.block_ids if not self._refs[block]]
         for block in released:
             if block in self._block_key:
-                self._unused[block] = None
-                self._unused.move_to_end(block)
+                self._unused[block] = None  # newest use last
         written = set(row.block_ids[: self.blocks_for(row.written)])
         self._release([block for block in released if block not in self._block_key], written)
         self._evict(len(self._unused) - self.prefix_cache_blocks)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nasd_core.attention import NO_MASK, Segment, kernel_available, plan_step, use_paged_attention
+from nasd_core.attention import Segment, kernel_available, no_mask, plan_step, use_paged_attention
 from nasd_core.kv_cache import PagedKVCache
 from nasd_core.step_graphs import GRAPH_MODEL_TYPES, RowInput, StepGraphs
 
@@ -100,7 +100,6 @@ class ModelRunner:
         # Off the CPU, short rows share one attention call per layer (see nasd_core/attention.py).
         self.batch_attention = model.device.type != "cpu" if batch_attention is None else batch_attention
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.no_mask = NO_MASK.to(self.device)
         if step_graphs and not StepGraphs.supports(model):
             raise ValueError(
                 f"step graphs serve model types {sorted(GRAPH_MODEL_TYPES)}, not {model.config.model_type!r}"
@@ -155,7 +154,7 @@ class ModelRunner:
         output = self.model(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
             position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
-            attention_mask=self.no_mask,
+            attention_mask=no_mask(self.device),
             use_cache=False,
             nasd_step=layout,
             **extra,

@@ -43,6 +43,7 @@ import torch
 from nasd_core.attention import (
     BatchedRows,
     StepLayout,
+    no_mask,
     padded_key_slots,
     padded_queries,
     row_mask,
@@ -109,7 +110,6 @@ class FixedStep:
         self.token_ids, self.positions, self.write_slots, self.last_key, self.key_slots = self.buffer.split(
             self.sizes
         )
-        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=cache.device)
         self.layout = StepLayout(
             cache,
             [],
@@ -147,7 +147,7 @@ class FixedStep:
         output = self.model.get_decoder()(
             input_ids=self.token_ids.view(1, -1),
             position_ids=self.positions.view(1, -1),
-            attention_mask=self.no_mask,
+            attention_mask=no_mask(self.cache.device),
             use_cache=False,
             nasd_step=self.layout,
         )
