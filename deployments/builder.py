@@ -139,10 +139,10 @@ class AppArgs(BaseModel):
         description="Positions of finished requests' KV kept for later prompts with the same start "
         "(EngineConfig.prefix_cache_tokens; None: 8192 on a CPU, the whole pool on a GPU; 0: off).",
     )
-    step_graphs: bool = Field(
-        False,
+    step_graphs: bool | None = Field(
+        None,
         description="Decode and verification steps in fixed shapes, replayed from CUDA graphs on a GPU "
-        "(EngineConfig.step_graphs; Llama, Mistral and Qwen2/3 models).",
+        "(EngineConfig.step_graphs; Llama, Mistral and Qwen2/3 models); None: on wherever CUDA is.",
     )
     autoscaling: dict[str, Any] | None = Field(
         None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas."

@@ -209,16 +209,18 @@ class NASDServer:
         # and then run on the engine thread left two OpenMP thread teams fighting over the
         # cores, and every request ran ~5x slower (8.1 s vs 1.5 s for 16 tokens on 2 cores).
         self.model, self.tokenizer = load_model(None, config.model)
+        batch_engine = Engine(self.model, self.tokenizer, config.engine)
         if config.probe_max_rows:
+            # On the engine's own runner: the steps it times are the ones it will run (its graphs).
             started = time.perf_counter()
             calibrate(
                 self.model,
                 min(config.probe_max_rows, config.engine.max_batch_rows),
                 repeats=1,
-                step_graphs=config.engine.step_graphs,
+                runner=batch_engine.runner,
             )
             logger.info("step times probed in %.1f s", time.perf_counter() - started)
-        self.async_engine = AsyncEngine(Engine(self.model, self.tokenizer, config.engine))
+        self.async_engine = AsyncEngine(batch_engine)
         self.async_engine.start()
         namespace = namespace_for(config.model.name or EMBEDDED_MODEL, self.tokenizer)
         if config.pool_namespace:

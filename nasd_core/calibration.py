@@ -29,15 +29,19 @@ PROBE_POSITIONS = (1, 2, 3, 4, 5, 6, 9, 17)
 
 # What the engines on a model learn outlives each engine: later engines start calibrated.
 _STEP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_GRAPH_STEP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _ACCEPTANCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PAYOFFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # by step-time model
 
 
-def model_step_time(model) -> StepTimeModel:
-    """The step-time model shared by every engine (and ``generate`` call) on ``model``."""
-    if model not in _STEP_TIMES:
-        _STEP_TIMES[model] = StepTimeModel()
-    return _STEP_TIMES[model]
+def model_step_time(model, fixed_shapes: bool = False) -> StepTimeModel:
+    """The step-time model shared by every engine (and ``generate`` call) on ``model``: of its
+    packed steps, or with ``fixed_shapes`` of its fixed-shape (graph) steps, recorded as
+    ``rows x width`` positions (``nasd_core/graph_plan.py`` reads them so)."""
+    registry = _GRAPH_STEP_TIMES if fixed_shapes else _STEP_TIMES
+    if model not in registry:
+        registry[model] = StepTimeModel()
+    return registry[model]
 
 
 def model_acceptance(model) -> AcceptanceEstimator:
@@ -64,29 +68,43 @@ def step_time_payoff(step_time: StepTimeModel) -> DraftPayoff:
     return _PAYOFFS[step_time]
 
 
+PROBE_ROW = "nasd-probe"
+
+
+def probe_row(index: int) -> tuple[str, int]:
+    """The id of the probe's row ``index`` (never a request's: those are strings)."""
+    return (PROBE_ROW, index)
+
+
 @torch.inference_mode()
-def fill_rows(runner: ModelRunner, num_rows: int, context_length: int, row_tokens: int) -> None:
-    """Make rows ``0..num_rows-1`` of ``runner``'s empty cache, each with room for ``row_tokens``
-    positions, hold the same ``context_length`` cached tokens (one prefill, copied to the rest)."""
+def fill_rows(runner, num_rows: int, context_length: int, row_tokens: int) -> None:
+    """Make ``num_rows`` probe rows (``probe_row``) in ``runner``'s cache, each with room for
+    ``row_tokens`` positions, hold the same ``context_length`` cached tokens (one prefill,
+    copied to the rest)."""
     cache = runner.cache
     for row in range(num_rows):
-        cache.allocate(row, row_tokens)
+        cache.allocate(probe_row(row), row_tokens)
     vocab_size = runner.model.config.vocab_size
-    runner.forward([StepRow(0, [(7 * i) % vocab_size for i in range(context_length)], 0)])
-    source = cache.slots(0, 0, context_length)
+    runner.forward([StepRow(probe_row(0), [(7 * i) % vocab_size for i in range(context_length)], 0)])
+    source = cache.slots(probe_row(0), 0, context_length)
     for row in range(1, num_rows):
-        target = cache.slots(row, 0, context_length)
+        target = cache.slots(probe_row(row), 0, context_length)
         for keys, values in zip(cache.keys, cache.values):
             keys[:, target] = keys[:, source]
             values[:, target] = values[:, source]
-        cache.set_length(row, context_length)
+        cache.set_length(probe_row(row), context_length)
+
+
+def free_rows(runner, num_rows: int) -> None:
+    for row in range(num_rows):
+        runner.cache.free(probe_row(row))
 
 
 def filled_runner(
     model, num_rows: int, context_length: int, max_width: int, step_graphs: bool = False
 ) -> ModelRunner:
-    """A runner whose rows ``0..num_rows-1`` hold ``context_length`` cached tokens each, with
-    room for steps of up to ``max_width`` positions per row (and the graphs' scratch block)."""
+    """A runner whose probe rows ``0..num_rows-1`` hold ``context_length`` cached tokens each,
+    with room for steps of up to ``max_width`` positions per row (and the graphs' scratch block)."""
     row_tokens = context_length + max_width
     runner = ModelRunner(
         model, kv_cache_tokens=(num_rows + 1) * row_tokens, block_size=row_tokens, step_graphs=step_graphs
@@ -96,15 +114,15 @@ def filled_runner(
 
 
 @torch.inference_mode()
-def time_step(runner: ModelRunner, widths: Sequence[int], context_length: int) -> float:
-    """Seconds of one step where row i (of rows filled by ``fill_rows``) feeds ``widths[i]``
+def time_step(runner, widths: Sequence[int], context_length: int) -> float:
+    """Seconds of one step where probe row i (filled by ``fill_rows``) feeds ``widths[i]``
     positions with logits; the rows are rolled back to ``context_length`` afterwards."""
-    step = [StepRow(row, [0] * width, width) for row, width in enumerate(widths)]
+    step = [StepRow(probe_row(row), [0] * width, width) for row, width in enumerate(widths)]
     started = time.perf_counter()
     runner.forward(step)[-1, 0].item()  # wait for the device, as verification does
     seconds = time.perf_counter() - started
     for row in range(len(widths)):
-        runner.cache.set_length(row, context_length)
+        runner.cache.set_length(probe_row(row), context_length)
     return seconds
 
 
@@ -117,37 +135,67 @@ def measure_step_times(
     repeats: int = 3,
     step_time: StepTimeModel | None = None,
     step_graphs: bool = False,
+    runner=None,
 ) -> StepTimeModel:
     """Time steps of every shape ``rows`` x ``positions`` per row (an int means 1..positions),
-    and, for more than one row, ragged steps where one row feeds that many positions and the
-    others one each (the shape of one well-matched row in a batch).
+    and, for more than one row of packed steps, ragged steps where one row feeds that many
+    positions and the others one each (the shape of one well-matched row in a batch).
+
+    ``runner``: time the steps on this runner (an engine's own, its graphs warmed) in rows
+    taken from its cache and given back; None: on a runner made for the probe. Packed steps go
+    to ``step_time`` (default: the model's), fixed-shape steps to the model's graph step times
+    as ``rows x width``; a step that captured its shape is not a reading. Returns the model of
+    the steps the runner ran (the graph one where it has graphs).
 
     Each shape's fastest repeat is recorded, as trusted: interference from other processes only
     adds time. (Counted as one reading, every probed shape within 10% of the best was retimed
     by the policy's exploration: creative text at 32 rows ran at 0.85x of plain decoding.)
     """
     step_time = step_time if step_time is not None else model_step_time(model)
+    graph_step_time = model_step_time(model, fixed_shapes=True)
     positions = list(range(1, positions + 1)) if isinstance(positions, int) else list(positions)
-    runner = filled_runner(model, max(rows), context_length, max(positions), step_graphs)
+    own_rows = runner is not None
+    if own_rows:
+        fill_rows(runner, max(rows), context_length, context_length + max(positions))
+    else:
+        runner = filled_runner(model, max(rows), context_length, max(positions), step_graphs)
+    ragged = runner.graph_widths is None  # a fixed shape costs its width whatever the rows use
     for num_rows in rows:
         shapes = [[width] * num_rows for width in positions]
-        if num_rows > 1:
+        if num_rows > 1 and ragged:
             shapes += [[width] + [1] * (num_rows - 1) for width in positions if width > 1]
-        fastest: dict[tuple[int, int], float] = {}
+        fastest: dict[tuple[StepTimeModel, int, int], float] = {}
         for _ in range(repeats):
             for widths in shapes:
                 seconds = time_step(runner, widths, context_length)
-                shape = (num_rows, sum(widths))
-                fastest[shape] = min(seconds, fastest.get(shape, seconds))
-        for (shape_rows, shape_positions), seconds in fastest.items():
-            step_time.observe(shape_rows, shape_positions, seconds, num_samples=MIN_TRUSTED_SAMPLES)
-    return step_time
+                if runner.last_captured:
+                    continue
+                width = runner.last_graph_width
+                key = (
+                    (graph_step_time, num_rows, num_rows * width)
+                    if width is not None
+                    else (step_time, num_rows, sum(widths))
+                )
+                fastest[key] = min(seconds, fastest.get(key, seconds))
+        for (model_times, shape_rows, shape_positions), seconds in fastest.items():
+            model_times.observe(shape_rows, shape_positions, seconds, num_samples=MIN_TRUSTED_SAMPLES)
+    if own_rows:
+        free_rows(runner, max(rows))
+    return step_time if ragged else graph_step_time
 
 
-def calibrate(model, max_rows: int, repeats: int = 2, step_graphs: bool = False) -> StepTimeModel:
+def calibrate(
+    model, max_rows: int, repeats: int = 2, step_graphs: bool = False, runner=None
+) -> StepTimeModel:
     """Probe the model's shared step-time surface at 1, 2, 4, ... rows up to ``max_rows``
-    (through fixed-shape steps with ``step_graphs``, as the engines that use them run)."""
+    (through fixed-shape steps with ``step_graphs``, as the engines that use them run).
+    ``runner``: probe on that runner (an engine's own) rather than one made for the probe; a
+    runner with fixed-shape steps is probed at their widths up to ``PROBE_POSITIONS``' widest."""
     rows = {2**power for power in range(max_rows.bit_length()) if 2**power <= max_rows} | {max_rows}
+    positions: Sequence[int] = PROBE_POSITIONS
+    widths = runner.graph_widths if runner is not None else None
+    if widths is not None:
+        positions = [width for width in widths if width <= max(PROBE_POSITIONS)]
     return measure_step_times(
-        model, PROBE_POSITIONS, rows=sorted(rows), repeats=repeats, step_graphs=step_graphs
+        model, positions, rows=sorted(rows), repeats=repeats, step_graphs=step_graphs, runner=runner
     )

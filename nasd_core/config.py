@@ -20,6 +20,7 @@ DEFAULT_NUM_DRAFT_TOKENS = 16
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 1
 DEFAULT_MAX_TOKENS = 128
+DEFAULT_GRAPH_WARMUP_BUDGET_S = 120.0
 DEFAULT_INDEX_MAX_ENTRIES = 1_000_000
 DEFAULT_MAX_SUCCESSORS = 4
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
@@ -222,10 +223,18 @@ class EngineConfig(_Config):
         "with the same tokens (the next turn of a chat, a shared system prompt), in whole KV blocks; None: "
         "8192 on a CPU (resident memory), the whole pool on a GPU; 0: off.",
     )
-    step_graphs: bool = Field(
-        False,
+    step_graphs: bool | None = Field(
+        None,
         description="Run decode and verification steps in fixed shapes, replayed from CUDA graphs on a "
-        "GPU (nasd_core/step_graphs.py; Llama, Mistral and Qwen2/3 models). Off until checked on a GPU.",
+        "GPU (nasd_core/step_graphs.py; Llama, Mistral and Qwen2/3 models). None: on wherever the model "
+        "is on CUDA and of such a type.",
+    )
+    graph_warmup_budget_s: float = Field(
+        DEFAULT_GRAPH_WARMUP_BUDGET_S,
+        ge=0,
+        description="Seconds the engine's start may spend capturing the grid of fixed-shape steps "
+        "(rows x draft widths x context buckets, short contexts first); shapes left out run packed; 0: "
+        "each shape is captured when first met instead.",
     )
     spec: SpecConfig = Field(
         default_factory=lambda: SpecConfig(), description="Default speculation settings."

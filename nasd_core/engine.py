@@ -25,6 +25,7 @@ from nasd_core.calibration import model_acceptance, model_step_time, step_time_p
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
 from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter, SharedIndex, longest_matches, propose_rows
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
+from nasd_core.graph_plan import plan_graph_drafts
 from nasd_core.inputs import check_context, encode_prompt, eos_ids
 from nasd_core.logprobs import token_logprobs
 from nasd_core.metrics import SpecStats
@@ -90,13 +91,25 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.step_time = model_step_time(model)
-        self.runner = runner or ModelRunner(
-            model,
-            self.config.kv_cache_tokens,
-            self.config.kv_block_size,
-            self.config.max_batch_rows,
-            step_graphs=self.config.step_graphs,
-        )
+        self.graph_step_time = model_step_time(model, fixed_shapes=True)
+        if runner is None:
+            runner = ModelRunner(
+                model,
+                self.config.kv_cache_tokens,
+                self.config.kv_block_size,
+                self.config.max_batch_rows,
+                step_graphs=self.config.step_graphs,
+            )
+            runner.warm_up(
+                self.config.max_batch_rows,
+                1 + self.config.spec.num_draft_tokens,
+                min(
+                    runner.cache.capacity_tokens,
+                    getattr(model.config, "max_position_embeddings", None) or 8192,
+                ),
+                self.config.graph_warmup_budget_s,
+            )
+        self.runner = runner
         self.cache = self.runner.cache
         prefix_tokens = self.config.prefix_cache_tokens
         if prefix_tokens is None:
@@ -302,6 +315,11 @@ class Engine:
         """What drafted steps priced by this engine's step-time model deliver (``DraftPayoff``)."""
         return step_time_payoff(self.step_time)
 
+    @property
+    def graph_payoff(self) -> DraftPayoff:
+        """``payoff`` of the fixed-shape (graph) steps, priced by their own step-time model."""
+        return step_time_payoff(self.graph_step_time)
+
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
     def step(self) -> list[Request]:
@@ -416,20 +434,14 @@ class Engine:
             [request.verify_row() for request in rows],
         )
         step_s = time.perf_counter() - forward_started
-        num_positions = sum(len(row.token_ids) for row in step_rows)
-        if rows and not chunks and sum(lengths) == plan.num_chosen:  # no "on" row's drafts
-            self.payoff.record(
-                len(rows),
-                plan,
-                self.step_time.estimate(len(rows), num_positions),
-                time.perf_counter() - started,
-                sum(len(emitted) for emitted in emitted_rows),
-            )
-        self.step_time.observe(len(step_rows), num_positions, step_s)
+        self._learn_step_cost(
+            rows, chunks, step_rows, plan, step_s, time.perf_counter() - started, emitted_rows
+        )
         if rows:
             widest = max(lengths)
             self.width_histogram[widest] = self.width_histogram.get(widest, 0) + 1
 
+        num_positions = sum(len(row.token_ids) for row in step_rows)
         for request, row in chunks:
             request.stats.prefill_time_s += step_s * len(row.token_ids) / num_positions
             # Each whole block is reusable as soon as it is in: a request arriving while a long
@@ -531,6 +543,32 @@ class Engine:
             self.drafting_s_per_row += DRAFTING_COST_WEIGHT * (per_row - self.drafting_s_per_row)
         return drafts
 
+    def _learn_step_cost(
+        self,
+        rows: list[Request],
+        chunks: list[tuple[Request, StepRow]],
+        step_rows: list[StepRow],
+        plan: DraftPlan,
+        step_s: float,
+        wall_s: float,
+        emitted_rows: list[list[int]],
+    ) -> None:
+        """Record the step's time in the model of the path that ran it (a fixed shape's by its
+        width, the packed path's by its positions), and what its drafts delivered. A step that
+        captured its shape is no reading: its time is the capture's, not the shape's."""
+        if self.runner.last_captured:
+            return
+        width = self.runner.last_graph_width
+        num_positions = sum(len(row.token_ids) for row in step_rows)
+        if width is not None:
+            step_time, payoff, num_positions = self.graph_step_time, self.graph_payoff, len(step_rows) * width
+        else:
+            step_time, payoff = self.step_time, self.payoff
+        if rows and not chunks and sum(plan.lengths) == plan.num_chosen:  # no "on" row's drafts
+            estimate = step_time.estimate(len(rows), num_positions)
+            payoff.record(len(rows), plan, estimate, wall_s, sum(len(emitted) for emitted in emitted_rows))
+        step_time.observe(len(step_rows), num_positions, step_s)
+
     def _plan(
         self,
         row_drafts: list[RowDraft],
@@ -542,6 +580,15 @@ class Engine:
         has been timed (``draft_position_cap``), promises discounted by what drafted steps of
         this many rows delivered (``DraftPayoff``)."""
         num_rows = len(row_drafts) + num_other_rows
+        widths = self.runner.graph_widths
+        if widths is not None and not num_other_rows:  # a fixed-shape step: priced by its width
+            return plan_graph_drafts(
+                row_drafts,
+                widths,
+                self.graph_step_time,
+                drafting_s_per_row,
+                self.graph_payoff.factor(num_rows),
+            )
         return plan_batch_drafts(
             row_drafts,
             self.step_time,

@@ -21,7 +21,7 @@ import torch
 
 from nasd_core.attention import Segment, kernel_available, no_mask, plan_step, use_paged_attention
 from nasd_core.kv_cache import PagedKVCache
-from nasd_core.step_graphs import GRAPH_MODEL_TYPES, RowInput, StepGraphs
+from nasd_core.step_graphs import GRAPH_MODEL_TYPES, POSITION_BUCKETS, RowInput, StepGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class ModelRunner:
         batch_attention: attend short rows in one padded call per layer (None: off the CPU).
         step_graphs: run decode and verification steps in fixed shapes (``nasd_core/step_graphs.py``),
             replayed from CUDA graphs on a GPU; needs a model type ``StepGraphs.supports``.
+            None: on wherever the model is on CUDA and its type is supported.
     """
 
     def __init__(
@@ -85,7 +86,7 @@ class ModelRunner:
         block_size: int = 32,
         max_rows: int = 32,
         batch_attention: bool | None = None,
-        step_graphs: bool = False,
+        step_graphs: bool | None = None,
     ):
         self.model = model
         use_paged_attention(model)
@@ -100,6 +101,8 @@ class ModelRunner:
         # Off the CPU, short rows share one attention call per layer (see nasd_core/attention.py).
         self.batch_attention = model.device.type != "cpu" if batch_attention is None else batch_attention
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        if step_graphs is None:
+            step_graphs = model.device.type == "cuda" and StepGraphs.supports(model)
         if step_graphs and not StepGraphs.supports(model):
             raise ValueError(
                 f"step graphs serve model types {sorted(GRAPH_MODEL_TYPES)}, not {model.config.model_type!r}"
@@ -116,6 +119,23 @@ class ModelRunner:
             self.cache.capacity_tokens * self.cache.bytes_per_token / 1e9,
         )
 
+        # What the last step was, for the policy: the positions per row of the fixed shape that
+        # ran it (None: the packed path), and whether that shape was captured by this very step.
+        self.last_graph_width: int | None = None
+        self.last_captured = False
+
+    @property
+    def graph_widths(self) -> tuple[int, ...] | None:
+        """Positions per row the fixed-shape steps come in (None: every step is packed)."""
+        if self.graphs is None or self.graphs.failed:
+            return None
+        return tuple(width for width in POSITION_BUCKETS if width <= self.graphs.max_positions)
+
+    def warm_up(self, max_rows: int, max_positions: int, max_keys: int, budget_s: float) -> None:
+        """Capture the fixed-shape steps of the whole grid before serving (no-op without them)."""
+        if self.graphs is not None:
+            self.graphs.warm_up(max_rows, max_positions, max_keys, budget_s)
+
     @torch.inference_mode()
     def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
         """One forward over every row's new tokens; ``[sum of num_logits, vocab]`` logits, in
@@ -124,7 +144,12 @@ class ModelRunner:
         if self.graphs is not None and all(row.num_logits == len(row.token_ids) for row in rows):
             inputs = [RowInput(row.row_id, row.token_ids, self.cache.length(row.row_id)) for row in rows]
             shape = self.graphs.shape_for(inputs)
-        logits = self.graphs.forward(inputs, shape) if shape is not None else self._packed_forward(rows)
+        if shape is not None:
+            logits = self.graphs.forward(inputs, shape)
+            self.last_graph_width, self.last_captured = shape.num_positions, self.graphs.last_captured
+        else:
+            logits = self._packed_forward(rows)
+            self.last_graph_width, self.last_captured = None, False
         for row in rows:
             cached = self.cache.length(row.row_id) + len(row.token_ids)
             self.cache.set_length(row.row_id, cached)

@@ -107,6 +107,13 @@ def resolve_model_dir(name: str | None, cache_dir: str | None = None) -> str:
     return str(target)
 
 
+def load_tokenizer(name: str | None = None, cache_dir: str | None = None):
+    """The tokenizer of ``name`` (None: the embedded model's), without loading the model."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(name, cache_dir))
+
+
 def load_model(name: str | None = None, config: ModelConfig | None = None):
     """Load a causal LM and its tokenizer, in eval mode.
 
@@ -122,7 +129,7 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     Raises:
         ModelLoadError: the model or tokenizer cannot be found or loaded.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -130,7 +137,7 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     name = name if name is not None else config.name
     try:
         model_dir = resolve_model_dir(name, config.cache_dir)
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, config.dtype))
     except ModelLoadError:
         raise

@@ -21,10 +21,12 @@ positions' hidden states (a graph would project every padded one too, and keep a
 ``[rows x positions, vocab]`` output alive per shape). Steps a graph does not serve (prompt
 chunks, shapes over ``MAX_GRAPH_MASK_BYTES``, a model type not listed) take the packed path.
 
-Graphs are captured when a shape is first met (two warm-up runs and a capture, ~3 steps'
-time), at most ``MAX_GRAPHS`` of them, all in one memory pool: only one runs at a time, and
-what outlives a replay is either allocated outside the pool (the input buffers) or rebuilt at
-the start of each replay (the mask), or read right after it (the hidden states).
+A runner's start-up captures the whole grid of shapes its rows, draft widths and context can
+meet (``StepGraphs.warm_up``, two warm-up runs and a capture per shape, within a time budget),
+all in one memory pool: only one runs at a time, and what outlives a replay is either
+allocated outside the pool (the input buffers) or rebuilt at the start of each replay (the
+mask), or read right after it (the hidden states). Capturing while serving would make that
+step cost ~3 steps' time, which the policy would then read as the shape's cost.
 
 Off a GPU the same fixed-shape steps run eagerly (``capture=False``): that is how the tests
 hold them to the packed path's logits on a CPU.
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -203,8 +206,50 @@ class FixedStep:
         return np.flatnonzero(real)
 
 
+def fixed_shape(rows: Sequence[RowInput], groups: int) -> StepShape | None:
+    """The fixed shape a step of ``rows`` runs in, or None where none may (too many rows or
+    positions, or a mask over ``MAX_GRAPH_MASK_BYTES``)."""
+    if not rows:
+        return None
+    num_rows = bucket(len(rows), ROW_BUCKETS)
+    num_positions = bucket(max(len(row.token_ids) for row in rows), POSITION_BUCKETS)
+    if num_rows is None or num_positions is None:
+        return None
+    num_keys = key_bucket(max(row.cached + len(row.token_ids) for row in rows))
+    shape = StepShape(num_rows, num_positions, num_keys)
+    return shape if fits(shape, groups) else None
+
+
+def fits(shape: StepShape, groups: int) -> bool:
+    return shape.num_rows * groups * shape.num_positions * shape.num_keys <= MAX_GRAPH_MASK_BYTES
+
+
+def grid_shapes(max_rows: int, max_positions: int, max_keys: int, groups: int) -> list[StepShape]:
+    """Every fixed shape a runner of ``max_rows`` rows, verification steps of up to
+    ``max_positions`` positions per row and contexts of up to ``max_keys`` keys can meet, in the
+    order a start-up captures them: short contexts first (most rows), then by rows and positions."""
+    row_top = bucket(min(max_rows, ROW_BUCKETS[-1]), ROW_BUCKETS)
+    position_top = bucket(min(max_positions, POSITION_BUCKETS[-1]), POSITION_BUCKETS)
+    key_buckets = [MIN_KEY_BUCKET]
+    while key_buckets[-1] < max_keys:
+        key_buckets.append(2 * key_buckets[-1])
+    shapes = [
+        StepShape(num_rows, num_positions, num_keys)
+        for num_keys in key_buckets
+        for num_rows in ROW_BUCKETS
+        if num_rows <= row_top
+        for num_positions in POSITION_BUCKETS
+        if num_positions <= position_top
+    ]
+    return [shape for shape in shapes if fits(shape, groups)]
+
+
 class StepGraphs:
-    """The runner's fixed-shape steps, one per shape met, captured as CUDA graphs when ``capture``.
+    """The runner's fixed-shape steps, captured as CUDA graphs when ``capture``.
+
+    ``warm_up`` captures the whole grid of shapes before serving; from then on a shape left out
+    (past the start-up budget) takes the packed path rather than a capture mid-serving. Without
+    a warm-up, shapes are captured when first met (at most ``MAX_GRAPHS``).
 
     Args:
         model: the runner's model (its type must be in ``GRAPH_MODEL_TYPES``: see ``supports``).
@@ -225,39 +270,65 @@ class StepGraphs:
         self.steps: dict[StepShape, FixedStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.failed = False
+        self.is_warm = False  # the grid is captured: no capture while serving
+        self.max_positions = POSITION_BUCKETS[-1]  # the widest positions per row a step may take
+        self.num_captured_serving = 0  # shapes captured by serving steps (none once warm)
+        self.last_captured = False  # the last step captured its shape (its time is no step's cost)
 
     @staticmethod
     def supports(model) -> bool:
         return getattr(model.config, "model_type", None) in GRAPH_MODEL_TYPES and hasattr(model, "lm_head")
 
+    def warm_up(self, max_rows: int, max_positions: int, max_keys: int, budget_s: float) -> int:
+        """Build (and on a GPU capture) every shape of the grid (``grid_shapes``) within
+        ``budget_s`` seconds; returns how many shapes are ready. Only a capturing runner (a
+        GPU) warms up: eager fixed shapes cost nothing to build when first met; a budget of 0
+        leaves every shape to be captured when first met."""
+        if not self.capture or budget_s <= 0:
+            return len(self.steps)
+        started = time.perf_counter()
+        self.max_positions = bucket(min(max_positions, POSITION_BUCKETS[-1]), POSITION_BUCKETS) or 1
+        for shape in grid_shapes(max_rows, max_positions, max_keys, self.groups):
+            if self.failed or time.perf_counter() - started > budget_s:
+                break
+            if shape not in self.steps:
+                self._build(shape)
+        self.is_warm = True
+        logger.info(
+            "step graphs: %d shapes ready in %.1f s (budget %.0f s)",
+            len(self.steps),
+            time.perf_counter() - started,
+            budget_s,
+        )
+        return len(self.steps)
+
     def shape_for(self, rows: Sequence[RowInput]) -> StepShape | None:
         """The fixed shape serving ``rows``, or None (the packed path takes the step)."""
-        if not rows or self.failed:
+        if self.failed:
             return None
-        num_rows = bucket(len(rows), ROW_BUCKETS)
-        num_positions = bucket(max(len(row.token_ids) for row in rows), POSITION_BUCKETS)
-        if num_rows is None or num_positions is None:
-            return None
-        num_keys = key_bucket(max(row.cached + len(row.token_ids) for row in rows))
-        if num_rows * self.groups * num_positions * num_keys > MAX_GRAPH_MASK_BYTES:
-            return None
-        shape = StepShape(num_rows, num_positions, num_keys)
-        if shape not in self.steps and len(self.steps) >= MAX_GRAPHS:
-            return None
-        return shape
+        shape = fixed_shape(rows, self.groups)
+        if shape is None or shape in self.steps:
+            return shape
+        return None if self.is_warm or len(self.steps) >= MAX_GRAPHS else shape
 
     def forward(self, rows: Sequence[RowInput], shape: StepShape) -> torch.Tensor:
         """Logits of every position of ``rows`` (all of them, in row order) from the step of ``shape``."""
         step = self.steps.get(shape)
+        self.last_captured = step is None
         if step is None:
-            step = FixedStep(self.model, self.cache, self.groups, shape, self.scratch_slot)
-            if self.capture:
-                try:
-                    step.capture(self.pool)
-                except RuntimeError as exc:  # an op a graph cannot record: run without graphs
-                    logger.warning("CUDA graph capture failed, steps run without graphs: %s", exc)
-                    self.failed = True
-            self.steps[shape] = step
+            step = self._build(shape)
+            self.num_captured_serving += 1
         real = step.load(rows)
         hidden = step.replay().index_select(0, torch.from_numpy(real).to(self.cache.device))
         return self.model.lm_head(hidden)
+
+    def _build(self, shape: StepShape) -> FixedStep:
+        step = FixedStep(self.model, self.cache, self.groups, shape, self.scratch_slot)
+        if self.capture:
+            try:
+                step.capture(self.pool)
+            except RuntimeError as exc:  # an op a graph cannot record: run without graphs
+                logger.warning("CUDA graph capture failed, steps run without graphs: %s", exc)
+                self.failed = True
+        self.steps[shape] = step
+        return step
