@@ -34,8 +34,9 @@ from benchmarks.common import (
 from benchmarks.workloads import long_chats, make_workload
 from nasd_core.calibration import calibrate
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
-from nasd_core.engine import Engine
+from nasd_core.engine import Engine, warm_up
 from nasd_core.metrics import SpecStats
+from nasd_core.model_runner import ModelRunner
 from nasd_core.models import load_model
 
 MIXES = {
@@ -95,11 +96,15 @@ def run_cell(
     mode: str,
     max_tokens: int,
     into: CellRun,
-    step_graphs: bool = False,
+    step_graphs: bool | None = None,
+    runner: ModelRunner | None = None,
 ) -> None:
-    """One run of (concurrency, mode) over ``prompts``, added to ``into``."""
+    """One run of (concurrency, mode) over ``prompts``, added to ``into``; ``runner``: the
+    sweep's one runner (its graphs captured once), else the engine makes its own."""
     config = EngineConfig(max_batch_rows=concurrency, max_waiting=len(prompts), step_graphs=step_graphs)
-    engine = Engine(model, tokenizer, config)
+    if runner is not None:
+        runner.cache.drop_prefix_cache()  # no run reuses another's prompts
+    engine = Engine(model, tokenizer, config, runner=runner)
     last_emit: dict[str, float] = {}
 
     def on_tokens(request, token_ids) -> None:
@@ -156,13 +161,19 @@ def run_sweep(
     long_chat_repeats: int = LONG_CHAT_REPEATS,
     device: str = "cpu",
     on_cell: Callable[[dict], object] | None = None,
-    step_graphs: bool = False,
+    step_graphs: bool | None = None,
 ) -> dict:
     """The sweep's payload; ``on_cell`` gets it after every finished cell (a run stopped midway,
     such as one on a machine lent for minutes, keeps the cells it finished). ``step_graphs``:
-    every engine (and the probe) on fixed-shape steps, CUDA graphs on a GPU."""
+    every engine (and the probe) on fixed-shape steps, CUDA graphs on a GPU (None: wherever CUDA
+    is). Off the CPU every run shares one runner, its graphs captured once before the sweep."""
     model, tokenizer = load_model(config=ModelConfig(dtype=dtype, device=device))
-    calibrate(model, max(levels), step_graphs=step_graphs)
+    runner = None
+    if device != "cpu":
+        config = EngineConfig(max_batch_rows=max(levels), step_graphs=step_graphs)
+        runner = ModelRunner(model, max_rows=max(levels), step_graphs=step_graphs)
+        warm_up(runner, config)
+    calibrate(model, max(levels), step_graphs=bool(step_graphs), runner=runner)
     sweep: dict[str, dict] = {}
     orders = {mix: run_order(long_chat_repeats if mix == LONG_CHAT else repeats) for mix in SWEEP_MIXES}
     payload = {
@@ -186,9 +197,9 @@ def run_sweep(
             # the same mode (results/concurrency_cuda_bfloat16.json, ``runs_table``), likely its
             # clocks falling while the host prepares a cell (it idles at 345 MHz; not confirmed).
             # An untimed run first keeps that out of the compared runs.
-            run_cell(model, tokenizer, prompts, level, "off", max_tokens, CellRun(), step_graphs)
+            run_cell(model, tokenizer, prompts, level, "off", max_tokens, CellRun(), step_graphs, runner)
         for mode in order:
-            run_cell(model, tokenizer, prompts, level, mode, max_tokens, runs[mode], step_graphs)
+            run_cell(model, tokenizer, prompts, level, mode, max_tokens, runs[mode], step_graphs, runner)
         row = {mode: {**runs[mode].summary(), "runs": order.count(mode)} for mode in MODES}
         # Greedy: every mode must produce the same tokens; a mismatch is reported, not hidden.
         for mode in MODES:
@@ -197,6 +208,8 @@ def run_sweep(
             )
         add_ratios_to_off(row)
         sweep.setdefault(mix, {})[str(level)] = row
+        if mix == "repetitive" and level == 1:  # the figure issue 40 tracks (and gpu_rates simulates)
+            payload["single_stream_auto_over_off"] = row["auto"]["ratio_to_off"]
         if on_cell is not None:
             on_cell(payload)
     return payload
@@ -303,7 +316,9 @@ def main() -> None:
     parser.add_argument("--levels", nargs="*", type=int, default=[1, 4, 16, 32], help="concurrencies")
     parser.add_argument("--repeats", type=int, default=REPEATS, help="runs of off and auto per cell")
     parser.add_argument(
-        "--step-graphs", action="store_true", help="engines on fixed-shape steps (CUDA graphs on a GPU)"
+        "--packed",
+        action="store_true",
+        help="no fixed-shape steps (by default: CUDA graphs wherever CUDA is)",
     )
     args = parser.parse_args()
     if args.quick:
@@ -321,7 +336,7 @@ def main() -> None:
             long_chat_repeats=min(args.repeats, LONG_CHAT_REPEATS),
             device=args.device,
             on_cell=lambda partial: write_result(name, partial),
-            step_graphs=args.step_graphs,
+            step_graphs=False if args.packed else None,
         )
     publish_run("concurrency", args.dtype, args.quick, payload, plot, markdown_table, args.device)
 

@@ -352,6 +352,30 @@ def new_setup(variant: str, vocab: list[int], tokenizer, concurrency: int, probe
     return setup
 
 
+def markdown_table(payload: dict) -> str:
+    """The sweep as a table (labelled as a simulation): throughput ratios to ``off`` per engine."""
+    lines = [
+        "SIMULATION (CPU host, H100 step costs): tokens/s of `off`, `on` and `auto` as ratios to `off`.",
+        "",
+        "| engine | mix | C | off tok/s | on | auto | auto / best of on, off | auto steps drafting "
+        "| host ms/step off / auto |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for variant, mixes in payload["cells"].items():
+        for mix, levels in mixes.items():
+            for level, cell in levels.items():
+                off, on, auto = (cell[mode] for mode in MODES)
+                on_ratio = on["tokens_per_s"] / off["tokens_per_s"]
+                exact = "" if all(cell[mode]["exact"] for mode in MODES) else " ≠"
+                lines.append(
+                    f"| {variant} | {mix} | {level} | {off['tokens_per_s']:.0f} "
+                    f"| {on_ratio:.2f}x | {cell['auto_over_off']:.2f}x{exact} "
+                    f"| {cell['auto_over_best']:.2f} | {auto['steps_drafting']}/{auto['steps']} "
+                    f"| {off['host_ms_per_step']:.2f} / {auto['host_ms_per_step']:.2f} |"
+                )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -12,9 +12,11 @@
 #   sweep   (no carry):         the engine sweep on CUDA graphs, C = 1 ... 64 (at most 9 minutes)
 #
 # On 2026-11-26 (15 minutes of an H100) setup+surface and tests+sweep ran as two calls and the
-# sweep stopped at its limit after 9 of 15 cells. CUDA graphs (nasd_core/step_graphs.py) were
-# written after that session, on a CPU: their first GPU run is this script's, and the sweep
-# runs them only once the tests have passed (EngineConfig.step_graphs stays off until then).
+# sweep stopped at its limit after 9 of 15 cells. Since issue 40 the engine captures its grid of
+# CUDA graphs at start and they are on by default wherever CUDA is: the sweep shares one runner
+# (one capture of the grid) over all its cells, writes `single_stream_auto_over_off` (auto / off,
+# repetitive mix, C = 1: the figure `benchmarks/gpu_rates.py` simulates), and runs packed
+# (--packed) only if the GPU tests did not all pass.
 #
 # Preparing the carried folders here (git-ignored):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl \
@@ -82,9 +84,9 @@ sweep() {
     summary=$(grep -E "[0-9]+ (passed|failed)" /root/gpu_tests.log 2>/dev/null | tail -n 1)
     if [[ "$summary" != *passed* || "$summary" == *failed* || "$summary" == *error* ]]; then
         echo "the GPU tests did not all pass in this session: the sweep runs without CUDA graphs"
-        graphs=""
+        graphs="--packed"
     else
-        graphs="--step-graphs"
+        graphs=""
     fi
     logged concurrency 540 python3 -m benchmarks.concurrency --device cuda --dtype bfloat16 \
         --levels 1 4 16 32 64 --repeats 2 $graphs

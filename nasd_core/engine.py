@@ -64,6 +64,18 @@ def default_prefill_chunk(device: torch.device) -> int:
     return CPU_PREFILL_CHUNK_TOKENS if device.type == "cpu" else GPU_PREFILL_CHUNK_TOKENS
 
 
+def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
+    """Capture ``runner``'s fixed-shape steps for engines of ``config`` before they serve: rows up
+    to its batch, widths up to its default draft, contexts up to the model's or the cache's."""
+    context = getattr(runner.model.config, "max_position_embeddings", None) or runner.cache.capacity_tokens
+    runner.warm_up(
+        config.max_batch_rows,
+        1 + config.spec.num_draft_tokens,
+        min(runner.cache.capacity_tokens, context),
+        config.graph_warmup_budget_s,
+    )
+
+
 class Engine:
     """Batched NASD over one model.
 
@@ -100,15 +112,7 @@ class Engine:
                 self.config.max_batch_rows,
                 step_graphs=self.config.step_graphs,
             )
-            runner.warm_up(
-                self.config.max_batch_rows,
-                1 + self.config.spec.num_draft_tokens,
-                min(
-                    runner.cache.capacity_tokens,
-                    getattr(model.config, "max_position_embeddings", None) or 8192,
-                ),
-                self.config.graph_warmup_budget_s,
-            )
+            warm_up(runner, self.config)
         self.runner = runner
         self.cache = self.runner.cache
         prefix_tokens = self.config.prefix_cache_tokens

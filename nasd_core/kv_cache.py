@@ -305,6 +305,10 @@ class PagedKVCache:
                     self._block_key[block] = key
             parent = block
 
+    def drop_prefix_cache(self) -> None:
+        """Forget every cached prefix no row holds (a benchmark's runs must not reuse each other's)."""
+        self._evict(len(self._unused))
+
     def _evict(self, num_blocks: int) -> None:
         """Give up the ``num_blocks`` cached blocks unused longest (their entries and memory)."""
         evicted = []

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from nasd_core import SamplingParams, SpecConfig, generate
+from nasd_core import engine as engine_module
 from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine import Engine
 from nasd_core.models import load_model
@@ -30,6 +31,15 @@ pytestmark = [
         not torch.cuda.is_available(), reason="GPU tests: no CUDA device here (they run on a GPU machine)"
     ),
 ]
+
+
+@pytest.fixture(autouse=True)
+def lazy_graph_capture(request, monkeypatch):
+    """Engines here capture each shape when first met: a whole start-up grid (contexts up to 8192
+    keys) is ~20 s per engine. The start-up capture has its own test, which keeps it."""
+    if request.node.name != "test_an_engine_captures_its_grid_at_start_and_nothing_while_serving":
+        monkeypatch.setattr(engine_module, "warm_up", lambda runner, config: None)
+
 
 # Top-two logit gap under which bfloat16 kernels of different shapes may order two tokens
 # either way: bfloat16 keeps 8 bits of mantissa, so logits of magnitude ~16-32 are rounded
@@ -126,6 +136,21 @@ def test_an_engine_on_cuda_graphs_emits_the_single_sequence_greedy_tokens(cuda_m
     engine = test_step_graphs.run_engine_on_fixed_steps(model, tokenizer, references, mode)
     assert engine.runner.graphs is not None and not engine.runner.graphs.failed
     assert all(step.graph is not None for step in engine.runner.graphs.steps.values())
+
+
+def test_an_engine_captures_its_grid_at_start_and_nothing_while_serving(cuda_model):
+    """CUDA graphs are on by default on CUDA; the engine captures every shape its rows, draft
+    widths and cache can meet before its first step, and serving then captures none."""
+    model, tokenizer = cuda_model
+    references = test_engine.single_sequence_runs(model, tokenizer)
+    spec = SpecConfig(mode="auto", num_draft_tokens=5)
+    config = EngineConfig(max_batch_rows=4, prefill_chunk_tokens=16, kv_cache_tokens=4096, spec=spec)
+    engine = Engine(model, tokenizer, config)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.is_warm and not graphs.failed
+    outputs = test_engine.run_staggered(engine, test_engine.PROMPTS, test_engine.MAX_TOKENS, spec)
+    assert [outputs[index] for index in range(len(test_engine.PROMPTS))] == references
+    assert graphs.num_captured_serving == 0
 
 
 def test_single_sequence_greedy_equals_transformers_greedy_on_the_device(cuda_model):
