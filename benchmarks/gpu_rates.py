@@ -49,6 +49,7 @@ from nasd_core.step_graphs import (
     POSITION_BUCKETS,
     WARMUP_RUNS,
     RowInput,
+    StepShape,
     fixed_shape,
     grid_shapes,
 )
@@ -143,7 +144,7 @@ class SimulatedRunner:
         self.device_s = 0.0  # simulated GPU time waited, for the host share
         self.start_s = 0.0  # simulated start-up capture time
         self.num_captured_serving = 0
-        self.last_graph_width: int | None = None
+        self.last_graph_shape: StepShape | None = None
         self.last_captured = False
 
     @property
@@ -177,7 +178,7 @@ class SimulatedRunner:
         return logits
 
     def _cost_ms(self, rows: Sequence[StepRow]) -> float:
-        self.last_graph_width, self.last_captured = None, False
+        self.last_graph_shape, self.last_captured = None, False
         num_positions = sum(len(row.token_ids) for row in rows)
         packed_ms = self.packed_surface.ms(len(rows), num_positions / max(1, len(rows)))
         if not all(row.num_logits == len(row.token_ids) for row in rows):
@@ -188,11 +189,11 @@ class SimulatedRunner:
             return packed_ms
         replay_ms = self.graphs_surface.ms(shape.num_rows, shape.num_positions)
         if not self.blind:
-            self.last_graph_width = shape.num_positions
+            self.last_graph_shape = shape
         if shape in self.captured:
             return replay_ms
         if self.is_warm or len(self.captured) >= MAX_GRAPHS:
-            self.last_graph_width = None
+            self.last_graph_shape = None
             return packed_ms
         self.captured.add(shape)
         self.num_captured_serving += 1

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from nasd_core.graph_plan import GraphStepTimes
 from nasd_core.model_runner import ModelRunner, StepRow
 from nasd_core.policy import (
     MIN_TRUSTED_SAMPLES,
@@ -34,14 +35,18 @@ _ACCEPTANCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PAYOFFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # by step-time model
 
 
-def model_step_time(model, fixed_shapes: bool = False) -> StepTimeModel:
-    """The step-time model shared by every engine (and ``generate`` call) on ``model``: of its
-    packed steps, or with ``fixed_shapes`` of its fixed-shape (graph) steps, recorded as
-    ``rows x width`` positions (``nasd_core/graph_plan.py`` reads them so)."""
-    registry = _GRAPH_STEP_TIMES if fixed_shapes else _STEP_TIMES
-    if model not in registry:
-        registry[model] = StepTimeModel()
-    return registry[model]
+def model_step_time(model) -> StepTimeModel:
+    """The step-time model of the packed steps of every engine (and ``generate`` call) on ``model``."""
+    if model not in _STEP_TIMES:
+        _STEP_TIMES[model] = StepTimeModel()
+    return _STEP_TIMES[model]
+
+
+def model_graph_step_times(model) -> GraphStepTimes:
+    """The same for its fixed-shape (graph) steps, by shape."""
+    if model not in _GRAPH_STEP_TIMES:
+        _GRAPH_STEP_TIMES[model] = GraphStepTimes()
+    return _GRAPH_STEP_TIMES[model]
 
 
 def model_acceptance(model) -> AcceptanceEstimator:
@@ -144,15 +149,14 @@ def measure_step_times(
     ``runner``: time the steps on this runner (an engine's own, its graphs warmed) in rows
     taken from its cache and given back; None: on a runner made for the probe. Packed steps go
     to ``step_time`` (default: the model's), fixed-shape steps to the model's graph step times
-    as ``rows x width``; a step that captured its shape is not a reading. Returns the model of
-    the steps the runner ran (the graph one where it has graphs).
+    by shape; a step that captured its shape is not a reading. Returns the packed model.
 
     Each shape's fastest repeat is recorded, as trusted: interference from other processes only
     adds time. (Counted as one reading, every probed shape within 10% of the best was retimed
     by the policy's exploration: creative text at 32 rows ran at 0.85x of plain decoding.)
     """
     step_time = step_time if step_time is not None else model_step_time(model)
-    graph_step_time = model_step_time(model, fixed_shapes=True)
+    graph_step_times = model_graph_step_times(model)
     positions = list(range(1, positions + 1)) if isinstance(positions, int) else list(positions)
     own_rows = runner is not None
     if own_rows:
@@ -164,24 +168,24 @@ def measure_step_times(
         shapes = [[width] * num_rows for width in positions]
         if num_rows > 1 and ragged:
             shapes += [[width] + [1] * (num_rows - 1) for width in positions if width > 1]
-        fastest: dict[tuple[StepTimeModel, int, int], float] = {}
+        fastest: dict[tuple[object, int, int], float] = {}
         for _ in range(repeats):
             for widths in shapes:
                 seconds = time_step(runner, widths, context_length)
                 if runner.last_captured:
                     continue
-                width = runner.last_graph_width
+                shape = runner.last_graph_shape
                 key = (
-                    (graph_step_time, num_rows, num_rows * width)
-                    if width is not None
+                    (graph_step_times, shape.num_rows, shape.num_positions)
+                    if shape is not None
                     else (step_time, num_rows, sum(widths))
                 )
                 fastest[key] = min(seconds, fastest.get(key, seconds))
-        for (model_times, shape_rows, shape_positions), seconds in fastest.items():
-            model_times.observe(shape_rows, shape_positions, seconds, num_samples=MIN_TRUSTED_SAMPLES)
+        for (times, shape_rows, shape_size), seconds in fastest.items():
+            times.observe(shape_rows, shape_size, seconds, num_samples=MIN_TRUSTED_SAMPLES)
     if own_rows:
         free_rows(runner, max(rows))
-    return step_time if ragged else graph_step_time
+    return step_time
 
 
 def calibrate(

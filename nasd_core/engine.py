@@ -21,7 +21,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from nasd_core.calibration import model_acceptance, model_step_time, step_time_payoff
+from nasd_core.calibration import model_acceptance, model_graph_step_times, model_step_time, step_time_payoff
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
 from nasd_core.drafter import EMPTY_DRAFT, Draft, RequestDrafter, SharedIndex, longest_matches, propose_rows
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
@@ -103,7 +103,7 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.step_time = model_step_time(model)
-        self.graph_step_time = model_step_time(model, fixed_shapes=True)
+        self.graph_step_times = model_graph_step_times(model)
         if runner is None:
             runner = ModelRunner(
                 model,
@@ -322,7 +322,7 @@ class Engine:
     @property
     def graph_payoff(self) -> DraftPayoff:
         """``payoff`` of the fixed-shape (graph) steps, priced by their own step-time model."""
-        return step_time_payoff(self.graph_step_time)
+        return step_time_payoff(self.graph_step_times)
 
     # ---------------------------------------------------------------- step
     @torch.inference_mode()
@@ -562,16 +562,20 @@ class Engine:
         captured its shape is no reading: its time is the capture's, not the shape's."""
         if self.runner.last_captured:
             return
-        width = self.runner.last_graph_width
+        shape = self.runner.last_graph_shape
+        emitted = sum(len(tokens) for tokens in emitted_rows)
+        if shape is not None:
+            if rows and not chunks and sum(plan.lengths) == plan.num_chosen:  # no "on" row's drafts
+                estimate = self.graph_step_times.estimate(len(rows), shape.num_positions)
+                self.graph_payoff.record(len(rows), plan, estimate, wall_s, emitted)
+            self.graph_step_times.observe(shape.num_rows, shape.num_positions, step_s)
+            return
         num_positions = sum(len(row.token_ids) for row in step_rows)
-        if width is not None:
-            step_time, payoff, num_positions = self.graph_step_time, self.graph_payoff, len(step_rows) * width
-        else:
-            step_time, payoff = self.step_time, self.payoff
-        if rows and not chunks and sum(plan.lengths) == plan.num_chosen:  # no "on" row's drafts
-            estimate = step_time.estimate(len(rows), num_positions)
-            payoff.record(len(rows), plan, estimate, wall_s, sum(len(emitted) for emitted in emitted_rows))
-        step_time.observe(len(step_rows), num_positions, step_s)
+        if rows and not chunks and sum(plan.lengths) == plan.num_chosen:
+            self.payoff.record(
+                len(rows), plan, self.step_time.estimate(len(rows), num_positions), wall_s, emitted
+            )
+        self.step_time.observe(len(step_rows), num_positions, step_s)
 
     def _plan(
         self,
@@ -589,7 +593,7 @@ class Engine:
             return plan_graph_drafts(
                 row_drafts,
                 widths,
-                self.graph_step_time,
+                self.graph_step_times,
                 drafting_s_per_row,
                 self.graph_payoff.factor(num_rows),
             )

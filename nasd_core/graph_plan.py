@@ -1,4 +1,4 @@
-"""Draft lengths for a fixed-shape step (``nasd_core/step_graphs.py``): priced by width.
+"""Draft lengths for a fixed-shape step (``nasd_core/step_graphs.py``), priced by its width.
 
 A fixed-shape step runs every row at the step's width (positions per row, one of the graph
 buckets), so its cost depends on that width and the row count, not on how many positions the
@@ -14,13 +14,78 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from nasd_core.policy import DraftPlan, RowDraft, StepTimeModel, min_draft_gain
+from nasd_core.policy import EWMA_WEIGHT, MAX_SAMPLE_RATIO, DraftPlan, RowDraft, min_draft_gain
+from nasd_core.step_graphs import ROW_BUCKETS, bucket
+
+# Before a width is timed: each position per row adds this share of a one-position step (an H100
+# replaying a 1.5B model's graphs: 1 x 17 cost 1.15x 1 x 1, 64 x 17 1.86x 64 x 1).
+PRIOR_WIDTH_COST = 0.01
+
+
+class GraphStepTimes:
+    """Seconds of a fixed-shape step by its shape (rows bucket, positions per row), learned from
+    replays as they run (moving average; one slow reading counts for at most ``MAX_SAMPLE_RATIO``
+    of the estimate). A width not timed at a row count is interpolated between the row counts
+    where it was, else scaled from the nearest timed width there by ``PRIOR_WIDTH_COST``.
+
+    Why not the packed path's ``StepTimeModel``: a fixed shape costs its padded width whatever its
+    rows use, and pricing it per position made every step rebuild curves over columns no row
+    count shares (a third of the host work of a 16-row step in ``benchmarks.gpu_rates``)."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[tuple[int, int], float] = {}
+
+    def observe(self, num_rows: int, width: int, seconds: float, num_samples: int = 1) -> None:
+        """One replay of the shape ``num_rows`` (a row bucket) x ``width`` that took ``seconds``
+        (``num_samples``: kept for the packed model's signature; a first reading is taken whole)."""
+        key = (num_rows, width)
+        previous = self._seconds.get(key)
+        if previous is None:
+            self._seconds[key] = seconds
+        else:
+            sample = min(seconds, MAX_SAMPLE_RATIO * previous)
+            self._seconds[key] = previous + EWMA_WEIGHT * (sample - previous)
+
+    def measured(self, num_rows: int, width: int) -> float | None:
+        return self._seconds.get((bucket(num_rows, ROW_BUCKETS) or num_rows, width))
+
+    def estimate(self, num_rows: int, width: int) -> float:
+        """Seconds of a step of ``num_rows`` rows at ``width`` positions each."""
+        rows = bucket(num_rows, ROW_BUCKETS) or num_rows
+        seconds = self._seconds.get((rows, width))
+        if seconds is not None:
+            return seconds
+        at_width = {timed: s for (timed, timed_width), s in self._seconds.items() if timed_width == width}
+        if at_width:
+            return _along_rows(at_width, rows)
+        at_rows = {timed_width: s for (timed, timed_width), s in self._seconds.items() if timed == rows}
+        if not at_rows:
+            return _prior(width)  # nothing timed: only ratios matter
+        nearest = min(at_rows, key=lambda timed_width: abs(timed_width - width))
+        return at_rows[nearest] * _prior(width) / _prior(nearest)
+
+
+def _prior(width: int) -> float:
+    return 1.0 + PRIOR_WIDTH_COST * (width - 1)
+
+
+def _along_rows(seconds_by_rows: dict[int, float], rows: int) -> float:
+    """Linear in rows between the nearest timed row counts (the nearest one's outside them)."""
+    below = [timed for timed in seconds_by_rows if timed <= rows]
+    above = [timed for timed in seconds_by_rows if timed >= rows]
+    if not below or not above:
+        return seconds_by_rows[max(below) if below else min(above)]
+    low, high = max(below), min(above)
+    if low == high:
+        return seconds_by_rows[low]
+    share = (rows - low) / (high - low)
+    return seconds_by_rows[low] + share * (seconds_by_rows[high] - seconds_by_rows[low])
 
 
 def plan_graph_drafts(
     rows: list[RowDraft],
     widths: Sequence[int],
-    step_time: StepTimeModel,
+    step_time: GraphStepTimes,
     drafting_s_per_row: float = 0.0,
     payoff: float = 1.0,
 ) -> DraftPlan:
@@ -30,8 +95,7 @@ def plan_graph_drafts(
         rows: what the policy knows of each row (``on`` rows verify their whole draft, ``off``
             rows none, ``auto`` rows what the chosen width allows).
         widths: the positions per row the fixed shapes come in, ascending.
-        step_time: seconds of a step of ``rows`` rows at width ``w``, read as
-            ``estimate(rows, rows * w)`` (the engine records graph steps that way).
+        step_time: seconds of a step by its rows and width.
         drafting_s_per_row: what building one row's draft costs, charged per drafting row.
         payoff: the share of a drafted step's promise such steps deliver (``DraftPayoff.factor``).
 
@@ -50,7 +114,7 @@ def plan_graph_drafts(
         return DraftPlan(forced)
 
     def rate(width: int, expected: float, num_drafting: int) -> float:
-        seconds = step_time.estimate(num_rows, num_rows * width) + drafting_s_per_row * num_drafting
+        seconds = step_time.estimate(num_rows, width) + drafting_s_per_row * num_drafting
         return expected / seconds
 
     plain = rate(widths[narrowest_index], base_tokens, 0)

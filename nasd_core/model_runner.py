@@ -21,7 +21,7 @@ import torch
 
 from nasd_core.attention import Segment, kernel_available, no_mask, plan_step, use_paged_attention
 from nasd_core.kv_cache import PagedKVCache
-from nasd_core.step_graphs import GRAPH_MODEL_TYPES, POSITION_BUCKETS, RowInput, StepGraphs
+from nasd_core.step_graphs import GRAPH_MODEL_TYPES, POSITION_BUCKETS, RowInput, StepGraphs, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -119,9 +119,9 @@ class ModelRunner:
             self.cache.capacity_tokens * self.cache.bytes_per_token / 1e9,
         )
 
-        # What the last step was, for the policy: the positions per row of the fixed shape that
-        # ran it (None: the packed path), and whether that shape was captured by this very step.
-        self.last_graph_width: int | None = None
+        # What the last step was, for the policy: the fixed shape that ran it (None: the packed
+        # path), and whether that shape was captured by this very step.
+        self.last_graph_shape: StepShape | None = None
         self.last_captured = False
 
     @property
@@ -146,10 +146,10 @@ class ModelRunner:
             shape = self.graphs.shape_for(inputs)
         if shape is not None:
             logits = self.graphs.forward(inputs, shape)
-            self.last_graph_width, self.last_captured = shape.num_positions, self.graphs.last_captured
+            self.last_graph_shape, self.last_captured = shape, self.graphs.last_captured
         else:
             logits = self._packed_forward(rows)
-            self.last_graph_width, self.last_captured = None, False
+            self.last_graph_shape, self.last_captured = None, False
         for row in rows:
             cached = self.cache.length(row.row_id) + len(row.token_ids)
             self.cache.set_length(row.row_id, cached)

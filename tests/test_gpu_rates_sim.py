@@ -15,7 +15,7 @@ from benchmarks.gpu_rates import (
     new_setup,
     run_once,
 )
-from nasd_core.calibration import model_step_time
+from nasd_core.calibration import model_graph_step_times
 from nasd_core.models import load_tokenizer
 from nasd_core.step_graphs import POSITION_BUCKETS
 
@@ -57,11 +57,11 @@ def test_a_step_that_captured_its_shape_is_not_read_as_that_shapes_cost(sim_inpu
     setup.runner = lazy_runner
     cell = run_once(setup, mix_traces(traces, "repetitive", 8), 4, "auto")
     assert cell["exact"] and cell["captured_while_serving"] > 0
-    step_time = model_step_time(setup.model, fixed_shapes=True)
+    step_times = model_graph_step_times(setup.model)
     readings = [
-        step_time.measured(rows, rows * width)
+        step_times.measured(rows, width)
         for rows in range(1, 5)
         for width in POSITION_BUCKETS
-        if step_time.measured(rows, rows * width) is not None
+        if step_times.measured(rows, width) is not None
     ]
     assert readings and max(readings) < 0.03

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from nasd_core.graph_plan import plan_graph_drafts
-from nasd_core.policy import AcceptanceEstimator, RowDraft, StepTimeModel
+from nasd_core.graph_plan import GraphStepTimes, plan_graph_drafts
+from nasd_core.policy import AcceptanceEstimator, RowDraft
 from nasd_core.step_graphs import POSITION_BUCKETS
 
 WIDTHS = tuple(width for width in POSITION_BUCKETS if width <= 17)
 
 
-def graph_times(ms_by_width: dict[int, float], rows: tuple[int, ...] = (1, 4, 16)) -> StepTimeModel:
-    """Graph step times as the engine records them: ``rows x width`` positions."""
-    step_time = StepTimeModel()
+def graph_times(ms_by_width: dict[int, float], rows: tuple[int, ...] = (1, 4, 16)) -> GraphStepTimes:
+    step_times = GraphStepTimes()
     for num_rows in rows:
         for width, ms in ms_by_width.items():
-            step_time.observe(num_rows, num_rows * width, ms / 1000, num_samples=3)
-    return step_time
+            step_times.observe(num_rows, width, ms / 1000)
+    return step_times
 
 
 def copying(estimator: AcceptanceEstimator, match_length: int = 8) -> AcceptanceEstimator:
