@@ -58,9 +58,10 @@ def generate(
     spec = spec if spec is not None else build(SpecConfig)
     prompt_ids = encode_prompt(tokenizer, prompt, model.config.vocab_size)
     check_context(model, len(prompt_ids), params.max_tokens)
-    # A KV-cache of exactly this request's size, in one block.
+    # A KV-cache of exactly this request's size, in one block; packed steps, since a runner made
+    # for one call would capture its CUDA graphs anew at every call (an Engine keeps its own).
     num_tokens = len(prompt_ids) + params.max_tokens
-    runner = ModelRunner(model, kv_cache_tokens=num_tokens, block_size=num_tokens)
+    runner = ModelRunner(model, kv_cache_tokens=num_tokens, block_size=num_tokens, step_graphs=False)
     engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=1, spec=spec), shared, runner)
     if step_time is not None:
         engine.step_time = step_time

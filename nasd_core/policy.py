@@ -18,6 +18,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 # Prior chance the first draft is accepted, by matched context length (longer = likelier);
 # measured on the benchmark workloads with the embedded model (benchmarks/acceptance.py).
 PRIOR_FIRST_ACCEPT = {1: 0.15, 2: 0.35, 3: 0.5, 4: 0.6}
@@ -228,6 +230,15 @@ def snap_extra(num_extra: int) -> int:
     return min(2 * power, power + step * round((num_extra - power) / step))
 
 
+def snap_extras(num_extra: np.ndarray) -> np.ndarray:
+    """``snap_extra`` of every value of ``num_extra`` (non-negative ints) at once."""
+    num_extra = np.asarray(num_extra, dtype=np.int64)
+    power = np.left_shift(1, np.maximum(0, np.floor(np.log2(np.maximum(num_extra, 1))).astype(np.int64)))
+    step = np.maximum(1, power // 8)
+    snapped = np.minimum(2 * power, power + step * np.round((num_extra - power) / step).astype(np.int64))
+    return np.where(num_extra <= 8, num_extra, snapped)
+
+
 class StepTimeModel:
     """Online model of a step's time by its shape: rows in the step x positions fed in all.
 
@@ -275,6 +286,14 @@ class StepTimeModel:
         extra = snap_extra(max(0, num_positions - num_rows))
         return self._num_samples.get((num_rows, extra), 0) >= MIN_TRUSTED_SAMPLES
 
+    def untrusted_extras(self, num_rows: int) -> set[int]:
+        """The extra-position buckets measured at exactly ``num_rows`` rows but not yet trusted."""
+        return {
+            extra
+            for extra, column in self._seconds.items()
+            if num_rows in column and self._num_samples.get((num_rows, extra), 0) < MIN_TRUSTED_SAMPLES
+        }
+
     def widest_measured(self, num_rows: int) -> int | None:
         """Most extra positions measured at ``num_rows`` rows or more (None: no such step)."""
         widths = [extra for extra, column in self._seconds.items() if max(column) >= num_rows]
@@ -284,7 +303,7 @@ class StepTimeModel:
         """Seconds for a step of ``num_rows`` rows feeding ``num_positions`` positions in all."""
         return self.curve(num_rows)(num_positions)
 
-    def curve(self, num_rows: int) -> Callable[[int], float]:
+    def curve(self, num_rows: int) -> Curve:
         """``estimate`` at a fixed row count as a function of total positions (the per-column
         work done once: the policy prices many totals per step)."""
         curve = self._curves.get(num_rows)
@@ -292,9 +311,9 @@ class StepTimeModel:
             curve = self._curves[num_rows] = self._build_curve(num_rows)
         return curve
 
-    def _build_curve(self, num_rows: int) -> Callable[[int], float]:
+    def _build_curve(self, num_rows: int) -> Curve:
         if not self._seconds:
-            return lambda num_positions: _prior_shape(num_rows, num_positions - num_rows)
+            return Curve(num_rows, {}, [])
         # Each measured column at num_rows: interpolated where its measurements span the row
         # count, else transferred from a column whose measurements do.
         spanned = {
@@ -312,10 +331,7 @@ class StepTimeModel:
         for extra in sorted(at_rows, reverse=True):
             cheapest_wider = min(cheapest_wider, at_rows[extra])
             by_extra[extra] = cheapest_wider
-        extras = sorted(by_extra)
-        return lambda num_positions: _along_positions(
-            by_extra, extras, num_rows, max(0, num_positions - num_rows)
-        )
+        return Curve(num_rows, by_extra, sorted(by_extra))
 
     def _transferred(self, extra: int, num_rows: int, spanned: dict[int, float]) -> float:
         """A column whose measurements do not span ``num_rows``: the nearest column that does
@@ -341,6 +357,44 @@ class StepTimeModel:
         if candidates:
             return min(candidates)[2]
         return _beyond_rows(column, num_rows)
+
+
+class Curve:
+    """A step's estimated seconds at a fixed row count, by its total positions: one measured
+    value per column of extra positions (``by_extra``; ``extras`` its sorted keys), linear
+    between columns; see ``_along_positions``."""
+
+    def __init__(self, num_rows: int, by_extra: dict[int, float], extras: list[int]) -> None:
+        self.num_rows = num_rows
+        self.by_extra = by_extra
+        self.extras = extras
+
+    def __call__(self, num_positions: int) -> float:
+        num_extra = max(0, num_positions - self.num_rows)
+        if not self.extras:
+            return _prior_shape(self.num_rows, num_extra)
+        return _along_positions(self.by_extra, self.extras, self.num_rows, num_extra)
+
+    def many(self, num_positions: np.ndarray) -> np.ndarray:
+        """``self(n)`` for every n of ``num_positions`` at once (a policy prices a step's every
+        total of draft positions: up to a thousand at 64 rows)."""
+        num_extra = np.maximum(0, num_positions - self.num_rows)
+        prior = 1.0 + PRIOR_EXTRA_ROW_COST * (self.num_rows - 1) + PRIOR_EXTRA_TOKEN_COST * num_extra
+        if not self.extras:
+            return prior
+        xs = np.array(self.extras, dtype=float)
+        ys = np.array([self.by_extra[extra] for extra in self.extras])
+        out = np.interp(num_extra, xs, ys)
+        first_prior = _prior_shape(self.num_rows, self.extras[0])
+        below = num_extra < xs[0]
+        out[below] = ys[0] * prior[below] / first_prior
+        beyond = num_extra > xs[-1]
+        if len(xs) >= 2:
+            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            out[beyond] = ys[-1] + slope * (num_extra[beyond] - xs[-1])
+        else:
+            out[beyond] = ys[0] * prior[beyond] / first_prior
+        return out
 
 
 def _along_positions(by_extra: dict[int, float], extras: list[int], num_rows: int, num_extra: int) -> float:
@@ -516,25 +570,22 @@ def plan_batch_drafts(
     decode_seconds = (
         step_time.estimate(len(rows), len(rows) + sum(forced)) if num_other_positions else base_seconds
     )
-    tokens_per_s = {}
-    expected = base_tokens
-    drafted_rows: set[int] = set()
-    for num_drafts in range(len(gains) + 1):
-        if num_drafts:
-            gain, index = gains[num_drafts - 1]
-            expected += gain
-            drafted_rows.add(index)
-        added = cost(base_positions + num_drafts) - base_seconds
-        seconds = decode_seconds + added + drafting_s_per_row * len(drafted_rows)
-        tokens_per_s[num_drafts] = expected / seconds
+    gain_values = np.fromiter((gain for gain, _ in gains), dtype=float, count=len(gains))
+    row_of = np.fromiter((index for _, index in gains), dtype=np.int64, count=len(gains))
+    first_of_row = np.zeros(len(gains), dtype=np.int64)
+    first_of_row[np.unique(row_of, return_index=True)[1]] = 1
+    # Per total of draft positions (0..len(gains)): expected tokens, rows drafting, seconds.
+    expected = base_tokens + np.concatenate(([0.0], np.cumsum(gain_values)))
+    drafted_rows = np.concatenate(([0], np.cumsum(first_of_row)))
+    added = cost.many(base_positions + np.arange(len(gains) + 1)) - base_seconds
+    tokens_per_s = expected / (decode_seconds + added + drafting_s_per_row * drafted_rows)
     best = _explored(tokens_per_s, num_rows, base_positions, step_time)
     if best and payoff * tokens_per_s[best] <= (1 + min_draft_gain(num_rows)) * tokens_per_s[0]:
         best = 0
     lengths = list(forced)
     for _, index in gains[:best]:
         lengths[index] += 1
-    expected = base_tokens + sum(gain for gain, _ in gains[:best])
-    return DraftPlan(lengths, best, expected, tokens_per_s[best] / tokens_per_s[0])
+    return DraftPlan(lengths, best, float(expected[best]), float(tokens_per_s[best] / tokens_per_s[0]))
 
 
 # How fast DraftPayoff follows its steps: each step's reading weighs this much (~30 steps).
@@ -627,21 +678,18 @@ def _moving(averages: dict[int, float], key: int, value: float) -> None:
     averages[key] = previous + PAYOFF_WEIGHT * (value - previous)
 
 
-def _explored(
-    tokens_per_s: dict[int, float], num_rows: int, base_positions: int, step_time: StepTimeModel
-) -> int:
+def _explored(tokens_per_s: np.ndarray, num_rows: int, base_positions: int, step_time: StepTimeModel) -> int:
     """The draft total with the most expected tokens per second, unless its shape is trusted
     and an untrusted one comes within EXPLORE_MARGIN: then the best of those, to time it."""
-    best = max(tokens_per_s, key=lambda total: (tokens_per_s[total], -total))
+    best = int(np.argmax(tokens_per_s))  # the smallest total among equals
     if not step_time.trusted(num_rows, base_positions + best):
         return best
     # Only shapes read too few times are retimed: an unmeasured total between two trusted
     # ones is an interpolation, not a suspect reading.
-    close = [
-        total
-        for total, rate in tokens_per_s.items()
-        if rate >= (1 - EXPLORE_MARGIN) * tokens_per_s[best]
-        and step_time.measured(num_rows, base_positions + total) is not None
-        and not step_time.trusted(num_rows, base_positions + total)
-    ]
-    return max(close, key=lambda total: (tokens_per_s[total], -total)) if close else best
+    untrusted = step_time.untrusted_extras(num_rows)
+    if not untrusted:
+        return best
+    totals = np.flatnonzero(tokens_per_s >= (1 - EXPLORE_MARGIN) * tokens_per_s[best])
+    extras = snap_extras(np.maximum(0, base_positions + totals - num_rows))
+    close = totals[np.isin(extras, list(untrusted))]
+    return int(max(close, key=lambda total: (tokens_per_s[total], -total))) if len(close) else best

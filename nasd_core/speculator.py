@@ -1,0 +1,185 @@
+"""The speculator: each step's drafts and how far to verify them, priced by what steps cost.
+
+On the packed path drafts are built only for the rows whose best case could get draft positions
+(a large batch of poorly matching rows drafts little or nothing: building every row's draft each
+step cost 1% of a creative-text step at 16 rows, for ~1% more tokens); a fixed-shape step builds
+every looked-up row's draft at once and prices them once (pricing best cases first doubled the
+host work of a step, a tenth of a ~6 ms GPU step at 64 rows). A row that got no draft position
+rests a few steps before its next lookup (``policy.dormant_steps``). A step of fixed shapes (CUDA
+graphs) is priced by its width (``graph_plan``), any other by its rows and positions
+(``policy.plan_batch_drafts``); after the step, its time goes to the model of the path that ran
+it, and what its drafts delivered to that path's ``DraftPayoff``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from nasd_core.calibration import step_time_payoff
+from nasd_core.drafter import EMPTY_DRAFT, Draft, longest_matches, propose_rows
+from nasd_core.graph_plan import GraphStepTimes, plan_graph_drafts
+from nasd_core.model_runner import ModelRunner, StepRow
+from nasd_core.policy import (
+    DraftPayoff,
+    DraftPlan,
+    RowDraft,
+    StepTimeModel,
+    draft_position_cap,
+    plan_batch_drafts,
+)
+from nasd_core.scheduler import ScheduledStep
+from nasd_core.sequence import Request
+
+DRAFTING_COST_WEIGHT = 0.1  # moving-average weight of each step's drafting time per row
+
+
+class Speculator:
+    """One engine's drafting and draft-length policy.
+
+    Args:
+        runner: the engine's model runner (its fixed-shape widths, and which path ran a step).
+        step_time: step times of the packed path (shared by the engines on one model).
+        graph_step_times: step times of the fixed shapes, by shape.
+    """
+
+    def __init__(
+        self, runner: ModelRunner, step_time: StepTimeModel, graph_step_times: GraphStepTimes
+    ) -> None:
+        self.runner = runner
+        self.step_time = step_time
+        self.graph_step_times = graph_step_times
+        # Seconds to build one row's draft (moving average): the policy weighs it when choosing
+        # which rows to draft for at all.
+        self.drafting_s_per_row = 0.0
+        self.width_histogram: dict[int, int] = {}  # steps by their widest draft
+
+    @property
+    def payoff(self) -> DraftPayoff:
+        """What drafted packed steps deliver of their promise (``DraftPayoff``)."""
+        return step_time_payoff(self.step_time)
+
+    @property
+    def graph_payoff(self) -> DraftPayoff:
+        """The same for fixed-shape steps, priced by their own step times."""
+        return step_time_payoff(self.graph_step_times)
+
+    def propose(self, step: ScheduledStep) -> tuple[list[Draft], DraftPlan]:
+        """Each running row's draft and the plan of how much of it this step verifies."""
+        rows = step.rows
+        fixed_shape = self.runner.graph_widths is not None and not step.chunks
+        if fixed_shape:
+            drafts = self._build(rows, [request.looks_up for request in rows])
+        else:
+            drafts = self._drafts(rows, len(step.chunks), step.num_chunk_positions)
+        plan = self.plan(
+            [request.row_draft(draft) for request, draft in zip(rows, drafts)],
+            len(step.chunks),
+            step.num_chunk_positions,
+        )
+        if fixed_shape:  # priced once, on the drafts themselves: rows that got none rest
+            for request, length in zip(rows, plan.lengths):
+                request.rest(length, len(rows))
+        if rows:
+            widest = max(plan.lengths)
+            self.width_histogram[widest] = self.width_histogram.get(widest, 0) + 1
+        return drafts, plan
+
+    def plan(
+        self,
+        row_drafts: list[RowDraft],
+        num_other_rows: int,
+        num_other_positions: int,
+        drafting_s_per_row: float = 0.0,
+    ) -> DraftPlan:
+        """The policy's draft length per row: a fixed-shape step's by its width; a packed step's
+        with its total draft positions capped by what has been timed (``draft_position_cap``);
+        promises discounted by what drafted steps of this many rows delivered (``DraftPayoff``)."""
+        num_rows = len(row_drafts) + num_other_rows
+        widths = self.runner.graph_widths
+        if widths is not None and not num_other_rows:
+            return plan_graph_drafts(
+                row_drafts,
+                widths,
+                self.graph_step_times,
+                drafting_s_per_row,
+                self.graph_payoff.factor(num_rows),
+            )
+        return plan_batch_drafts(
+            row_drafts,
+            self.step_time,
+            draft_position_cap(num_rows, self.step_time),
+            num_other_rows,
+            num_other_positions,
+            drafting_s_per_row,
+            self.payoff.factor(num_rows),
+        )
+
+    def learn(
+        self,
+        step: ScheduledStep,
+        step_rows: list[StepRow],
+        plan: DraftPlan,
+        step_s: float,
+        wall_s: float,
+        num_emitted: int,
+    ) -> None:
+        """Record the step's time in the model of the path that ran it, and what its drafts
+        delivered (``num_emitted`` tokens in ``wall_s`` with drafting). A step that captured its
+        shape is no reading: its time is the capture's, not the shape's."""
+        if self.runner.last_captured:
+            return
+        # Only steps of the policy's own choices are read: no prompt chunks, no "on" row's drafts.
+        reads_payoff = step.rows and not step.chunks and sum(plan.lengths) == plan.num_chosen
+        shape = self.runner.last_graph_shape
+        if shape is not None:
+            if reads_payoff:
+                estimate = self.graph_step_times.estimate(len(step.rows), shape.num_positions)
+                self.graph_payoff.record(len(step.rows), plan, estimate, wall_s, num_emitted)
+            self.graph_step_times.observe(shape.num_rows, shape.num_positions, step_s)
+            return
+        num_positions = sum(len(row.token_ids) for row in step_rows)
+        if reads_payoff:
+            estimate = self.step_time.estimate(len(step.rows), num_positions)
+            self.payoff.record(len(step.rows), plan, estimate, wall_s, num_emitted)
+        self.step_time.observe(len(step_rows), num_positions, step_s)
+
+    def _drafts(self, rows: list[Request], num_other_rows: int, num_other_positions: int) -> list[Draft]:
+        """This step's drafts, built only for the rows whose best case gets draft positions."""
+        if not rows:
+            return []
+        looked_up = [request for request in rows if request.looks_up]
+        matches = iter(
+            longest_matches(
+                [request.drafter for request in looked_up], [request.tokens for request in looked_up]
+            )
+        )
+        best = self.plan(
+            [
+                request.best_case(next(matches)) if request.looks_up else request.best_case()
+                for request in rows
+            ],
+            num_other_rows,
+            num_other_positions,
+            self.drafting_s_per_row,
+        ).lengths
+        num_rows = len(rows) + num_other_rows
+        for request, length in zip(rows, best):
+            request.rest(length, num_rows)
+        return self._build(rows, [length > 0 for length in best])
+
+    def _build(self, rows: list[Request], wanted: list[bool]) -> list[Draft]:
+        """The drafts of the ``wanted`` rows (the others get none), built in one call, timed."""
+        chosen = [request for request, want in zip(rows, wanted) if want]
+        started = time.perf_counter()
+        built = iter(
+            propose_rows(
+                [request.drafter for request in chosen],
+                [request.tokens for request in chosen],
+                [request.draft_cap for request in chosen],
+            )
+        )
+        drafts = [next(built) if want else EMPTY_DRAFT for want in wanted]
+        if chosen:
+            per_row = (time.perf_counter() - started) / len(chosen)
+            self.drafting_s_per_row += DRAFTING_COST_WEIGHT * (per_row - self.drafting_s_per_row)
+        return drafts
