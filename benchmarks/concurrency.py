@@ -32,12 +32,12 @@ from benchmarks.common import (
     write_result,
 )
 from benchmarks.workloads import long_chats, make_workload
-from nasd_core.calibration import calibrate
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
-from nasd_core.engine import Engine, warm_up
+from nasd_core.engine.engine import Engine, warm_up
 from nasd_core.metrics import SpecStats
-from nasd_core.model_runner import ModelRunner
+from nasd_core.model.model_runner import ModelRunner
 from nasd_core.models import load_model
+from nasd_core.speculation.calibration import calibrate
 
 MIXES = {
     "repetitive": ("code_edit", "rag_quote", "json_reformat", "translation"),

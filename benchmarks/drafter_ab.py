@@ -25,11 +25,11 @@ from tqdm import tqdm
 from benchmarks.common import concurrency_lines, new_figure, publish_run, run_metadata
 from benchmarks.concurrency import SWEEP_MIXES, mix_prompts
 from benchmarks.replay import TRACES
-from nasd_core.calibration import calibrate
 from nasd_core.config import EngineConfig, IndexConfig, ModelConfig, SamplingParams, SpecConfig
-from nasd_core.drafter import new_shared_index
-from nasd_core.engine import Engine
+from nasd_core.engine.engine import Engine
 from nasd_core.models import load_model
+from nasd_core.speculation.calibration import calibrate
+from nasd_core.speculation.drafter import new_shared_index
 
 LEVELS = (1, 4, 16)
 REPEATS = 2

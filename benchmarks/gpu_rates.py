@@ -39,12 +39,11 @@ import numpy as np
 import torch
 
 from benchmarks.common import RESULTS_DIR, percentile, run_metadata, write_result
-from nasd_core.calibration import calibrate
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig
-from nasd_core.engine import GPU_PREFILL_CHUNK_TOKENS, Engine
-from nasd_core.kv_cache import PagedKVCache
-from nasd_core.model_runner import StepRow
-from nasd_core.step_graphs import (
+from nasd_core.engine.engine import GPU_PREFILL_CHUNK_TOKENS, Engine
+from nasd_core.model.kv_cache import PagedKVCache
+from nasd_core.model.model_runner import StepRow
+from nasd_core.model.step_graphs import (
     MAX_GRAPHS,
     POSITION_BUCKETS,
     WARMUP_RUNS,
@@ -53,6 +52,7 @@ from nasd_core.step_graphs import (
     fixed_shape,
     grid_shapes,
 )
+from nasd_core.speculation.calibration import calibrate
 
 TRACES = Path(__file__).resolve().parent / "traces" / "greedy_float32.json"
 GRAPH_SURFACE = Path(__file__).resolve().parent / "surfaces" / "h100_qwen2-1.5b_graphs.json"

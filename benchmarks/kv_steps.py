@@ -18,11 +18,11 @@ import time
 
 from benchmarks.common import run_metadata, write_result
 from benchmarks.workloads import WORKLOADS, make_workload
-from nasd_core.calibration import fill_rows, time_step
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
-from nasd_core.engine import Engine
-from nasd_core.model_runner import ModelRunner
+from nasd_core.engine.engine import Engine
+from nasd_core.model.model_runner import ModelRunner
 from nasd_core.models import load_model
+from nasd_core.speculation.calibration import fill_rows, time_step
 
 CONTEXTS = (64, 512, 1536)
 ROWS = (16, 32)

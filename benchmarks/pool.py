@@ -28,12 +28,12 @@ from tqdm import tqdm
 
 from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
 from benchmarks.workloads import Messages, make_workload, paraphrase
-from nasd_core.async_engine import AsyncEngine
-from nasd_core.calibration import calibrate
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams
-from nasd_core.engine import Engine
+from nasd_core.engine.async_engine import AsyncEngine
+from nasd_core.engine.engine import Engine
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
+from nasd_core.speculation.calibration import calibrate
 from pool_service import PoolConfig, SharedPools, namespace_for
 from pool_service.local_redis import LocalRedis
 

@@ -62,8 +62,8 @@ from benchmarks.workloads import WORKLOADS, make_workload, paraphrase
 from deployments.router import DEFAULT_LOAD_BOUND, bounded_load_order, load_capacity
 from deployments.schemas import GenerateRequest
 from nasd_core.config import SpecConfig
-from nasd_core.drafter import RequestDrafter
-from nasd_core.ngram import NGramIndex
+from nasd_core.speculation.drafter import RequestDrafter
+from nasd_core.speculation.ngram import NGramIndex
 from pool_service import PoolConfig, SharedPools
 from pool_service.codec import TOKEN_BYTES
 from pool_service.local_redis import LocalRedis

@@ -23,10 +23,10 @@ import torch
 
 from benchmarks.common import grouped_bars, new_figure, percentile, publish_run, run_metadata
 from benchmarks.workloads import WORKLOADS, Messages, chat_ids, long_chat_messages, make_workload
-from nasd_core.calibration import calibrate
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
-from nasd_core.engine import Engine
+from nasd_core.engine.engine import Engine
 from nasd_core.models import load_model
+from nasd_core.speculation.calibration import calibrate
 
 SYSTEMS = {"no_cache": 0, "prefix_cache": None}  # prefix_cache_tokens (None: the engine's default)
 

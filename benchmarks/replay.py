@@ -33,11 +33,11 @@ from typing import Protocol
 
 from benchmarks.common import publish_run, run_metadata
 from benchmarks.workloads import WORKLOADS, long_chats, make_workload
-from nasd_core import native
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
-from nasd_core.drafter import RequestDrafter, longest_matches, new_shared_index, propose_rows
-from nasd_core.ngram import prompt_lookup
-from nasd_core.suffix import MAX_SPEC_FACTOR, SEPARATOR, SuffixIndex, best_draft
+from nasd_core.model import native
+from nasd_core.speculation.drafter import RequestDrafter, longest_matches, new_shared_index, propose_rows
+from nasd_core.speculation.ngram import prompt_lookup
+from nasd_core.speculation.suffix import MAX_SPEC_FACTOR, SEPARATOR, SuffixIndex, best_draft
 from pool_service.config import pool_index
 
 TRACES = Path(__file__).resolve().parent / "traces" / "greedy_float32.json"
@@ -82,7 +82,7 @@ def greedy_traces(
     a time with speculation off."""
     from nasd_core.config import EngineConfig, SamplingParams
     from nasd_core.config import SpecConfig as Spec
-    from nasd_core.engine import Engine
+    from nasd_core.engine.engine import Engine
 
     traces: dict[str, list[dict[str, list[int]]]] = {}
     for name, workload in prompts.items():
@@ -180,7 +180,7 @@ class EngineSuffixDrafter(NGramDrafter):
 
 
 class SuffixDrafter:
-    """``nasd_core.suffix``: the longest suffix match (up to 64 tokens) in the request's own
+    """``nasd_core.speculation.suffix``: the longest suffix match (up to 64 tokens) in the request's own
     tokens and, in the ``cross`` scope, in every finished request; drafts sized by confidence."""
 
     def __init__(self, scope: str, max_spec_factor: float = MAX_SPEC_FACTOR) -> None:

@@ -3,7 +3,7 @@
 Systems: transformers greedy (``hf_greedy``), transformers prompt lookup
 (``hf_prompt_lookup``, ``prompt_lookup_num_tokens=10``), the seeds' NASD as published
 (``seed_nasd``), and this library with speculation off / on / auto, all on one model as
-``load_model`` gives it (on CPU, with the fast path of ``nasd_core/cpu_kernels.py``); plus
+``load_model`` gives it (on CPU, with the fast path of ``nasd_core/model/cpu_kernels.py``); plus
 ``hf_greedy_stock`` and ``hf_prompt_lookup_stock``: transformers greedy and prompt lookup on
 a second copy of the model with transformers' stock CPU kernels, i.e. what a transformers
 user runs today. All greedy, so every system must emit exactly ``hf_greedy``'s tokens; the
@@ -36,13 +36,13 @@ from benchmarks.common import (
     run_metadata,
 )
 from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
-from nasd_core.calibration import calibrate
 from nasd_core.config import ModelConfig, SamplingParams, SpecConfig
 from nasd_core.generate import generate
 from nasd_core.inputs import eos_ids
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
-from nasd_core.policy import StepTimeModel
+from nasd_core.speculation.calibration import calibrate
+from nasd_core.speculation.policy import StepTimeModel
 
 SYSTEMS = (
     "hf_greedy",

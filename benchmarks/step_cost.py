@@ -2,7 +2,7 @@
 
 This is the surface the ``auto`` policy weighs drafts against. float32 is timed twice, with
 transformers' stock CPU kernels and with the CPU fast path ``load_model`` applies by default
-(``nasd_core/cpu_kernels.py``), in the same run.
+(``nasd_core/model/cpu_kernels.py``), in the same run.
 
 On another device (a GPU) or for a larger architecture with random weights, one model is
 timed and the run also checks the policy's cost model and the attention layout:
@@ -12,7 +12,7 @@ timed and the run also checks the policy's cost model and the attention layout:
 - decode and 5-position steps with every row attended by its own SDPA call and with the rows
   padded into one call per layer (``ModelRunner.batch_attention``), at two context lengths;
 - with ``--step-graphs``, the probe's surface again on fixed-shape steps, replayed from CUDA
-  graphs on a GPU (``nasd_core/step_graphs.py``).
+  graphs on a GPU (``nasd_core/model/step_graphs.py``).
 
 python -m benchmarks.step_cost                      # float32 stock/fast and bfloat16, rows 1..32
 python -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b --rows 1 4 16 64 --step-graphs
@@ -25,11 +25,11 @@ import argparse
 import torch
 
 from benchmarks.common import run_metadata, write_result
-from nasd_core.calibration import PROBE_POSITIONS, filled_runner, measure_step_times, time_step
 from nasd_core.config import ModelConfig
-from nasd_core.model_runner import ModelRunner
+from nasd_core.model.model_runner import ModelRunner
 from nasd_core.models import load_model
-from nasd_core.policy import StepTimeModel
+from nasd_core.speculation.calibration import PROBE_POSITIONS, filled_runner, measure_step_times, time_step
+from nasd_core.speculation.policy import StepTimeModel
 
 # Model set-ups timed, by the name the results use.
 VARIANTS = {

@@ -68,7 +68,7 @@ def run_system(system: str, mix: str, num_rows: int) -> dict:
             return [list(output.generated_tokens) for output in by_prompt]
 
     else:
-        from nasd_core.engine import Engine
+        from nasd_core.engine.engine import Engine
 
         engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=num_rows))
         spec = SpecConfig(mode="off" if system == "nasd_off" else "auto")

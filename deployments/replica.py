@@ -36,15 +36,15 @@ from deployments.schemas import (
 )
 from deployments.streams import interleave
 from nasd_core import logprobs as engine_logprobs
-from nasd_core.async_engine import AsyncEngine, StreamChunk
-from nasd_core.calibration import calibrate
 from nasd_core.config import EMBEDDED_MODEL, EngineConfig, ModelConfig, SamplingParams, SpecConfig, build
-from nasd_core.engine import Engine
+from nasd_core.engine.async_engine import AsyncEngine, StreamChunk
+from nasd_core.engine.engine import Engine
+from nasd_core.engine.stopping import first_stop_at
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
 from nasd_core.inputs import encode_prompt
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
-from nasd_core.stopping import first_stop_at
+from nasd_core.speculation.calibration import calibrate
 from pool_service import PoolConfig, SharedPools, namespace_for
 
 logger = logging.getLogger(__name__)

@@ -6,16 +6,19 @@ result = generate(model, tokenizer, "Hello", SamplingParams(max_tokens=32))
 print(result.text, result.stats.tokens_per_step)
 """
 
-from nasd_core.config import IndexConfig, ModelConfig, SamplingParams, SpecConfig
+from nasd_core.config import EngineConfig, IndexConfig, ModelConfig, SamplingParams, SpecConfig
+from nasd_core.engine.engine import Engine
+from nasd_core.engine.sequence import GenerationResult
 from nasd_core.errors import ContextLengthError, InvalidRequestError, ModelLoadError, NASDError
 from nasd_core.generate import generate
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
-from nasd_core.ngram import NGramIndex, prompt_lookup
-from nasd_core.sequence import GenerationResult
+from nasd_core.speculation.ngram import NGramIndex, prompt_lookup
 
 __all__ = [
     "ContextLengthError",
+    "Engine",
+    "EngineConfig",
     "GenerationResult",
     "IndexConfig",
     "InvalidRequestError",

@@ -15,8 +15,8 @@ import torch
 
 from nasd_core.config import IndexConfig, SamplingParams, SpecConfig, build
 from nasd_core.generate import generate
-from nasd_core.ngram import NGramIndex
 from nasd_core.sampling import logits_to_probs
+from nasd_core.speculation.ngram import NGramIndex
 
 # A storage is private to its caller; its budget only guards against runaway growth.
 _STORAGE_MAX_ENTRIES = 10_000_000

@@ -151,7 +151,7 @@ class SpecConfig(_Config):
         description="Request-local draft source over the prompt and the output: a multi-level or "
         "one-level n-gram index, prompt lookup (latest earlier occurrence), hybrid (both; the "
         "longer match wins), or suffix (the longest earlier match of up to 64 tokens, compiled; "
-        "nasd_core.suffix).",
+        "nasd_core.speculation.suffix).",
     )
     lookup_max_ngram: int = Field(
         DEFAULT_LOOKUP_MAX_NGRAM, ge=1, le=64, description="Longest suffix prompt lookup tries to match."
@@ -226,8 +226,8 @@ class EngineConfig(_Config):
     step_graphs: bool | None = Field(
         None,
         description="Run decode and verification steps in fixed shapes, replayed from CUDA graphs on a "
-        "GPU (nasd_core/step_graphs.py; Llama, Mistral and Qwen2/3 models). None: on wherever the model "
-        "is on CUDA and of such a type.",
+        "GPU (nasd_core/model/step_graphs.py; Llama, Mistral and Qwen2/3 models). None: on wherever "
+        "the model is on CUDA and of such a type.",
     )
     graph_warmup_budget_s: float = Field(
         DEFAULT_GRAPH_WARMUP_BUDGET_S,
@@ -251,7 +251,8 @@ class ModelConfig(_Config):
     cpu_fast_path: bool = Field(
         True,
         description="On CPU in float32: pack Linear weights for oneDNN and share key/value heads in "
-        "attention instead of copying them (nasd_core/cpu_kernels.py); outputs equal up to float rounding.",
+        "attention instead of copying them (nasd_core/model/cpu_kernels.py); outputs equal up to float "
+        "rounding.",
     )
     cpu_dense_max_rows: int | None = Field(
         None,

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
-from nasd_core.drafter import SharedIndex
-from nasd_core.engine import Engine
+from nasd_core.engine.engine import Engine
+from nasd_core.engine.sequence import GenerationResult
 from nasd_core.inputs import check_context, encode_prompt
-from nasd_core.model_runner import ModelRunner
-from nasd_core.ngram import NGramIndex
-from nasd_core.policy import StepTimeModel
-from nasd_core.sequence import GenerationResult
+from nasd_core.model.model_runner import ModelRunner
+from nasd_core.speculation.drafter import SharedIndex
+from nasd_core.speculation.ngram import NGramIndex
+from nasd_core.speculation.policy import StepTimeModel
 
 TokenCallback = Callable[[list[int]], None]
 

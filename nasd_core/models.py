@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from nasd_core.config import EMBEDDED_MODEL, ModelConfig
-from nasd_core.cpu_kernels import optimize_for_cpu
 from nasd_core.errors import ModelLoadError
+from nasd_core.model.cpu_kernels import optimize_for_cpu
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from nasd_core.drafter import SharedIndex, new_shared_index
+from nasd_core.speculation.drafter import SharedIndex, new_shared_index
 from pool_service.config import PoolConfig
 from pool_service.store import open_store
 from pool_service.sync import Apply, PoolSync, apply_now

@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from nasd_core.drafter import SharedIndex
+from nasd_core.speculation.drafter import SharedIndex
 from pool_service.codec import bounded_runs, pack_tokens, sequence_digest
 from pool_service.config import PoolConfig
 from pool_service.store import START_CURSOR, PoolStore, PoolUnavailableError, now_ms

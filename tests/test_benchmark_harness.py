@@ -263,7 +263,7 @@ def test_a_tree_draft_keeps_the_deepest_node_on_the_models_path():
 
 def test_suffix_tree_holds_every_continuation_of_the_match_and_the_path_draft():
     from benchmarks.replay import TREE_MAX_NODES, suffix_tree
-    from nasd_core.suffix import SuffixIndex
+    from nasd_core.speculation.suffix import SuffixIndex
 
     index = SuffixIndex()
     for sequence in ([5, 6, 7, 8, 9], [5, 6, 7, 1, 2], [5, 6, 7, 8, 3]):

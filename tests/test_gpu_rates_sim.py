@@ -15,9 +15,9 @@ from benchmarks.gpu_rates import (
     new_setup,
     run_once,
 )
-from nasd_core.calibration import model_graph_step_times
+from nasd_core.model.step_graphs import POSITION_BUCKETS
 from nasd_core.models import load_tokenizer
-from nasd_core.step_graphs import POSITION_BUCKETS
+from nasd_core.speculation.calibration import model_graph_step_times
 
 
 @pytest.fixture(scope="module")

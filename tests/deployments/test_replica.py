@@ -12,8 +12,8 @@ import redis
 from deployments.replica import NASDServer, ReplicaConfig, TextStream
 from deployments.schemas import GenerateChunk
 from nasd_core import SamplingParams, generate
-from nasd_core.calibration import PROBE_POSITIONS, model_step_time
 from nasd_core.config import EngineConfig
+from nasd_core.speculation.calibration import PROBE_POSITIONS, model_step_time
 from pool_service import PoolConfig, open_store
 from tests.redis_server import MACHINE_REDIS_URL, is_up, require
 

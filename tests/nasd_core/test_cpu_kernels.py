@@ -7,10 +7,10 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from nasd_core import cpu_kernels
-from nasd_core.attention import FALLBACK_ATTRIBUTE
 from nasd_core.config import ModelConfig
-from nasd_core.cpu_kernels import GQA_SDPA, PackedLinear, measure_dense_max_rows, pack_linear_layers
+from nasd_core.model import cpu_kernels
+from nasd_core.model.attention import FALLBACK_ATTRIBUTE
+from nasd_core.model.cpu_kernels import GQA_SDPA, PackedLinear, measure_dense_max_rows, pack_linear_layers
 from nasd_core.models import load_model
 
 PROMPTS = [

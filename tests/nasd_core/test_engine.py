@@ -8,13 +8,13 @@ import threading
 import pytest
 
 from nasd_core import SamplingParams, SpecConfig, generate
-from nasd_core.async_engine import AsyncEngine
-from nasd_core.calibration import model_acceptance
 from nasd_core.config import EngineConfig
-from nasd_core.drafter import LOCAL_SOURCE, RequestDrafter
-from nasd_core.engine import Engine
+from nasd_core.engine.async_engine import AsyncEngine
+from nasd_core.engine.engine import Engine
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
-from nasd_core.policy import MIN_PAYOFF, AcceptanceEstimator, DraftPlan, StepTimeModel
+from nasd_core.speculation.calibration import model_acceptance
+from nasd_core.speculation.drafter import LOCAL_SOURCE, RequestDrafter
+from nasd_core.speculation.policy import MIN_PAYOFF, AcceptanceEstimator, DraftPlan, StepTimeModel
 
 PROMPTS = [
     "one, two, three, four, five,",

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from nasd_core.graph_plan import GraphStepTimes, plan_graph_drafts
-from nasd_core.policy import AcceptanceEstimator, RowDraft
-from nasd_core.step_graphs import POSITION_BUCKETS
+from nasd_core.model.step_graphs import POSITION_BUCKETS
+from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
+from nasd_core.speculation.policy import AcceptanceEstimator, RowDraft
 
 WIDTHS = tuple(width for width in POSITION_BUCKETS if width <= 17)
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nasd_core.config import IndexConfig, SpecConfig
-from nasd_core.drafter import RequestDrafter, new_shared_index
-from nasd_core.ngram import Match, NGramIndex, prompt_lookup
+from nasd_core.speculation.drafter import RequestDrafter, new_shared_index
+from nasd_core.speculation.ngram import Match, NGramIndex, prompt_lookup
 
 token_lists = st.lists(st.integers(min_value=0, max_value=7), min_size=0, max_size=60)
 

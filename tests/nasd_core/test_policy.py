@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nasd_core.metrics import SpecStats
-from nasd_core.policy import (
+from nasd_core.speculation.policy import (
     LARGE_BATCH_MIN_DRAFT_GAIN,
     LARGE_BATCH_ROWS,
     MAX_READ_GAIN,

@@ -7,7 +7,7 @@ import torch
 
 from nasd_core import InvalidRequestError, SamplingParams, SpecConfig, generate
 from nasd_core.config import EngineConfig, build
-from nasd_core.engine import Engine
+from nasd_core.engine.engine import Engine
 
 PROMPT = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat on the"
 MAX_TOKENS = 24

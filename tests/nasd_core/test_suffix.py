@@ -11,10 +11,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nasd_core import native, suffix
 from nasd_core.config import SpecConfig
-from nasd_core.drafter import RequestDrafter, longest_matches, propose_rows
-from nasd_core.suffix import MAX_MATCH, SharedSuffixIndex, SuffixIndex, best_draft, draft_best, draft_rows
+from nasd_core.model import native
+from nasd_core.speculation import suffix
+from nasd_core.speculation.drafter import RequestDrafter, longest_matches, propose_rows
+from nasd_core.speculation.suffix import (
+    MAX_MATCH,
+    SharedSuffixIndex,
+    SuffixIndex,
+    best_draft,
+    draft_best,
+    draft_rows,
+)
 
 IMPLEMENTATIONS = ("compiled", "reference")
 
@@ -27,7 +35,9 @@ def make_index(request):
     if compiled and native.drafter() is None:
         if os.environ.get("NASD_NATIVE") == "0":
             pytest.skip("NASD_NATIVE=0: the compiled suffix store is turned off")
-        pytest.fail("the compiled suffix store did not build (see the warning logged by nasd_core.native)")
+        pytest.fail(
+            "the compiled suffix store did not build (see the warning logged by nasd_core.model.native)"
+        )
 
     def make(max_tokens: int | None = None) -> SuffixIndex:
         index = SuffixIndex(max_tokens, compiled=compiled)

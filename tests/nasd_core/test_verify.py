@@ -16,7 +16,7 @@ from scipy.stats import chisquare
 from nasd_core.config import SamplingParams
 from nasd_core.processors import LogitsProcessors
 from nasd_core.sampling import TokenDraws, logits_to_probs, sample_tokens
-from nasd_core.verify import VerifyRow, accept_prefix, verify_rows, verify_sampled
+from nasd_core.speculation.verify import VerifyRow, accept_prefix, verify_rows, verify_sampled
 
 NUM_TRIALS = 6000
 

@@ -13,9 +13,9 @@ import threading
 import redis
 
 from nasd_core import SamplingParams, SpecConfig, generate
-from nasd_core.async_engine import AsyncEngine
 from nasd_core.config import EngineConfig
-from nasd_core.engine import Engine
+from nasd_core.engine.async_engine import AsyncEngine
+from nasd_core.engine.engine import Engine
 from pool_service import PoolConfig, SharedPools
 from pool_service.redis_pool import RedisPool
 from tests.redis_server import own_redis_server, until

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import time
 
-from nasd_core.ngram import NGramIndex
+from nasd_core.speculation.ngram import NGramIndex
 from pool_service import PoolConfig
 from pool_service.store import InMemoryPool, ReadBatch
 from pool_service.sync import PoolSync, cancel_and_wait

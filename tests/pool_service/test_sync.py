@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from nasd_core.config import IndexConfig, SpecConfig
-from nasd_core.drafter import RequestDrafter
+from nasd_core.speculation.drafter import RequestDrafter
 from pool_service import PoolConfig, SharedPools
 from pool_service.codec import encode_entry, pack_tokens
 from pool_service.redis_pool import COMMAND_CONNECTIONS, RedisPool, pool_keys

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
-from nasd_core.ngram import NGramIndex, prompt_lookup
-from nasd_core.suffix import RowQuery, SharedSuffixIndex, SuffixIndex, draft_rows
+from nasd_core.speculation.ngram import NGramIndex, prompt_lookup
+from nasd_core.speculation.suffix import RowQuery, SharedSuffixIndex, SuffixIndex, draft_rows
 
 LOCAL_SOURCE = "request"
 # A shared draft source: finished requests, read by every request of a replica.

@@ -17,7 +17,7 @@ recent), its probability the product of those frequencies; the draft stops below
 fresh text proposes at most a token or two while a 30-token copy proposes a long draft.
 
 Two implementations of one definition: ``ReferenceSuffixIndex`` here in Python, and the same
-store compiled (``nasd_core/csrc/suffix_index.cpp``, built by ``nasd_core.native``), which
+store compiled (``nasd_core/model/csrc/suffix_index.cpp``, built by ``nasd_core.model.native``), which
 ``SuffixIndex`` uses wherever it builds; the tests hold the two equal draft for draft.
 """
 
@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nasd_core import native
+from nasd_core.model import native
 
 ANCHOR_LENGTHS = (1, 2, 4, 8, 16)
 MAX_MATCH = 64

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from nasd_core.graph_plan import GraphStepTimes
-from nasd_core.model_runner import ModelRunner, StepRow
-from nasd_core.policy import (
+from nasd_core.model.model_runner import ModelRunner, StepRow
+from nasd_core.speculation.graph_plan import GraphStepTimes
+from nasd_core.speculation.policy import (
     MIN_TRUSTED_SAMPLES,
     AcceptanceEstimator,
     DraftPayoff,

@@ -5,9 +5,9 @@
     while not engine.is_finished():
         engine.step()
 
-``step()`` is schedule, draft, run, commit: the scheduler (``nasd_core/scheduler.py``) admits
+``step()`` is schedule, draft, run, commit: the scheduler (``nasd_core/engine/scheduler.py``) admits
 waiting requests while the paged KV-cache has blocks for them and picks this step's prompt
-chunks; the speculator (``nasd_core/speculator.py``) drafts for the running rows and plans how
+chunks; the speculator (``nasd_core/engine/speculator.py``) drafts for the running rows and plans how
 far to verify; the runner feeds every row's last token and its draft, beside the chunks, in one
 ragged forward; the commit stage verifies every row from that forward's logits, keeps what
 verification emitted (rejected drafts roll back by setting each row's cached length) and
@@ -23,23 +23,23 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from nasd_core.calibration import model_acceptance, model_graph_step_times, model_step_time
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
-from nasd_core.drafter import Draft, RequestDrafter, SharedIndex
+from nasd_core.engine.scheduler import ScheduledStep, Scheduler
+from nasd_core.engine.sequence import GenerationResult, Request
+from nasd_core.engine.speculator import Speculator
+from nasd_core.engine.stopping import StopChecker
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
 from nasd_core.inputs import check_context, encode_prompt, eos_ids
 from nasd_core.logprobs import token_logprobs
 from nasd_core.metrics import SpecStats
-from nasd_core.model_runner import ModelRunner, StepRow
-from nasd_core.ngram import NGramIndex
-from nasd_core.policy import AcceptanceEstimator, DraftPayoff, StepTimeModel
+from nasd_core.model.model_runner import ModelRunner, StepRow
 from nasd_core.processors import LogitsProcessors, needs_processing
 from nasd_core.sampling import TokenDraws
-from nasd_core.scheduler import ScheduledStep, Scheduler
-from nasd_core.sequence import GenerationResult, Request
-from nasd_core.speculator import Speculator
-from nasd_core.stopping import StopChecker
-from nasd_core.verify import verify_rows
+from nasd_core.speculation.calibration import model_acceptance, model_graph_step_times, model_step_time
+from nasd_core.speculation.drafter import Draft, RequestDrafter, SharedIndex
+from nasd_core.speculation.ngram import NGramIndex
+from nasd_core.speculation.policy import AcceptanceEstimator, DraftPayoff, StepTimeModel
+from nasd_core.speculation.verify import verify_rows
 
 TokenListener = Callable[[Request, list[int]], None]
 # Prompt tokens per step by default. On a CPU a step's cost grows with its tokens from the

@@ -16,12 +16,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from nasd_core.config import SamplingParams, SpecConfig
-from nasd_core.drafter import RequestDrafter, SharedIndex
-from nasd_core.engine import Engine
+from nasd_core.engine.engine import Engine
+from nasd_core.engine.sequence import Request
 from nasd_core.inputs import encode_prompt
 from nasd_core.logprobs import TokenLogprob
 from nasd_core.metrics import SpecStats
-from nasd_core.sequence import Request
+from nasd_core.speculation.drafter import RequestDrafter, SharedIndex
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 // Suffix-match draft source, compiled: the same store, lookups and drafts as the pure-Python
-// `nasd_core.suffix.SuffixIndex` (see its module docstring for the algorithm), which the tests
+// `nasd_core.speculation.suffix.SuffixIndex` (see its module docstring for the algorithm), which the tests
 // hold it equal to. Why compiled: a Python lookup and draft cost 6-98 us per row-step in the
 // replay; at GPU step times (5-10 ms for 32 rows) that is as long as the forward itself.
 //
@@ -263,7 +263,7 @@ std::vector<RowDraft> draft_rows(
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.doc() = "Suffix-match draft source (nasd_core.suffix), compiled.";
+  module.doc() = "Suffix-match draft source (nasd_core.speculation.suffix), compiled.";
   py::class_<SuffixIndex>(module, "SuffixIndex")
       .def(py::init<int64_t, int, int>(), py::arg("max_tokens"), py::arg("max_match"), py::arg("max_candidates"))
       .def("__len__", &SuffixIndex::size)

@@ -1,4 +1,4 @@
-"""Draft lengths for a fixed-shape step (``nasd_core/step_graphs.py``), priced by its width.
+"""Draft lengths for a fixed-shape step (``nasd_core/model/step_graphs.py``), priced by its width.
 
 A fixed-shape step runs every row at the step's width (positions per row, one of the graph
 buckets), so its cost depends on that width and the row count, not on how many positions the
@@ -14,8 +14,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from nasd_core.policy import EWMA_WEIGHT, MAX_SAMPLE_RATIO, DraftPlan, RowDraft, min_draft_gain
-from nasd_core.step_graphs import ROW_BUCKETS, bucket
+from nasd_core.model.step_graphs import ROW_BUCKETS, bucket
+from nasd_core.speculation.policy import EWMA_WEIGHT, MAX_SAMPLE_RATIO, DraftPlan, RowDraft, min_draft_gain
 
 # Before a width is timed: each position per row adds this share of a one-position step (an H100
 # replaying a 1.5B model's graphs: 1 x 17 cost 1.15x 1 x 1, 64 x 17 1.86x 64 x 1).

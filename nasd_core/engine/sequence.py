@@ -7,14 +7,14 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from nasd_core.config import SamplingParams, SpecConfig
-from nasd_core.drafter import Draft, RequestDrafter
+from nasd_core.engine.stopping import FinishReason, StopChecker
 from nasd_core.logprobs import TokenLogprob
 from nasd_core.metrics import SpecStats
-from nasd_core.policy import AcceptanceEstimator, RowDraft, dormant_steps
 from nasd_core.processors import LogitsProcessors
 from nasd_core.sampling import TokenDraws
-from nasd_core.stopping import FinishReason, StopChecker
-from nasd_core.verify import VerifyRow
+from nasd_core.speculation.drafter import Draft, RequestDrafter
+from nasd_core.speculation.policy import AcceptanceEstimator, RowDraft, dormant_steps
+from nasd_core.speculation.verify import VerifyRow
 
 
 class RequestStatus(enum.Enum):

@@ -14,9 +14,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nasd_core.kv_cache import PagedKVCache
-from nasd_core.model_runner import StepRow
-from nasd_core.sequence import Request, RequestStatus
+from nasd_core.engine.sequence import Request, RequestStatus
+from nasd_core.model.kv_cache import PagedKVCache
+from nasd_core.model.model_runner import StepRow
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The project's C++ code (``nasd_core/csrc``: the CPU attention kernels and the suffix-match
+"""The project's C++ code (``nasd_core/model/csrc``: the CPU attention kernels and the suffix-match
 draft source), compiled on this machine on first use.
 
 Why compiled here and not shipped: the kernels are built with ``-march=native`` (their loops

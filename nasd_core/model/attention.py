@@ -9,7 +9,7 @@ blocks are contiguous (no copy), causal within the row's new positions.
 
 Two ways to attend, chosen per row when the step is planned (``plan_step``):
 - on a CPU in float32, rows of a few positions (decode and verification, the bulk of the
-  reading) go to one C++ call per layer (``nasd_core/csrc/paged_attention.cpp``) that reads
+  reading) go to one C++ call per layer (``nasd_core/model/csrc/paged_attention.cpp``) that reads
   every row's blocks in place and splits the work by row, head and run of keys over the
   cores: a decode step of 32 rows x 1536 cached tokens took 198 ms where one SDPA call per
   row and layer took 294 (`python -m benchmarks.kv_steps`, a 2-core Xeon);
@@ -41,8 +41,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from nasd_core import native
-from nasd_core.kv_cache import PagedKVCache
+from nasd_core.model import native
+from nasd_core.model.kv_cache import PagedKVCache
 
 PAGED_ATTENTION = "nasd_paged"
 
@@ -113,7 +113,7 @@ class BatchedRows:
     num_keys: int
     # For rows packed without padding: the packed position of each padded query, the indices
     # of the real ones among them and their packed positions. None: the step itself is laid
-    # out rows x num_positions (``nasd_core/step_graphs.py``), so all three are the identity.
+    # out rows x num_positions (``nasd_core/model/step_graphs.py``), so all three are the identity.
     query_index: torch.Tensor | None = None
     real_index: torch.Tensor | None = None
     out_index: torch.Tensor | None = None

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from nasd_core.attention import (
+from nasd_core.model.attention import (
     BatchedRows,
     StepLayout,
     no_mask,
@@ -51,7 +51,7 @@ from nasd_core.attention import (
     padded_queries,
     row_mask,
 )
-from nasd_core.kv_cache import PagedKVCache
+from nasd_core.model.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import time
 
-from nasd_core.calibration import step_time_payoff
-from nasd_core.drafter import EMPTY_DRAFT, Draft, longest_matches, propose_rows
-from nasd_core.graph_plan import GraphStepTimes, plan_graph_drafts
-from nasd_core.model_runner import ModelRunner, StepRow
-from nasd_core.policy import (
+from nasd_core.engine.scheduler import ScheduledStep
+from nasd_core.engine.sequence import Request
+from nasd_core.model.model_runner import ModelRunner, StepRow
+from nasd_core.speculation.calibration import step_time_payoff
+from nasd_core.speculation.drafter import EMPTY_DRAFT, Draft, longest_matches, propose_rows
+from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
+from nasd_core.speculation.policy import (
     DraftPayoff,
     DraftPlan,
     RowDraft,
@@ -27,8 +29,6 @@ from nasd_core.policy import (
     draft_position_cap,
     plan_batch_drafts,
 )
-from nasd_core.scheduler import ScheduledStep
-from nasd_core.sequence import Request
 
 DRAFTING_COST_WEIGHT = 0.1  # moving-average weight of each step's drafting time per row
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nasd_core.attention import Segment, kernel_available, no_mask, plan_step, use_paged_attention
-from nasd_core.kv_cache import PagedKVCache
-from nasd_core.step_graphs import GRAPH_MODEL_TYPES, POSITION_BUCKETS, RowInput, StepGraphs, StepShape
+from nasd_core.model.attention import Segment, kernel_available, no_mask, plan_step, use_paged_attention
+from nasd_core.model.kv_cache import PagedKVCache
+from nasd_core.model.step_graphs import GRAPH_MODEL_TYPES, POSITION_BUCKETS, RowInput, StepGraphs, StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class ModelRunner:
         block_size: positions per block.
         max_rows: rows the default budget is sized for.
         batch_attention: attend short rows in one padded call per layer (None: off the CPU).
-        step_graphs: run decode and verification steps in fixed shapes (``nasd_core/step_graphs.py``),
+        step_graphs: run decode and verification steps in fixed shapes (``nasd_core/model/step_graphs.py``),
             replayed from CUDA graphs on a GPU; needs a model type ``StepGraphs.supports``.
             None: on wherever the model is on CUDA and its type is supported.
     """
@@ -98,7 +98,7 @@ class ModelRunner:
         )
         self.device = model.device
         self.use_kernel = kernel_available(model.device, model.dtype)
-        # Off the CPU, short rows share one attention call per layer (see nasd_core/attention.py).
+        # Off the CPU, short rows share one attention call per layer (see nasd_core/model/attention.py).
         self.batch_attention = model.device.type != "cpu" if batch_attention is None else batch_attention
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         if step_graphs is None:
