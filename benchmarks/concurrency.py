@@ -37,7 +37,7 @@ from nasd_core.engine.engine import Engine, warm_up
 from nasd_core.metrics import SpecStats
 from nasd_core.model.model_runner import ModelRunner
 from nasd_core.models import load_model
-from nasd_core.speculation.calibration import calibrate
+from nasd_core.speculation.calibration import Calibration, calibrate
 
 MIXES = {
     "repetitive": ("code_edit", "rag_quote", "json_reformat", "translation"),
@@ -98,13 +98,14 @@ def run_cell(
     into: CellRun,
     step_graphs: bool | None = None,
     runner: ModelRunner | None = None,
+    calibration: Calibration | None = None,
 ) -> None:
     """One run of (concurrency, mode) over ``prompts``, added to ``into``; ``runner``: the
     sweep's one runner (its graphs captured once), else the engine makes its own."""
     config = EngineConfig(max_batch_rows=concurrency, max_waiting=len(prompts), step_graphs=step_graphs)
     if runner is not None:
         runner.cache.drop_prefix_cache()  # no run reuses another's prompts
-    engine = Engine(model, tokenizer, config, runner=runner)
+    engine = Engine(model, tokenizer, config, runner=runner, calibration=calibration)
     last_emit: dict[str, float] = {}
 
     def on_tokens(request, token_ids) -> None:
@@ -173,7 +174,7 @@ def run_sweep(
         config = EngineConfig(max_batch_rows=max(levels), step_graphs=step_graphs)
         runner = ModelRunner(model, max_rows=max(levels), step_graphs=step_graphs)
         warm_up(runner, config)
-    calibrate(model, max(levels), step_graphs=bool(step_graphs), runner=runner)
+    calibration = calibrate(model, max(levels), step_graphs=bool(step_graphs), runner=runner)
     sweep: dict[str, dict] = {}
     orders = {mix: run_order(long_chat_repeats if mix == LONG_CHAT else repeats) for mix in SWEEP_MIXES}
     payload = {
@@ -197,9 +198,31 @@ def run_sweep(
             # the same mode (results/concurrency_cuda_bfloat16.json, ``runs_table``), likely its
             # clocks falling while the host prepares a cell (it idles at 345 MHz; not confirmed).
             # An untimed run first keeps that out of the compared runs.
-            run_cell(model, tokenizer, prompts, level, "off", max_tokens, CellRun(), step_graphs, runner)
+            run_cell(
+                model,
+                tokenizer,
+                prompts,
+                level,
+                "off",
+                max_tokens,
+                CellRun(),
+                step_graphs,
+                runner,
+                calibration,
+            )
         for mode in order:
-            run_cell(model, tokenizer, prompts, level, mode, max_tokens, runs[mode], step_graphs, runner)
+            run_cell(
+                model,
+                tokenizer,
+                prompts,
+                level,
+                mode,
+                max_tokens,
+                runs[mode],
+                step_graphs,
+                runner,
+                calibration,
+            )
         row = {mode: {**runs[mode].summary(), "runs": order.count(mode)} for mode in MODES}
         # Greedy: every mode must produce the same tokens; a mismatch is reported, not hidden.
         for mode in MODES:

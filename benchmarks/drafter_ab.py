@@ -28,7 +28,7 @@ from benchmarks.replay import TRACES
 from nasd_core.config import EngineConfig, IndexConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.models import load_model
-from nasd_core.speculation.calibration import calibrate
+from nasd_core.speculation.calibration import Calibration, calibrate
 from nasd_core.speculation.drafter import new_shared_index
 
 LEVELS = (1, 4, 16)
@@ -59,7 +59,15 @@ def history() -> list[list[int]]:
     ]
 
 
-def run_system(model, tokenizer, prompts: list[list[int]], level: int, system: str, sequences) -> dict:
+def run_system(
+    model,
+    tokenizer,
+    prompts: list[list[int]],
+    level: int,
+    system: str,
+    sequences,
+    calibration: Calibration,
+) -> dict:
     """One run of ``system`` over ``prompts``: tokens, seconds, the engine's counters, outputs."""
     mode, local_index, kind = SYSTEMS[system]
     shared = []
@@ -67,9 +75,8 @@ def run_system(model, tokenizer, prompts: list[list[int]], level: int, system: s
         replica = new_shared_index(IndexConfig(kind=kind))
         replica.update_many(sequences)
         shared = [("replica", replica)]
-    engine = Engine(
-        model, tokenizer, EngineConfig(max_batch_rows=level, max_waiting=len(prompts)), shared=shared
-    )
+    config = EngineConfig(max_batch_rows=level, max_waiting=len(prompts))
+    engine = Engine(model, tokenizer, config, shared=shared, calibration=calibration)
     spec = SpecConfig(mode=mode, local_index=local_index)
     started = time.perf_counter()
     ids = [engine.add_request(prompt, SamplingParams(max_tokens=MAX_TOKENS), spec) for prompt in prompts]
@@ -88,7 +95,7 @@ def run_system(model, tokenizer, prompts: list[list[int]], level: int, system: s
 
 def run(levels: tuple[int, ...], repeats: int, mixes: tuple[str, ...] = SWEEP_MIXES) -> dict:
     model, tokenizer = load_model(config=ModelConfig(dtype="float32"))
-    calibrate(model, max(levels))
+    calibration = calibrate(model, max(levels))
     sequences = history()
     sweep: dict[str, dict] = {}
     for mix, level in tqdm([(mix, level) for mix in mixes for level in levels], unit="cell"):
@@ -97,7 +104,9 @@ def run(levels: tuple[int, ...], repeats: int, mixes: tuple[str, ...] = SWEEP_MI
         for repeat in range(repeats):
             order = list(SYSTEMS) if repeat % 2 == 0 else list(SYSTEMS)[::-1]
             for system in order:
-                runs[system].append(run_system(model, tokenizer, prompts, level, system, sequences))
+                runs[system].append(
+                    run_system(model, tokenizer, prompts, level, system, sequences, calibration)
+                )
         reference = runs["off"][0]["outputs"]
         row = {}
         for system, system_runs in runs.items():

@@ -32,7 +32,7 @@ import itertools
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,7 @@ from nasd_core.model.step_graphs import (
     fixed_shape,
     grid_shapes,
 )
-from nasd_core.speculation.calibration import calibrate
+from nasd_core.speculation.calibration import Calibration, calibrate
 
 TRACES = Path(__file__).resolve().parent / "traces" / "greedy_float32.json"
 GRAPH_SURFACE = Path(__file__).resolve().parent / "surfaces" / "h100_qwen2-1.5b_graphs.json"
@@ -250,13 +250,14 @@ def _wait_until(deadline: float) -> None:
 # ------------------------------------------------------------------------------ the sweep
 @dataclass
 class Setup:
-    """One compared engine: its stand-in model (the engines' shared calibration is keyed by it)."""
+    """One compared engine: its stand-in model and the calibration its runs share."""
 
     variant: str
     model: SimModel
     graphs: Surface
     packed: Surface
     tokenizer: CompactTokenizer
+    calibration: Calibration = field(default_factory=Calibration)
 
     @property
     def blind(self) -> bool:
@@ -281,7 +282,7 @@ def run_once(setup: Setup, traces: list[dict], concurrency: int, mode: str) -> d
         prefill_chunk_tokens=GPU_PREFILL_CHUNK_TOKENS,
         prefix_cache_tokens=runner.cache.capacity_tokens,
     )
-    engine = Engine(setup.model, setup.tokenizer, config, runner=runner)
+    engine = Engine(setup.model, setup.tokenizer, config, runner=runner, calibration=setup.calibration)
     started = time.perf_counter()
     ids = []
     for index, trace in enumerate(traces):
@@ -349,7 +350,9 @@ def new_setup(variant: str, vocab: list[int], tokenizer, concurrency: int, probe
         CompactTokenizer(tokenizer, vocab),
     )
     if probe:
-        calibrate(setup.model, concurrency, repeats=2, runner=setup.runner(concurrency))
+        calibrate(
+            setup.model, concurrency, 2, runner=setup.runner(concurrency), calibration=setup.calibration
+        )
     return setup
 
 

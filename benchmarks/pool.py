@@ -33,7 +33,7 @@ from nasd_core.engine.async_engine import AsyncEngine
 from nasd_core.engine.engine import Engine
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
-from nasd_core.speculation.calibration import calibrate
+from nasd_core.speculation.calibration import Calibration, calibrate
 from pool_service import PoolConfig, SharedPools, namespace_for
 from pool_service.local_redis import LocalRedis
 
@@ -56,9 +56,18 @@ def _questions(num: int) -> list[Messages]:
 class Replica:
     """An engine thread plus its pool view, as a Serve replica holds them."""
 
-    def __init__(self, model, tokenizer, pool_config: PoolConfig, namespace: str, origin: str) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        pool_config: PoolConfig,
+        namespace: str,
+        origin: str,
+        calibration: Calibration,
+    ) -> None:
         self.tokenizer = tokenizer
-        self.engine = AsyncEngine(Engine(model, tokenizer, EngineConfig(max_batch_rows=CONCURRENCY)))
+        config = EngineConfig(max_batch_rows=CONCURRENCY)
+        self.engine = AsyncEngine(Engine(model, tokenizer, config, calibration=calibration))
         self.pools = SharedPools(
             pool_config,
             namespace,
@@ -130,11 +139,13 @@ def _second_turns(first_turns: list[Messages], answers: list[str]) -> list[Messa
     ]
 
 
-async def run_workload(model, tokenizer, redis: LocalRedis, name: str, phases, max_tokens: int) -> dict:
+async def run_workload(
+    model, tokenizer, redis: LocalRedis, name: str, phases, max_tokens: int, calibration: Calibration
+) -> dict:
     namespace = f"{namespace_for('bench', tokenizer)}-{name}-{time.time_ns()}"
     config = PoolConfig(redis_url=redis.url)
-    replica_a = Replica(model, tokenizer, config, namespace, "A")
-    replica_b = Replica(model, tokenizer, config, namespace, "B")
+    replica_a = Replica(model, tokenizer, config, namespace, "A", calibration)
+    replica_b = Replica(model, tokenizer, config, namespace, "B", calibration)
     await replica_a.start()
     await replica_b.start()
     commands_before = redis.commands_processed()
@@ -311,14 +322,16 @@ def main() -> None:
     args = parser.parse_args()
     num, max_tokens = (3, 48) if args.quick else (8, 96)
     model, tokenizer = load_model(config=ModelConfig(dtype=args.dtype))
-    calibrate(model, CONCURRENCY)
+    calibration = calibrate(model, CONCURRENCY)
     redis = LocalRedis().start()
     results: dict[str, dict] = {}
     load: list[dict] = []
     load_seconds = 3.0 if args.quick else 15.0
     try:
         for name, phases in tqdm(workloads(num).items(), desc="pool", unit="workload"):
-            results[name] = asyncio.run(run_workload(model, tokenizer, redis, name, phases, max_tokens))
+            results[name] = asyncio.run(
+                run_workload(model, tokenizer, redis, name, phases, max_tokens, calibration)
+            )
         for rate in tqdm(LOAD_RATES, desc="pool sync load", unit="rate"):
             load.append(asyncio.run(sync_load(redis, model.config.vocab_size, rate, load_seconds)))
     finally:

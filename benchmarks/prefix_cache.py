@@ -26,7 +26,7 @@ from benchmarks.workloads import WORKLOADS, Messages, chat_ids, long_chat_messag
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.models import load_model
-from nasd_core.speculation.calibration import calibrate
+from nasd_core.speculation.calibration import Calibration, calibrate
 
 SYSTEMS = {"no_cache": 0, "prefix_cache": None}  # prefix_cache_tokens (None: the engine's default)
 
@@ -44,11 +44,11 @@ def run_conversations(
     turns: int,
     max_tokens: int,
     cache_tokens: int | None,
+    calibration: Calibration,
 ) -> dict:
     """Every chat's ``turns`` turns on one engine of ``concurrency`` rows; the figures of the run."""
-    engine = Engine(
-        model, tokenizer, EngineConfig(max_batch_rows=concurrency, prefix_cache_tokens=cache_tokens)
-    )
+    config = EngineConfig(max_batch_rows=concurrency, prefix_cache_tokens=cache_tokens)
+    engine = Engine(model, tokenizer, config, calibration=calibration)
     questions = follow_up_questions()
     histories = [list(messages) for messages in chats]
     answers: list[list[list[int]]] = [[] for _ in chats]
@@ -129,7 +129,7 @@ def divergences(model, prompts: list[list[list[int]]], first: list, second: list
 
 def run_benchmark(levels: list[int], turns: int, max_tokens: int, dtype: str) -> dict:
     model, tokenizer = load_model(config=ModelConfig(dtype=dtype))
-    calibrate(model, max(levels))
+    calibration = calibrate(model, max(levels))
     payload = {
         "benchmark": "prefix_cache",
         "meta": {
@@ -144,7 +144,9 @@ def run_benchmark(levels: list[int], turns: int, max_tokens: int, dtype: str) ->
         # Each level runs the systems in the other order: neither always runs first.
         order = list(SYSTEMS) if index % 2 == 0 else list(reversed(SYSTEMS))
         row = {
-            system: run_conversations(model, tokenizer, chats, level, turns, max_tokens, SYSTEMS[system])
+            system: run_conversations(
+                model, tokenizer, chats, level, turns, max_tokens, SYSTEMS[system], calibration
+            )
             for system in order
         }
         answers = [row[system].pop("answers") for system in SYSTEMS]

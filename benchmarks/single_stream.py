@@ -41,8 +41,7 @@ from nasd_core.generate import generate
 from nasd_core.inputs import eos_ids
 from nasd_core.metrics import SpecStats
 from nasd_core.models import load_model
-from nasd_core.speculation.calibration import calibrate
-from nasd_core.speculation.policy import StepTimeModel
+from nasd_core.speculation.calibration import Calibration, calibrate
 
 SYSTEMS = (
     "hf_greedy",
@@ -97,7 +96,7 @@ class Totals:
 
 
 def make_runners(
-    model, tokenizer, max_tokens: int, step_time: StepTimeModel, stock_model=None
+    model, tokenizer, max_tokens: int, calibration: Calibration, stock_model=None
 ) -> dict[str, Callable]:
     """One callable per system: prompt ids -> (generated ids, SpecStats or None)."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -124,7 +123,7 @@ def make_runners(
                 prompt_ids,
                 SamplingParams(max_tokens=max_tokens),
                 SpecConfig(mode=mode),
-                step_time=step_time,
+                calibration=calibration,
             )
             return result.token_ids, result.stats
 
@@ -155,8 +154,8 @@ def run_benchmark(
     stock_model = None
     if any(system in STOCK_SYSTEMS for system in systems):
         stock_model, _ = load_model(config=ModelConfig(dtype=dtype, device=device, cpu_fast_path=False))
-    step_time = calibrate(model, 1)
-    runners = make_runners(model, tokenizer, max_tokens, step_time, stock_model)
+    calibration = calibrate(model, 1)
+    runners = make_runners(model, tokenizer, max_tokens, calibration, stock_model)
     prompts = {
         name: [
             tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -205,7 +204,7 @@ def run_benchmark(
             "max_tokens": max_tokens,
             "workload_seed": seed,
             "step_time_probe_ms": {
-                n: round(step_time.estimate(1, n) * 1000, 1)
+                n: round(calibration.step_time.estimate(1, n) * 1000, 1)
                 for n in range(1, SpecConfig().num_draft_tokens + 2)
             },
         },

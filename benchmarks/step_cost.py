@@ -27,6 +27,7 @@ import torch
 from benchmarks.common import run_metadata, write_result
 from nasd_core.config import ModelConfig
 from nasd_core.model.model_runner import ModelRunner
+from nasd_core.model.step_graphs import POSITION_BUCKETS, bucket
 from nasd_core.models import load_model
 from nasd_core.speculation.calibration import PROBE_POSITIONS, filled_runner, measure_step_times, time_step
 from nasd_core.speculation.policy import StepTimeModel
@@ -118,20 +119,19 @@ def device_run(args: argparse.Namespace) -> None:
     for _ in range(3):  # first calls pay one-off costs (handles, kernel selection)
         time_step(warm, [1], 16)
     del warm
-    step_time = measure_step_times(
-        model, PROBE_POSITIONS, rows=args.rows, repeats=args.repeats, step_time=StepTimeModel()
-    )
+    step_time = measure_step_times(model, PROBE_POSITIONS, rows=args.rows, repeats=args.repeats).step_time
     graphs_surface = None
     if args.step_graphs:
         graphs_time = measure_step_times(
-            model,
-            PROBE_POSITIONS,
-            args.rows,
-            repeats=args.repeats,
-            step_time=StepTimeModel(),
-            step_graphs=True,
-        )
-        graphs_surface = {rows: shape_ms(graphs_time, rows) for rows in args.rows}
+            model, PROBE_POSITIONS, args.rows, repeats=args.repeats, step_graphs=True
+        ).graph_step_times
+        graphs_surface = {
+            rows: {
+                width: round(1000 * graphs_time.estimate(rows, bucket(width, POSITION_BUCKETS)), 1)
+                for width in PROBE_POSITIONS
+            }
+            for rows in args.rows
+        }
     payload = {
         "benchmark": "step_cost",
         "meta": {
@@ -232,9 +232,7 @@ def main() -> None:
     meta: dict[str, object] = {}
     for variant in args.variants:
         model, _ = load_model(config=VARIANTS[variant])
-        step_time = measure_step_times(
-            model, PROBE_POSITIONS, rows=args.rows, repeats=args.repeats, step_time=StepTimeModel()
-        )
+        step_time = measure_step_times(model, PROBE_POSITIONS, rows=args.rows, repeats=args.repeats).step_time
         surfaces[variant] = {rows: shape_ms(step_time, rows) for rows in args.rows}
         meta = run_metadata(model, VARIANTS[variant].dtype, "benchmarks.step_cost")
         for rows, by_positions in surfaces[variant].items():

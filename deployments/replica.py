@@ -218,6 +218,7 @@ class NASDServer:
                 min(config.probe_max_rows, config.engine.max_batch_rows),
                 repeats=1,
                 runner=batch_engine.runner,
+                calibration=batch_engine.calibration,
             )
             logger.info("step times probed in %.1f s", time.perf_counter() - started)
         self.async_engine = AsyncEngine(batch_engine)

@@ -15,9 +15,9 @@ from nasd_core.engine.engine import Engine
 from nasd_core.engine.sequence import GenerationResult
 from nasd_core.inputs import check_context, encode_prompt
 from nasd_core.model.model_runner import ModelRunner
+from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import SharedIndex
 from nasd_core.speculation.ngram import NGramIndex
-from nasd_core.speculation.policy import StepTimeModel
 
 TokenCallback = Callable[[list[int]], None]
 
@@ -31,7 +31,7 @@ def generate(
     shared: Sequence[tuple[str, SharedIndex]] = (),
     on_tokens: TokenCallback | None = None,
     local_index: NGramIndex | None = None,
-    step_time: StepTimeModel | None = None,
+    calibration: Calibration | None = None,
 ) -> GenerationResult:
     """Generate a continuation of ``prompt`` with n-gram speculative decoding.
 
@@ -44,8 +44,9 @@ def generate(
         shared: read-only ``(name, index)`` draft sources after the request's own tokens.
         on_tokens: called with each step's newly emitted tokens (streaming).
         local_index: request-local index to use (and grow) instead of a fresh one.
-        step_time: measured step times the ``auto`` mode weighs drafts against (default: the
-            model's shared one, so later requests start calibrated; see ``calibration``).
+        calibration: step times and acceptance the ``auto`` mode weighs drafts with, and
+            learns into (pass one across calls so later requests start calibrated, as from
+            ``calibrate``); default: a new one.
 
     Returns:
         GenerationResult with the tokens, the text, the finish reason and the stats.
@@ -62,9 +63,7 @@ def generate(
     # for one call would capture its CUDA graphs anew at every call (an Engine keeps its own).
     num_tokens = len(prompt_ids) + params.max_tokens
     runner = ModelRunner(model, kv_cache_tokens=num_tokens, block_size=num_tokens, step_graphs=False)
-    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=1, spec=spec), shared, runner)
-    if step_time is not None:
-        engine.step_time = step_time
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=1, spec=spec), shared, runner, calibration)
     listener = (lambda _request, tokens: on_tokens(tokens)) if on_tokens is not None else None
     request_id = engine.add_request(prompt_ids, params, spec, on_tokens=listener, local_index=local_index)
     while not engine.is_finished():

@@ -17,7 +17,6 @@ from benchmarks.gpu_rates import (
 )
 from nasd_core.model.step_graphs import POSITION_BUCKETS
 from nasd_core.models import load_tokenizer
-from nasd_core.speculation.calibration import model_graph_step_times
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +56,7 @@ def test_a_step_that_captured_its_shape_is_not_read_as_that_shapes_cost(sim_inpu
     setup.runner = lazy_runner
     cell = run_once(setup, mix_traces(traces, "repetitive", 8), 4, "auto")
     assert cell["exact"] and cell["captured_while_serving"] > 0
-    step_times = model_graph_step_times(setup.model)
+    step_times = setup.calibration.graph_step_times
     readings = [
         step_times.measured(rows, width)
         for rows in range(1, 5)

@@ -35,7 +35,7 @@ from nasd_core.metrics import SpecStats
 from nasd_core.model.model_runner import ModelRunner, StepRow
 from nasd_core.processors import LogitsProcessors, needs_processing
 from nasd_core.sampling import TokenDraws
-from nasd_core.speculation.calibration import model_acceptance, model_graph_step_times, model_step_time
+from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import Draft, RequestDrafter, SharedIndex
 from nasd_core.speculation.ngram import NGramIndex
 from nasd_core.speculation.policy import AcceptanceEstimator, DraftPayoff, StepTimeModel
@@ -81,6 +81,8 @@ class Engine:
         shared: read-only ``(name, index)`` draft sources shared by all requests (the
             replica's index of finished requests, the pool-fed index).
         runner: the model runner (and its KV-cache) to use; default: one sized by ``config``.
+        calibration: what the engine learns of step costs and acceptance (``Calibration``),
+            shared with the engines given the same one; default: a new one.
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class Engine:
         config: EngineConfig | None = None,
         shared: Sequence[tuple[str, SharedIndex]] = (),
         runner: ModelRunner | None = None,
+        calibration: Calibration | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -117,11 +120,12 @@ class Engine:
         self.scheduler = Scheduler(
             self.cache, self.config.max_batch_rows, self.prefill_chunk_tokens, on_finish=self._finished
         )
-        self.speculator = Speculator(runner, model_step_time(model), model_graph_step_times(model))
+        self.calibration = calibration if calibration is not None else Calibration()
+        self.speculator = Speculator(runner, self.calibration)
         self.requests: dict[str, Request] = {}
         self.stats = SpecStats()
-        # Acceptance pooled over the model's requests: the prior of each new request's own.
-        self.acceptance = model_acceptance(model)
+        # Acceptance pooled over the requests: the prior of each new request's own.
+        self.acceptance = self.calibration.acceptance
         self._ids = itertools.count()
         self._detached: set[str] = set()
 
@@ -144,7 +148,7 @@ class Engine:
 
     @step_time.setter
     def step_time(self, step_time: StepTimeModel) -> None:
-        self.speculator.step_time = step_time
+        self.calibration.step_time = step_time
 
     @property
     def payoff(self) -> DraftPayoff:

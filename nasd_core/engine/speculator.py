@@ -18,7 +18,7 @@ import time
 from nasd_core.engine.scheduler import ScheduledStep
 from nasd_core.engine.sequence import Request
 from nasd_core.model.model_runner import ModelRunner, StepRow
-from nasd_core.speculation.calibration import step_time_payoff
+from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import EMPTY_DRAFT, Draft, longest_matches, propose_rows
 from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
 from nasd_core.speculation.policy import (
@@ -38,30 +38,34 @@ class Speculator:
 
     Args:
         runner: the engine's model runner (its fixed-shape widths, and which path ran a step).
-        step_time: step times of the packed path (shared by the engines on one model).
-        graph_step_times: step times of the fixed shapes, by shape.
+        calibration: the engine's step times and payoffs, read and updated here.
     """
 
-    def __init__(
-        self, runner: ModelRunner, step_time: StepTimeModel, graph_step_times: GraphStepTimes
-    ) -> None:
+    def __init__(self, runner: ModelRunner, calibration: Calibration) -> None:
         self.runner = runner
-        self.step_time = step_time
-        self.graph_step_times = graph_step_times
+        self.calibration = calibration
         # Seconds to build one row's draft (moving average): the policy weighs it when choosing
         # which rows to draft for at all.
         self.drafting_s_per_row = 0.0
         self.width_histogram: dict[int, int] = {}  # steps by their widest draft
 
     @property
+    def step_time(self) -> StepTimeModel:
+        return self.calibration.step_time
+
+    @property
+    def graph_step_times(self) -> GraphStepTimes:
+        return self.calibration.graph_step_times
+
+    @property
     def payoff(self) -> DraftPayoff:
         """What drafted packed steps deliver of their promise (``DraftPayoff``)."""
-        return step_time_payoff(self.step_time)
+        return self.calibration.payoff
 
     @property
     def graph_payoff(self) -> DraftPayoff:
         """The same for fixed-shape steps, priced by their own step times."""
-        return step_time_payoff(self.graph_step_times)
+        return self.calibration.graph_payoff
 
     def propose(self, step: ScheduledStep) -> tuple[list[Draft], DraftPlan]:
         """Each running row's draft and the plan of how much of it this step verifies."""

@@ -9,8 +9,8 @@ holding ``context_length`` cached tokens, so attention costs what a real row's d
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,49 +28,32 @@ from nasd_core.speculation.policy import (
 # wide ones up to the default draft cap (16) that the model interpolates between.
 PROBE_POSITIONS = (1, 2, 3, 4, 5, 6, 9, 17)
 
-# What the engines on a model learn outlives each engine: later engines start calibrated.
-_STEP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_GRAPH_STEP_TIMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_ACCEPTANCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_PAYOFFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # by step-time model
 
+@dataclass(eq=False)
+class Calibration:
+    """What an engine learns of its model's step costs and of its drafts' acceptance.
 
-def model_step_time(model) -> StepTimeModel:
-    """The step-time model of the packed steps of every engine (and ``generate`` call) on ``model``."""
-    if model not in _STEP_TIMES:
-        _STEP_TIMES[model] = StepTimeModel()
-    return _STEP_TIMES[model]
+    Each engine owns one (``Engine.calibration``); engines given the same one learn together, as
+    a benchmark's runs on one model do, or ``generate`` calls passed the same one. Why share:
+    an engine that starts from the fixed prior table drafts for its first wave of requests at
+    the table's odds; on creative text at 16 rows those drafts (~140 positions riding in the
+    prompt-chunk steps) had 2 tokens accepted where the table promised 14, ~2% of the run, paid
+    again by every new engine. The pooled acceptance forgets (``POOLED_DECAY``), so it follows
+    the current traffic.
 
-
-def model_graph_step_times(model) -> GraphStepTimes:
-    """The same for its fixed-shape (graph) steps, by shape."""
-    if model not in _GRAPH_STEP_TIMES:
-        _GRAPH_STEP_TIMES[model] = GraphStepTimes()
-    return _GRAPH_STEP_TIMES[model]
-
-
-def model_acceptance(model) -> AcceptanceEstimator:
-    """The pooled acceptance shared by every engine (and ``generate`` call) on ``model``: the
-    prior of each new request's own estimator.
-
-    Why per model, not per engine: an engine that starts from the fixed prior table drafts for
-    its first wave of requests at the table's odds; on creative text at 16 rows those drafts
-    (~140 positions riding in the prompt-chunk steps) had 2 tokens accepted where the table
-    promised 14, ~2% of the run, paid again by every new engine (each ``generate`` call, each
-    benchmark run). The pool forgets (``POOLED_DECAY``), so it follows the current traffic.
+    Attributes:
+        step_time: seconds of packed steps by rows and positions.
+        graph_step_times: seconds of fixed-shape (CUDA-graph) steps by shape.
+        acceptance: acceptance pooled over the requests, the prior of each new request's own.
+        payoff: what drafted packed steps deliver of their promise (read against ``step_time``).
+        graph_payoff: the same for fixed-shape steps.
     """
-    if model not in _ACCEPTANCE:
-        _ACCEPTANCE[model] = pooled_acceptance()
-    return _ACCEPTANCE[model]
 
-
-def step_time_payoff(step_time: StepTimeModel) -> DraftPayoff:
-    """The check of drafted steps' promises made with ``step_time``'s estimates (it reads
-    steps against them), shared by every engine using it: a 32-row batch drafts in a handful
-    of steps per wave of requests, too few for one engine to learn from before it is done."""
-    if step_time not in _PAYOFFS:
-        _PAYOFFS[step_time] = DraftPayoff()
-    return _PAYOFFS[step_time]
+    step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    graph_step_times: GraphStepTimes = field(default_factory=GraphStepTimes)
+    acceptance: AcceptanceEstimator = field(default_factory=pooled_acceptance)
+    payoff: DraftPayoff = field(default_factory=DraftPayoff)
+    graph_payoff: DraftPayoff = field(default_factory=DraftPayoff)
 
 
 PROBE_ROW = "nasd-probe"
@@ -138,25 +121,24 @@ def measure_step_times(
     rows: Sequence[int] = (1,),
     context_length: int = 256,
     repeats: int = 3,
-    step_time: StepTimeModel | None = None,
+    calibration: Calibration | None = None,
     step_graphs: bool = False,
     runner=None,
-) -> StepTimeModel:
+) -> Calibration:
     """Time steps of every shape ``rows`` x ``positions`` per row (an int means 1..positions),
     and, for more than one row of packed steps, ragged steps where one row feeds that many
     positions and the others one each (the shape of one well-matched row in a batch).
 
     ``runner``: time the steps on this runner (an engine's own, its graphs warmed) in rows
     taken from its cache and given back; None: on a runner made for the probe. Packed steps go
-    to ``step_time`` (default: the model's), fixed-shape steps to the model's graph step times
-    by shape; a step that captured its shape is not a reading. Returns the packed model.
+    to ``calibration.step_time``, fixed-shape steps to its graph step times by shape; a step
+    that captured its shape is not a reading. Returns ``calibration`` (None: a new one).
 
     Each shape's fastest repeat is recorded, as trusted: interference from other processes only
     adds time. (Counted as one reading, every probed shape within 10% of the best was retimed
     by the policy's exploration: creative text at 32 rows ran at 0.85x of plain decoding.)
     """
-    step_time = step_time if step_time is not None else model_step_time(model)
-    graph_step_times = model_graph_step_times(model)
+    calibration = calibration if calibration is not None else Calibration()
     positions = list(range(1, positions + 1)) if isinstance(positions, int) else list(positions)
     own_rows = runner is not None
     if own_rows:
@@ -176,30 +158,42 @@ def measure_step_times(
                     continue
                 shape = runner.last_graph_shape
                 key = (
-                    (graph_step_times, shape.num_rows, shape.num_positions)
+                    (calibration.graph_step_times, shape.num_rows, shape.num_positions)
                     if shape is not None
-                    else (step_time, num_rows, sum(widths))
+                    else (calibration.step_time, num_rows, sum(widths))
                 )
                 fastest[key] = min(seconds, fastest.get(key, seconds))
         for (times, shape_rows, shape_size), seconds in fastest.items():
             times.observe(shape_rows, shape_size, seconds, num_samples=MIN_TRUSTED_SAMPLES)
     if own_rows:
         free_rows(runner, max(rows))
-    return step_time
+    return calibration
 
 
 def calibrate(
-    model, max_rows: int, repeats: int = 2, step_graphs: bool = False, runner=None
-) -> StepTimeModel:
-    """Probe the model's shared step-time surface at 1, 2, 4, ... rows up to ``max_rows``
-    (through fixed-shape steps with ``step_graphs``, as the engines that use them run).
-    ``runner``: probe on that runner (an engine's own) rather than one made for the probe; a
-    runner with fixed-shape steps is probed at their widths up to ``PROBE_POSITIONS``' widest."""
+    model,
+    max_rows: int,
+    repeats: int = 2,
+    step_graphs: bool = False,
+    runner=None,
+    calibration: Calibration | None = None,
+) -> Calibration:
+    """Probe step times at 1, 2, 4, ... rows up to ``max_rows`` into ``calibration`` (None: a
+    new one), which is returned: through fixed-shape steps with ``step_graphs``, as the engines
+    that use them run. ``runner``: probe on that runner (an engine's own) rather than one made
+    for the probe; a runner with fixed-shape steps is probed at their widths up to
+    ``PROBE_POSITIONS``' widest."""
     rows = {2**power for power in range(max_rows.bit_length()) if 2**power <= max_rows} | {max_rows}
     positions: Sequence[int] = PROBE_POSITIONS
     widths = runner.graph_widths if runner is not None else None
     if widths is not None:
         positions = [width for width in widths if width <= max(PROBE_POSITIONS)]
     return measure_step_times(
-        model, positions, rows=sorted(rows), repeats=repeats, step_graphs=step_graphs, runner=runner
+        model,
+        positions,
+        sorted(rows),
+        repeats=repeats,
+        calibration=calibration,
+        step_graphs=step_graphs,
+        runner=runner,
     )

@@ -13,7 +13,7 @@ from deployments.replica import NASDServer, ReplicaConfig, TextStream
 from deployments.schemas import GenerateChunk
 from nasd_core import SamplingParams, generate
 from nasd_core.config import EngineConfig
-from nasd_core.speculation.calibration import PROBE_POSITIONS, model_step_time
+from nasd_core.speculation.calibration import PROBE_POSITIONS
 from pool_service import PoolConfig, open_store
 from tests.redis_server import MACHINE_REDIS_URL, is_up, require
 
@@ -62,7 +62,7 @@ def test_start_probes_step_times_up_to_the_batch_limit(served):
     """Before any request, the step-time surface holds every probed width for the one row
     this server batches (the cold-start table would cap the draft at 5 positions)."""
     server, _ = served
-    step_time = model_step_time(server.model)
+    step_time = server.async_engine.engine.calibration.step_time
     assert step_time.widest_measured(1) == max(PROBE_POSITIONS) - 1 and step_time.widest_measured(2) is None
 
 

@@ -12,7 +12,7 @@ from nasd_core.config import EngineConfig
 from nasd_core.engine.async_engine import AsyncEngine
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
-from nasd_core.speculation.calibration import model_acceptance
+from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import LOCAL_SOURCE, RequestDrafter
 from nasd_core.speculation.policy import MIN_PAYOFF, AcceptanceEstimator, DraftPlan, StepTimeModel
 
@@ -303,11 +303,15 @@ def test_auto_drafts_less_where_drafted_steps_have_not_delivered(model, tokenize
     assert drafted[True] < drafted[False]
 
 
-def test_engines_on_one_model_start_from_what_earlier_engines_learned(model, tokenizer):
-    """A new engine's (or ``generate`` call's) requests start from the acceptance the model's
-    earlier requests measured, not from the fixed prior table."""
-    first, second = Engine(model, tokenizer), Engine(model, tokenizer)
-    assert first.acceptance is second.acceptance is model_acceptance(model)
+def test_engines_given_one_calibration_start_from_what_earlier_engines_learned(model, tokenizer):
+    """A new engine's requests start from the acceptance that the earlier requests of engines
+    sharing its calibration measured, not from the fixed prior table; an engine given none
+    learns alone."""
+    calibration = Calibration()
+    first = Engine(model, tokenizer, calibration=calibration)
+    second = Engine(model, tokenizer, calibration=calibration)
+    assert first.acceptance is second.acceptance is calibration.acceptance
+    assert Engine(model, tokenizer).acceptance is not calibration.acceptance
     pooled = first.acceptance
     before = {length: pooled.rates(length, LOCAL_SOURCE) for length in range(1, 8)}
     first.generate([PROMPTS[1]], SamplingParams(max_tokens=24), SpecConfig(mode="on"))
