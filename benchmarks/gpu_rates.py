@@ -16,8 +16,9 @@ drafts, and a step waits out what the measured surface says such a step costs on
 Its host-side cost (the argmax over its one-hot logits on this CPU) is measured at start and
 taken out of the wait. Two engines are compared, each with off / on / auto:
 
-- ``c072471``: the runner as it was: graphs captured when first met, the policy blind to them
-  (one step-time model by positions, captures read as step times), probed on a runner of its own;
+- ``c072471``: this engine with a runner behaving as it did then: graphs captured when first
+  met, the policy blind to them (one step-time model by positions, captures read as step times,
+  best cases priced before drafts are built), probed on a runner of its own;
 - ``grid``: the grid captured at start, the policy pricing fixed shapes by width from replays only,
   probed on the engine's own runner.
 
