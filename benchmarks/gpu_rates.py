@@ -45,11 +45,11 @@ from nasd_core.engine.engine import GPU_PREFILL_CHUNK_TOKENS, Engine
 from nasd_core.model.kv_cache import PagedKVCache
 from nasd_core.model.model_runner import StepRow
 from nasd_core.model.step_graphs import (
-    MAX_GRAPHS,
     POSITION_BUCKETS,
     WARMUP_RUNS,
     RowInput,
     StepShape,
+    captures_when_met,
     fixed_shape,
     grid_shapes,
 )
@@ -193,7 +193,7 @@ class SimulatedRunner:
             self.last_graph_shape = shape
         if shape in self.captured:
             return replay_ms
-        if self.is_warm or len(self.captured) >= MAX_GRAPHS:
+        if not captures_when_met(len(self.captured), self.is_warm):
             self.last_graph_shape = None
             return packed_ms
         self.captured.add(shape)

@@ -124,8 +124,6 @@ class Engine:
         self.speculator = Speculator(runner, self.calibration)
         self.requests: dict[str, Request] = {}
         self.stats = SpecStats()
-        # Acceptance pooled over the requests: the prior of each new request's own.
-        self.acceptance = self.calibration.acceptance
         self._ids = itertools.count()
         self._detached: set[str] = set()
 
@@ -143,8 +141,13 @@ class Engine:
         return self.scheduler.running
 
     @property
+    def acceptance(self) -> AcceptanceEstimator:
+        """Acceptance pooled over the requests: the prior of each new request's own."""
+        return self.calibration.acceptance
+
+    @property
     def step_time(self) -> StepTimeModel:
-        return self.speculator.step_time
+        return self.calibration.step_time
 
     @step_time.setter
     def step_time(self, step_time: StepTimeModel) -> None:
@@ -153,7 +156,7 @@ class Engine:
     @property
     def payoff(self) -> DraftPayoff:
         """What drafted steps priced by this engine's step-time model deliver (``DraftPayoff``)."""
-        return self.speculator.payoff
+        return self.calibration.payoff
 
     @property
     def width_histogram(self) -> dict[int, int]:

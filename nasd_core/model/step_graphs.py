@@ -224,6 +224,12 @@ def fits(shape: StepShape, groups: int) -> bool:
     return shape.num_rows * groups * shape.num_positions * shape.num_keys <= MAX_GRAPH_MASK_BYTES
 
 
+def captures_when_met(num_captured: int, is_warm: bool) -> bool:
+    """Whether a shape not captured yet is captured by the step that meets it: not once the grid
+    was captured at start (it runs packed), and at most ``MAX_GRAPHS`` shapes without one."""
+    return not is_warm and num_captured < MAX_GRAPHS
+
+
 def grid_shapes(max_rows: int, max_positions: int, max_keys: int, groups: int) -> list[StepShape]:
     """Every fixed shape a runner of ``max_rows`` rows, verification steps of up to
     ``max_positions`` positions per row and contexts of up to ``max_keys`` keys can meet, in the
@@ -309,7 +315,7 @@ class StepGraphs:
         shape = fixed_shape(rows, self.groups)
         if shape is None or shape in self.steps:
             return shape
-        return None if self.is_warm or len(self.steps) >= MAX_GRAPHS else shape
+        return shape if captures_when_met(len(self.steps), self.is_warm) else None
 
     def forward(self, rows: Sequence[RowInput], shape: StepShape) -> torch.Tensor:
         """Logits of every position of ``rows`` (all of them, in row order) from the step of ``shape``."""

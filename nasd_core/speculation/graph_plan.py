@@ -15,7 +15,14 @@ import bisect
 from collections.abc import Sequence
 
 from nasd_core.model.step_graphs import ROW_BUCKETS, bucket
-from nasd_core.speculation.policy import EWMA_WEIGHT, MAX_SAMPLE_RATIO, DraftPlan, RowDraft, min_draft_gain
+from nasd_core.speculation.policy import (
+    EWMA_WEIGHT,
+    MAX_SAMPLE_RATIO,
+    DraftPlan,
+    RowDraft,
+    along_rows,
+    min_draft_gain,
+)
 
 # Before a width is timed: each position per row adds this share of a one-position step (an H100
 # replaying a 1.5B model's graphs: 1 x 17 cost 1.15x 1 x 1, 64 x 17 1.86x 64 x 1).
@@ -57,7 +64,8 @@ class GraphStepTimes:
             return seconds
         at_width = {timed: s for (timed, timed_width), s in self._seconds.items() if timed_width == width}
         if at_width:
-            return _along_rows(at_width, rows)
+            between = along_rows(at_width, rows)  # None outside the timed row counts: the nearest's
+            return between if between is not None else at_width[min(at_width, key=lambda r: abs(r - rows))]
         at_rows = {timed_width: s for (timed, timed_width), s in self._seconds.items() if timed == rows}
         if not at_rows:
             return _prior(width)  # nothing timed: only ratios matter
@@ -67,19 +75,6 @@ class GraphStepTimes:
 
 def _prior(width: int) -> float:
     return 1.0 + PRIOR_WIDTH_COST * (width - 1)
-
-
-def _along_rows(seconds_by_rows: dict[int, float], rows: int) -> float:
-    """Linear in rows between the nearest timed row counts (the nearest one's outside them)."""
-    below = [timed for timed in seconds_by_rows if timed <= rows]
-    above = [timed for timed in seconds_by_rows if timed >= rows]
-    if not below or not above:
-        return seconds_by_rows[max(below) if below else min(above)]
-    low, high = max(below), min(above)
-    if low == high:
-        return seconds_by_rows[low]
-    share = (rows - low) / (high - low)
-    return seconds_by_rows[low] + share * (seconds_by_rows[high] - seconds_by_rows[low])
 
 
 def plan_graph_drafts(

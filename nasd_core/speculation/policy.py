@@ -319,7 +319,7 @@ class StepTimeModel:
         spanned = {
             extra: seconds
             for extra, column in self._seconds.items()
-            if (seconds := _along_rows(column, num_rows)) is not None
+            if (seconds := along_rows(column, num_rows)) is not None
         }
         at_rows = {
             extra: spanned[extra] if extra in spanned else self._transferred(extra, num_rows, spanned)
@@ -362,7 +362,9 @@ class StepTimeModel:
 class Curve:
     """A step's estimated seconds at a fixed row count, by its total positions: one measured
     value per column of extra positions (``by_extra``; ``extras`` its sorted keys), linear
-    between columns; see ``_along_positions``."""
+    between columns; wider than every column, the last measured slope continues (never
+    cheaper); narrower than every column, or beyond a lone one, the nearest column scaled by
+    the prior shape."""
 
     def __init__(self, num_rows: int, by_extra: dict[int, float], extras: list[int]) -> None:
         self.num_rows = num_rows
@@ -370,16 +372,13 @@ class Curve:
         self.extras = extras
 
     def __call__(self, num_positions: int) -> float:
-        num_extra = max(0, num_positions - self.num_rows)
-        if not self.extras:
-            return _prior_shape(self.num_rows, num_extra)
-        return _along_positions(self.by_extra, self.extras, self.num_rows, num_extra)
+        return float(self.many(np.array([num_positions]))[0])
 
     def many(self, num_positions: np.ndarray) -> np.ndarray:
         """``self(n)`` for every n of ``num_positions`` at once (a policy prices a step's every
         total of draft positions: up to a thousand at 64 rows)."""
         num_extra = np.maximum(0, num_positions - self.num_rows)
-        prior = 1.0 + PRIOR_EXTRA_ROW_COST * (self.num_rows - 1) + PRIOR_EXTRA_TOKEN_COST * num_extra
+        prior = _prior_shape(self.num_rows, num_extra)
         if not self.extras:
             return prior
         xs = np.array(self.extras, dtype=float)
@@ -397,27 +396,7 @@ class Curve:
         return out
 
 
-def _along_positions(by_extra: dict[int, float], extras: list[int], num_rows: int, num_extra: int) -> float:
-    """Linear interpolation in extra positions between measured columns (``by_extra``: extra
-    -> s; ``extras``: its keys, sorted). Called for every candidate total of every step."""
-    above_index = bisect.bisect_left(extras, num_extra)
-    below_count = bisect.bisect_right(extras, num_extra)  # columns at or below num_extra
-    if below_count and above_index < len(extras):
-        low, high = extras[below_count - 1], extras[above_index]
-        if low == high:
-            return by_extra[low]
-        share = (num_extra - low) / (high - low)
-        return by_extra[low] + share * (by_extra[high] - by_extra[low])
-    if below_count >= 2:
-        # Wider than any measurement: continue the last measured slope (never cheaper).
-        low, high = extras[below_count - 2], extras[below_count - 1]
-        slope = max(0.0, (by_extra[high] - by_extra[low]) / (high - low))
-        return by_extra[high] + slope * (num_extra - high)
-    nearest = extras[below_count - 1] if below_count else extras[above_index]
-    return by_extra[nearest] * _prior_shape(num_rows, num_extra) / _prior_shape(num_rows, nearest)
-
-
-def _along_rows(column: dict[int, float], num_rows: int) -> float | None:
+def along_rows(column: dict[int, float], num_rows: int) -> float | None:
     """Linear interpolation in rows within one width's measurements (``column``: rows -> s);
     None when they do not span ``num_rows``."""
     below = [rows for rows in column if rows <= num_rows]
@@ -445,7 +424,7 @@ def _beyond_rows(column: dict[int, float], num_rows: int) -> float:
     return column[high] + slope * (num_rows - high)
 
 
-def _prior_shape(num_rows: int, num_extra: int) -> float:
+def _prior_shape(num_rows: int, num_extra):
     """Prior cost of a step of ``num_rows`` rows with ``num_extra`` extra positions, in plain
     one-row steps. Why not "an extra position costs 8% of a row": measured here, a 16-row plain
     step costs 1.4x a one-row step, not 16x, so that prior made a draft position look 16x
