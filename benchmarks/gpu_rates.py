@@ -17,10 +17,12 @@ Its host-side cost (the argmax over its one-hot logits on this CPU) is measured 
 taken out of the wait. Two engines are compared, each with off / on / auto:
 
 - ``c072471``: this engine with a runner behaving as it did then: graphs captured when first
-  met, the policy blind to them (one step-time model by positions, captures read as step times,
-  best cases priced before drafts are built), probed on a runner of its own;
-- ``grid``: the grid captured at start, the policy pricing fixed shapes by width from replays only,
-  probed on the engine's own runner.
+  met, one per context bucket, the policy blind to them (one step-time model by positions,
+  captures read as step times, best cases priced before drafts are built), probed on a runner
+  of its own;
+- ``grid``: the grid captured at start, paged (one shape per rows x positions whatever the
+  context; the surface prices a shape the same at every context in both variants), the policy
+  pricing fixed shapes by width from replays only, probed on the engine's own runner.
 
     python -m benchmarks.gpu_rates            # C = 1, 4, 16, 64; repetitive, creative, long chats
     python -m benchmarks.gpu_rates --quick    # C = 1, 16 on the repetitive mix
@@ -153,7 +155,7 @@ class SimulatedRunner:
         return None if self.blind else tuple(width for width in POSITION_BUCKETS if width <= 17)
 
     def warm_up(self, max_rows: int, max_positions: int, max_keys: int, budget_s: float) -> None:
-        for shape in grid_shapes(max_rows, max_positions, max_keys, GQA_GROUPS):
+        for shape in grid_shapes(max_rows, max_positions, max_keys, GQA_GROUPS, paged=not self.blind):
             self.captured.add(shape)
             self.start_s += self._capture_ms(shape) / 1000
         self.is_warm = True
@@ -185,7 +187,7 @@ class SimulatedRunner:
         if not all(row.num_logits == len(row.token_ids) for row in rows):
             return packed_ms
         inputs = [RowInput(row.row_id, row.token_ids, self.cache.length(row.row_id)) for row in rows]
-        shape = fixed_shape(inputs, GQA_GROUPS)
+        shape = fixed_shape(inputs, GQA_GROUPS, paged=not self.blind)
         if shape is None or (self.blind and shape.num_positions > 17):
             return packed_ms
         replay_ms = self.graphs_surface.ms(shape.num_rows, shape.num_positions)

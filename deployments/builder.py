@@ -71,6 +71,7 @@ ENV_VARS = {
     "max_waiting": "NASD_MAX_WAITING",
     "probe_max_rows": "NASD_PROBE_MAX_ROWS",
     "step_graphs": "NASD_STEP_GRAPHS",
+    "graph_attention": "NASD_GRAPH_ATTENTION",
     "prefix_cache_tokens": "NASD_PREFIX_CACHE_TOKENS",
     "autoscaling": "NASD_AUTOSCALING",
 }
@@ -144,6 +145,11 @@ class AppArgs(BaseModel):
         description="Decode and verification steps in fixed shapes, replayed from CUDA graphs on a GPU "
         "(EngineConfig.step_graphs; Llama, Mistral and Qwen2/3 models); None: on wherever CUDA is.",
     )
+    graph_attention: Literal["paged", "gathered"] | None = Field(
+        None,
+        description="How graph steps attend (EngineConfig.graph_attention): 'paged' through the block "
+        "tables, 'gathered' per context bucket; None: paged where graphs are captured.",
+    )
     autoscaling: dict[str, Any] | None = Field(
         None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas."
     )
@@ -205,6 +211,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     engine = EngineConfig(
         **engine_limits,
         step_graphs=args.step_graphs,
+        graph_attention=args.graph_attention,
         prefix_cache_tokens=args.prefix_cache_tokens,
         spec=SpecConfig(
             mode=args.speculation,

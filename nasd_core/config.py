@@ -229,11 +229,18 @@ class EngineConfig(_Config):
         "GPU (nasd_core/model/step_graphs.py; Llama, Mistral and Qwen2/3 models). None: on wherever "
         "the model is on CUDA and of such a type.",
     )
+    graph_attention: Literal["paged", "gathered"] | None = Field(
+        None,
+        description="How fixed-shape steps attend: 'paged' reads each row's KV blocks through its block "
+        "table (FlexAttention), so one graph per rows x positions serves every context length; 'gathered' "
+        "copies keys into a padded batch, a graph per context bucket. None: paged where graphs are "
+        "captured (a GPU; gathered if its kernels fail to compile or capture), gathered otherwise.",
+    )
     graph_warmup_budget_s: float = Field(
         DEFAULT_GRAPH_WARMUP_BUDGET_S,
         ge=0,
         description="Seconds the engine's start may spend capturing the grid of fixed-shape steps "
-        "(rows x draft widths x context buckets, short contexts first); shapes left out run packed; 0: "
+        "(rows x draft widths, x context buckets where keys are gathered); shapes left out run packed; 0: "
         "each shape is captured when first met instead.",
     )
     spec: SpecConfig = Field(

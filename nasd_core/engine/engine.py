@@ -32,7 +32,7 @@ from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidR
 from nasd_core.inputs import check_context, encode_prompt, eos_ids
 from nasd_core.logprobs import token_logprobs
 from nasd_core.metrics import SpecStats
-from nasd_core.model.model_runner import ModelRunner, StepRow
+from nasd_core.model.model_runner import ModelRunner, StepRow, max_context
 from nasd_core.processors import LogitsProcessors, needs_processing
 from nasd_core.sampling import TokenDraws
 from nasd_core.speculation.calibration import Calibration
@@ -62,11 +62,10 @@ def default_prefill_chunk(device: torch.device) -> int:
 def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
     """Capture ``runner``'s fixed-shape steps for engines of ``config`` before they serve: rows up
     to its batch, widths up to its default draft, contexts up to the model's or the cache's."""
-    context = getattr(runner.model.config, "max_position_embeddings", None) or runner.cache.capacity_tokens
     runner.warm_up(
         config.max_batch_rows,
         1 + config.spec.num_draft_tokens,
-        min(runner.cache.capacity_tokens, context),
+        max_context(runner.model, runner.cache),
         config.graph_warmup_budget_s,
     )
 
@@ -107,6 +106,7 @@ class Engine:
                 self.config.kv_block_size,
                 self.config.max_batch_rows,
                 step_graphs=self.config.step_graphs,
+                graph_attention=self.config.graph_attention,
             )
             warm_up(runner, self.config)
         self.runner = runner

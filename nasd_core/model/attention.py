@@ -18,6 +18,9 @@ Two ways to attend, chosen per row when the step is planned (``plan_step``):
   row. A call per row and layer there is a kernel launch per row and layer (32 rows x 30
   layers is ~1000 launches a step), which costs more than the attention itself; one padded
   call reads some extra keys instead, which a GPU's memory bandwidth makes cheap;
+- steps laid out in fixed shapes for CUDA graphs (``nasd_core/model/step_graphs.py``) read
+  the pool through each row's block table with FlexAttention (``PagedRows``), so nothing in a
+  graph's shape depends on context length; or, where that is off, gather a padded batch as above;
 - prompt chunks (matrix-shaped work SDPA does well), CPU dtypes other than float32, and
   machines where the kernel could not be built use one SDPA call per row over a view of the
   pool (a gathered copy for a fragmented row): the device-agnostic reference and the other
@@ -40,6 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from nasd_core.model import native
 from nasd_core.model.kv_cache import PagedKVCache
@@ -120,6 +124,19 @@ class BatchedRows:
 
 
 @dataclass
+class PagedRows:
+    """Rows of a fixed-shape step attended straight from the pool: the pool is one long key
+    sequence and ``block_mask`` lists, per row, the blocks it holds (its block table) and which
+    of their keys each query sees. Nothing is gathered, and nothing in the step's shape depends
+    on how long the rows are."""
+
+    block_mask: BlockMask  # over ``num_rows`` rows: the step's, then idle ones
+    num_rows: int  # rows attended, a few sizes for every step's so that few kernels are compiled
+    num_positions: int  # queries per row
+    compiled: bool  # a fused kernel (torch.compile); False: the unfused reference, for tests
+
+
+@dataclass
 class StepLayout:
     """Where every packed position belongs: passed to the model as a forward kwarg."""
 
@@ -129,6 +146,7 @@ class StepLayout:
     groups: int
     kernel_rows: KernelRows | None = None
     batched_rows: BatchedRows | None = None
+    paged_rows: PagedRows | None = None
 
 
 def kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -257,6 +275,8 @@ def paged_attention(
     cache.write(layer, nasd_step.write_slots, key[0], value[0])
     num_kv_heads, head_dim = key.shape[1], key.shape[3]
     scale = scaling if scaling is not None else head_dim**-0.5
+    if nasd_step.paged_rows is not None:
+        return attend_paged(query[0], cache, layer, nasd_step.paged_rows, groups, scale).unsqueeze(0), None
     batch = nasd_step.batched_rows
     if batch is not None and batch.out_index is None:  # a padded step: every query is the batch's
         return attend_batch(query[0], cache, layer, batch, groups, scale).unsqueeze(0), None
@@ -326,6 +346,41 @@ def attend_batch(
     # [rows, kv_heads, groups * P, D] -> [rows * P, heads, D]
     row_out = row_out.reshape(num_rows, heads, batch.num_positions, head_dim).transpose(1, 2)
     return row_out.reshape(num_rows * batch.num_positions, heads, head_dim)
+
+
+@functools.cache
+def compiled_flex_attention():
+    """FlexAttention compiled to a fused kernel, one per step shape (a compile with dynamic
+    shapes failed to build on this CPU with torch 2.13); the default limit of 8 compiles would
+    leave most of a graph grid's shapes on the unfused path."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
+    torch._dynamo.config.accumulated_recompile_limit = max(
+        torch._dynamo.config.accumulated_recompile_limit, 4096
+    )
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attend_paged(
+    query: torch.Tensor,
+    cache: PagedKVCache,
+    layer: int,
+    paged: PagedRows,
+    groups: int,
+    scale: float,
+) -> torch.Tensor:
+    """The attention of a fixed-shape step's queries (``query``: [heads, rows x positions, D])
+    over the pool, read through ``paged.block_mask``: ``[rows x positions, heads, D]``."""
+    heads, num_queries, head_dim = query.shape
+    num_rows = num_queries // paged.num_positions
+    row_query = query.view(heads, num_rows, paged.num_positions, head_dim).transpose(0, 1)
+    # Idle rows (zero queries over the scratch block) pad the step to the attended rows.
+    row_query = functional.pad(row_query, (0, 0, 0, 0, 0, 0, 0, paged.num_rows - num_rows)).contiguous()
+    # The pool as every row's key sequence: [rows, kv_heads, slots, D], a broadcast view.
+    keys = cache.keys[layer].unsqueeze(0).expand(paged.num_rows, -1, -1, -1)
+    values = cache.values[layer].unsqueeze(0).expand(paged.num_rows, -1, -1, -1)
+    attend = compiled_flex_attention() if paged.compiled else flex_attention
+    out = attend(row_query, keys, values, block_mask=paged.block_mask, scale=scale, enable_gqa=groups > 1)
+    return out[:num_rows].transpose(1, 2).reshape(num_queries, heads, head_dim)
 
 
 # Where a model switched to paged attention keeps the name of the implementation it had.

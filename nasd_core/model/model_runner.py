@@ -65,6 +65,12 @@ def default_kv_tokens(model, max_rows: int) -> int:
     return int(min(budget // bytes_per_token, max_rows * context))
 
 
+def max_context(model, cache: PagedKVCache) -> int:
+    """The longest row ``model`` may hold in ``cache``: its context, or the cache's if smaller."""
+    context = getattr(model.config, "max_position_embeddings", None) or cache.capacity_tokens
+    return min(cache.capacity_tokens, context)
+
+
 class ModelRunner:
     """Runs steps of packed rows through ``model`` over a paged KV-cache it allocates once.
 
@@ -77,6 +83,8 @@ class ModelRunner:
         step_graphs: run decode and verification steps in fixed shapes (``nasd_core/model/step_graphs.py``),
             replayed from CUDA graphs on a GPU; needs a model type ``StepGraphs.supports``.
             None: on wherever the model is on CUDA and its type is supported.
+        graph_attention: how fixed-shape steps attend, "paged" or "gathered" (``StepGraphs``);
+            None: paged where graphs are captured, gathered otherwise.
     """
 
     def __init__(
@@ -87,6 +95,7 @@ class ModelRunner:
         max_rows: int = 32,
         batch_attention: bool | None = None,
         step_graphs: bool | None = None,
+        graph_attention: str | None = None,
     ):
         self.model = model
         use_paged_attention(model)
@@ -107,8 +116,17 @@ class ModelRunner:
             raise ValueError(
                 f"step graphs serve model types {sorted(GRAPH_MODEL_TYPES)}, not {model.config.model_type!r}"
             )
+        capture = self.device.type == "cuda"
         self.graphs = (
-            StepGraphs(model, self.cache, self.groups, capture=self.device.type == "cuda")
+            StepGraphs(
+                model,
+                self.cache,
+                self.groups,
+                capture,
+                paged=graph_attention == "paged" or (graph_attention is None and capture),
+                max_rows=max_rows,
+                max_context=max_context(model, self.cache),
+            )
             if step_graphs
             else None
         )
@@ -140,14 +158,13 @@ class ModelRunner:
     def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:
         """One forward over every row's new tokens; ``[sum of num_logits, vocab]`` logits, in
         row order, on the model's device. Every fed position is cached afterwards."""
-        shape = None
+        logits = None
         if self.graphs is not None and all(row.num_logits == len(row.token_ids) for row in rows):
             inputs = [RowInput(row.row_id, row.token_ids, self.cache.length(row.row_id)) for row in rows]
             shape = self.graphs.shape_for(inputs)
-        if shape is not None:
-            logits = self.graphs.forward(inputs, shape)
+            logits = self.graphs.forward(inputs, shape) if shape is not None else None
             self.last_graph_shape, self.last_captured = shape, self.graphs.last_captured
-        else:
+        if logits is None:
             logits = self._packed_forward(rows)
             self.last_graph_shape, self.last_captured = None, False
         for row in rows:

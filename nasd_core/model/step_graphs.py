@@ -8,13 +8,18 @@ reads are ~5 ms: the rest is Python launching a few hundred small kernels layer 
 launches once and replays them in one call.
 
 A graph fixes every shape and every address, so a step is laid out as ``rows x positions``
-(both rounded up to a bucket: 5 rows verifying 4, 2, 7, 1 and 1 positions run as 8 x 8), every
-row attends over ``keys`` keys (its length rounded up to a power of two), and the step's
-inputs are copied into buffers the graph reads: the tokens, their positions, the pool slots
-their keys and values go to, the slots of every row's keys and the last key each query sees.
-Padding only ever reads real, finite data (see ``attention.BatchedRows``) and writes one
-scratch slot the engine never hands out: a padded query repeats its row's last token at its
-last position and writes the scratch slot, a padded row reads and writes only that slot.
+(both rounded up to a bucket: 5 rows verifying 4, 2, 7, 1 and 1 positions run as 8 x 8) and
+its inputs are copied into buffers the graph reads: the tokens, their positions, the pool
+slots their keys and values go to, the last key each query sees, and how each row's keys are
+found. Two ways to find them:
+- paged (the default where graphs are captured): attention reads the pool through each row's
+  block table (FlexAttention with a block mask, ``attention.PagedRows``), so a shape is rows x
+  positions whatever the context: the grid is ~60 shapes and one capture serves every length;
+- gathered: every row's keys are gathered into a padded batch of ``keys`` keys (its length
+  rounded up to a power of two), so each doubling of context is a new shape.
+Padding only ever reads real, finite data and writes one scratch slot the engine never hands
+out: a padded query repeats its row's last token at its last position and writes the scratch
+slot, a padded row reads and writes only that slot.
 
 Only the decoder runs in the graph; the vocabulary projection runs eagerly on the real
 positions' hidden states (a graph would project every padded one too, and keep a
@@ -29,7 +34,9 @@ mask), or read right after it (the hidden states). Capturing while serving would
 step cost ~3 steps' time, which the policy would then read as the shape's cost.
 
 Off a GPU the same fixed-shape steps run eagerly (``capture=False``): that is how the tests
-hold them to the packed path's logits on a CPU.
+hold them to the packed path's logits on a CPU (paged steps there run FlexAttention's unfused
+reference, or its CPU kernel where a test compiles it). A paged step that fails to compile or
+capture makes the runner fall back to gathered steps, with a warning.
 """
 
 from __future__ import annotations
@@ -42,9 +49,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.nn import functional
+from torch.nn.attention.flex_attention import BlockMask
 
 from nasd_core.model.attention import (
     BatchedRows,
+    PagedRows,
     StepLayout,
     no_mask,
     padded_key_slots,
@@ -59,6 +69,11 @@ ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # 17: one position and 16 drafts, the widest verification the policy plans by default.
 POSITION_BUCKETS = (1, 2, 4, 8, 17, 32)
 MIN_KEY_BUCKET = 128
+# Queries per FlexAttention query block: more than a row ever has, so each row is one block.
+FLEX_QUERY_BLOCK = 128
+# Rows a paged step's attention runs over (its rows, then idle ones): a kernel is compiled per
+# size and width, not per row bucket (dynamic shapes did not compile on this CPU).
+ATTENTION_ROW_BUCKETS = (8, 64, 256)
 # The largest mask a graph keeps (rows x groups x positions x keys bytes); wider steps (long
 # contexts at many rows) take the packed path.
 MAX_GRAPH_MASK_BYTES = 32 << 20
@@ -84,7 +99,7 @@ def key_bucket(num_keys: int) -> int:
 class StepShape:
     num_rows: int
     num_positions: int  # per row
-    num_keys: int  # per row
+    num_keys: int  # per row, gathered; 0 for a paged step (it reads the block tables)
 
 
 @dataclass
@@ -96,30 +111,110 @@ class RowInput:
     cached: int
 
 
-class FixedStep:
-    """One shape's input buffers, layout and, on a GPU, captured graph."""
+class PagedTables:
+    """The block tables of a paged step in the form FlexAttention reads, shared by every paged
+    shape (one step runs at a time; a graph keeps the addresses it was captured with).
 
-    def __init__(self, model, cache: PagedKVCache, groups: int, shape: StepShape, scratch_slot: int) -> None:
+    Args:
+        max_rows: most rows a paged step may have.
+        num_blocks: the pool's blocks: FlexAttention sees the pool as one sequence of them.
+        max_row_blocks: most blocks a row may read (its longest context).
+    """
+
+    def __init__(self, max_rows: int, num_blocks: int, max_row_blocks: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.num_blocks = num_blocks
+        self.max_row_blocks = max_row_blocks
+        # Per row, the blocks whose keys need a mask (``partial``) and those every query sees
+        # whole (``full``), as FlexAttention's kv_indices; only the first entries are read.
+        self.partial = torch.zeros(max_rows, 1, 1, num_blocks, dtype=torch.int32, device=device)
+        self.full = torch.zeros_like(self.partial)
+        # Per row, the index in its table of each block it holds (``num_blocks`` for the rest);
+        # the last column takes the tables' padding entries (never a real block's index).
+        self.logical = torch.zeros(max_rows, num_blocks + 1, dtype=torch.int32, device=device)
+        self.block_order = torch.arange(max_row_blocks, device=device)
+
+    def block_mask(
+        self,
+        blocks: torch.Tensor,
+        num_full: torch.Tensor,
+        num_held: torch.Tensor,
+        last_key: torch.Tensor,
+        block_size: int,
+    ) -> BlockMask:
+        """The mask of rows reading ``blocks`` ([rows, max_row_blocks], their tables in order,
+        padded with ``num_blocks``), of which the first ``num_full`` are seen whole by every
+        query and ``num_held`` hold keys; a query sees its row's keys up to ``last_key``
+        ([rows, positions]). Built from tensors only, so a graph replay rebuilds it."""
+        num_rows, num_positions = last_key.shape
+        width = self.max_row_blocks
+        logical = self.logical[:num_rows]
+        # A block the row does not hold sits past every key it may see (the unfused reference
+        # path applies ``sees`` to the whole pool; the kernels only to the blocks listed).
+        logical.fill_(self.num_blocks)
+        logical.scatter_(1, blocks, self.block_order.to(torch.int32).expand(num_rows, width))
+        held = blocks.clamp(max=self.num_blocks - 1).to(torch.int32)
+        self.full[:num_rows, 0, 0, :width] = held
+        after_full = (self.block_order[None, :] + num_full[:, None]).clamp(max=width - 1)
+        self.partial[:num_rows, 0, 0, :width] = torch.gather(held, 1, after_full)
+
+        def sees(batch, head, query, key):
+            position = logical[batch, key // block_size] * block_size + key % block_size
+            return position <= last_key[batch, query]
+
+        return BlockMask.from_kv_blocks(
+            (num_held - num_full).to(torch.int32)[:, None, None],
+            self.partial[:num_rows],
+            num_full.to(torch.int32)[:, None, None],
+            self.full[:num_rows],
+            BLOCK_SIZE=(FLEX_QUERY_BLOCK, block_size),
+            mask_mod=sees,
+            seq_lengths=(num_positions, self.num_blocks * block_size),
+            compute_q_blocks=False,
+        )
+
+
+class FixedStep:
+    """One shape's input buffers, layout and, on a GPU, captured graph. ``tables``: the paged
+    step's block tables (None: the step gathers its keys, ``shape.num_keys`` per row)."""
+
+    def __init__(
+        self,
+        model,
+        cache: PagedKVCache,
+        groups: int,
+        shape: StepShape,
+        scratch_slot: int,
+        tables: PagedTables | None = None,
+        compiled: bool = False,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.groups = groups
         self.shape = shape
         self.scratch_slot = scratch_slot
-        num_queries = shape.num_rows * shape.num_positions
+        self.tables = tables
+        self.compiled = compiled
+        num_rows = shape.num_rows
         # One int64 buffer, filled by one copy per step: tokens, positions, write slots, last
-        # keys (one per query each), then the key slots.
-        self.sizes = (num_queries, num_queries, num_queries, num_queries, shape.num_rows * shape.num_keys)
+        # keys (one row of each per row), then how the rows' keys are found: gathered, every
+        # key's slot; paged, each attended row's blocks, blocks seen whole and blocks held.
+        self.attention_rows = attention_rows(num_rows, tables.max_rows) if tables is not None else num_rows
+        self.part_rows = (num_rows,) * 4 + ((self.attention_rows,) * 3 if tables is not None else (num_rows,))
+        row_sizes = (shape.num_positions,) * 4 + (
+            (tables.max_row_blocks, 1, 1) if tables is not None else (shape.num_keys,)
+        )
+        self.sizes = tuple(rows * size for rows, size in zip(self.part_rows, row_sizes, strict=True))
         self.buffer = torch.zeros(sum(self.sizes), dtype=torch.long, device=cache.device)
-        self.token_ids, self.positions, self.write_slots, self.last_key, self.key_slots = self.buffer.split(
+        self.token_ids, self.positions, self.write_slots, self.last_key, *self.key_inputs = self.buffer.split(
             self.sizes
         )
-        self.layout = StepLayout(
-            cache,
-            [],
-            self.write_slots,
-            groups,
-            batched_rows=BatchedRows(self.key_slots, None, shape.num_positions, shape.num_keys),
+        batched_rows = (
+            None
+            if tables is not None
+            else BatchedRows(self.key_inputs[0], None, shape.num_positions, shape.num_keys)
         )
+        self.layout = StepLayout(cache, [], self.write_slots, groups, batched_rows=batched_rows)
         self.hidden: torch.Tensor | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
 
@@ -130,7 +225,7 @@ class FixedStep:
         stream = torch.cuda.Stream(self.cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(stream):
-            for _ in range(WARMUP_RUNS):  # lets libraries pick and cache their kernels first
+            for _ in range(WARMUP_RUNS):  # lets libraries pick (and compile) their kernels first
                 self.run()
         torch.cuda.current_stream(self.cache.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
@@ -141,12 +236,24 @@ class FixedStep:
     def run(self) -> None:
         """The decoder over the buffers; its last hidden states land in ``self.hidden``."""
         shape = self.shape
-        batch = self.layout.batched_rows
-        assert batch is not None
-        # Built from the buffers inside the step, so a replay rebuilds it.
-        batch.mask = row_mask(
-            self.last_key.view(shape.num_rows, shape.num_positions), shape.num_keys, self.groups
-        )
+        last_key = self.last_key.view(shape.num_rows, shape.num_positions)
+        # Built from the buffers inside the step, so a replay rebuilds them.
+        if self.tables is not None:
+            blocks, num_full, num_held = self.key_inputs
+            idle = self.attention_rows - shape.num_rows
+            block_mask = self.tables.block_mask(
+                blocks.view(self.attention_rows, -1),
+                num_full,
+                num_held,
+                functional.pad(last_key, (0, 0, 0, idle)),
+                self.cache.block_size,
+            )
+            self.layout.paged_rows = PagedRows(
+                block_mask, self.attention_rows, shape.num_positions, self.compiled
+            )
+        else:
+            assert self.layout.batched_rows is not None
+            self.layout.batched_rows.mask = row_mask(last_key, shape.num_keys, self.groups)
         output = self.model.get_decoder()(
             input_ids=self.token_ids.view(1, -1),
             position_ids=self.positions.view(1, -1),
@@ -166,13 +273,23 @@ class FixedStep:
         return self.hidden
 
     def idle_inputs(self) -> np.ndarray:
-        shape = self.shape
-        num_queries = shape.num_rows * shape.num_positions
+        """Buffers of a step whose every query writes and reads the scratch slot."""
         host = np.zeros(sum(self.sizes), dtype=np.int64)
-        write_start = 2 * num_queries
-        host[write_start : write_start + num_queries] = self.scratch_slot
-        host[sum(self.sizes[:4]) :] = self.scratch_slot
+        parts = self.parts(host)
+        parts[2][:] = self.scratch_slot  # write slots
+        if self.tables is None:
+            parts[4][:] = self.scratch_slot  # key slots
+        else:
+            blocks, num_held = parts[4], parts[6]
+            blocks[:] = self.tables.num_blocks
+            blocks[:, 0] = self.scratch_slot // self.cache.block_size
+            num_held[:] = 1
         return host
+
+    def parts(self, host: np.ndarray) -> list[np.ndarray]:
+        """Views of a host copy of the buffer, one ``[rows, ...]`` array per input."""
+        parts = np.split(host, np.cumsum(self.sizes)[:-1])
+        return [part.reshape(rows, -1) for part, rows in zip(parts, self.part_rows, strict=True)]
 
     def load(self, rows: Sequence[RowInput]) -> np.ndarray:
         """Copy ``rows`` into the buffers (padded to the shape); the indices of their real
@@ -182,39 +299,53 @@ class FixedStep:
         counts = np.array([len(row.token_ids) for row in rows])
         lengths = np.array([row.cached for row in rows]) + counts
         query_offset, last_key = padded_queries(counts, lengths, shape.num_positions)
-        token_ids = np.zeros((shape.num_rows, shape.num_positions), dtype=np.int64)
+        host = self.idle_inputs()
+        tokens, positions, write_slots, last_keys, *key_inputs = self.parts(host)
         for index, row in enumerate(rows):
-            token_ids[index] = np.asarray(row.token_ids)[query_offset[index]]
-        positions = np.zeros_like(token_ids)
+            tokens[index] = np.asarray(row.token_ids)[query_offset[index]]
         positions[:num_real] = (lengths - counts)[:, None] + query_offset
-        real = np.arange(shape.num_positions)[None, :] < counts[:, None]
-        key_slots = np.full((shape.num_rows, shape.num_keys), self.scratch_slot, dtype=np.int64)
-        key_slots[:num_real] = padded_key_slots(
-            self.cache, [row.row_id for row in rows], lengths, shape.num_keys
-        )
-        last_keys = np.zeros_like(token_ids)
         last_keys[:num_real] = last_key
+        real = np.arange(shape.num_positions)[None, :] < counts[:, None]
+        row_ids = [row.row_id for row in rows]
+        if self.tables is None:
+            key_slots = padded_key_slots(self.cache, row_ids, lengths, shape.num_keys)
+            key_inputs[0][:num_real] = key_slots
+            own_slots = np.take_along_axis(key_slots, last_key, axis=1)
+        else:
+            block_size = self.cache.block_size
+            table = self.cache.block_table(row_ids).numpy().astype(np.int64)
+            num_held = -(-lengths // block_size)
+            width = min(table.shape[1], self.tables.max_row_blocks)
+            held = np.arange(width)[None, :] < num_held[:, None]
+            blocks, num_full_rows, num_held_rows = key_inputs
+            blocks[:num_real, :width] = np.where(held, table[:, :width], self.tables.num_blocks)
+            # The first new position's keys and all before it are seen by every query of the row.
+            num_full_rows[:num_real, 0] = (lengths - counts + 1) // block_size
+            num_held_rows[:num_real, 0] = num_held
+            own_blocks = np.take_along_axis(table, last_key // block_size, axis=1)
+            own_slots = own_blocks * block_size + last_key % block_size
         # A real query's own key is where it is written; padded queries write the scratch slot.
-        write_slots = np.full_like(token_ids, self.scratch_slot)
-        write_slots[:num_real] = np.where(
-            real, np.take_along_axis(key_slots[:num_real], last_key, axis=1), self.scratch_slot
-        )
-        host = np.concatenate(
-            [part.reshape(-1) for part in (token_ids, positions, write_slots, last_keys, key_slots)]
-        )
+        write_slots[:num_real] = np.where(real, own_slots, self.scratch_slot)
         self.buffer.copy_(torch.from_numpy(host))
         return np.flatnonzero(real)
 
 
-def fixed_shape(rows: Sequence[RowInput], groups: int) -> StepShape | None:
+def attention_rows(num_rows: int, max_rows: int) -> int:
+    """Rows a paged step of ``num_rows`` attends over (``ATTENTION_ROW_BUCKETS``, at most ``max_rows``)."""
+    return min(bucket(num_rows, ATTENTION_ROW_BUCKETS) or max_rows, max_rows)
+
+
+def fixed_shape(rows: Sequence[RowInput], groups: int, paged: bool = False) -> StepShape | None:
     """The fixed shape a step of ``rows`` runs in, or None where none may (too many rows or
-    positions, or a mask over ``MAX_GRAPH_MASK_BYTES``)."""
+    positions, or a gathered step's mask over ``MAX_GRAPH_MASK_BYTES``)."""
     if not rows:
         return None
     num_rows = bucket(len(rows), ROW_BUCKETS)
     num_positions = bucket(max(len(row.token_ids) for row in rows), POSITION_BUCKETS)
     if num_rows is None or num_positions is None:
         return None
+    if paged:
+        return StepShape(num_rows, num_positions, 0)
     num_keys = key_bucket(max(row.cached + len(row.token_ids) for row in rows))
     shape = StepShape(num_rows, num_positions, num_keys)
     return shape if fits(shape, groups) else None
@@ -230,14 +361,17 @@ def captures_when_met(num_captured: int, is_warm: bool) -> bool:
     return not is_warm and num_captured < MAX_GRAPHS
 
 
-def grid_shapes(max_rows: int, max_positions: int, max_keys: int, groups: int) -> list[StepShape]:
+def grid_shapes(
+    max_rows: int, max_positions: int, max_keys: int, groups: int, paged: bool = False
+) -> list[StepShape]:
     """Every fixed shape a runner of ``max_rows`` rows, verification steps of up to
     ``max_positions`` positions per row and contexts of up to ``max_keys`` keys can meet, in the
-    order a start-up captures them: short contexts first (most rows), then by rows and positions."""
+    order a start-up captures them: short contexts first (most rows), then by rows and
+    positions. Paged steps have one shape per rows x positions, whatever the context."""
     row_top = bucket(min(max_rows, ROW_BUCKETS[-1]), ROW_BUCKETS)
     position_top = bucket(min(max_positions, POSITION_BUCKETS[-1]), POSITION_BUCKETS)
-    key_buckets = [MIN_KEY_BUCKET]
-    while key_buckets[-1] < max_keys:
+    key_buckets = [0] if paged else [MIN_KEY_BUCKET]
+    while not paged and key_buckets[-1] < max_keys:
         key_buckets.append(2 * key_buckets[-1])
     shapes = [
         StepShape(num_rows, num_positions, num_keys)
@@ -262,15 +396,43 @@ class StepGraphs:
         cache: the runner's KV-cache; one block of it is taken for the scratch slot.
         groups: query heads per key/value head.
         capture: record graphs (a GPU); False runs the same fixed-shape steps eagerly.
+        paged: attention reads the block tables (see the module's docstring); else keys are
+            gathered per context bucket.
+        max_rows: most rows a paged step may have.
+        max_context: longest row a paged step may read.
+        compiled: paged attention as a compiled kernel (default: when capturing).
     """
 
-    def __init__(self, model, cache: PagedKVCache, groups: int, capture: bool) -> None:
+    def __init__(
+        self,
+        model,
+        cache: PagedKVCache,
+        groups: int,
+        capture: bool,
+        paged: bool = False,
+        max_rows: int = 64,
+        max_context: int = 8192,
+        compiled: bool | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.groups = groups
         self.capture = capture
+        self.compiled = capture if compiled is None else compiled
         cache.allocate(SCRATCH_ROW, 1)
         self.scratch_slot = int(cache.slots(SCRATCH_ROW, 0, 1)[0])
+        self.tables: PagedTables | None = None
+        if paged:
+            # A paged step reads whole blocks, masked keys included: every slot must be finite.
+            for pool in (*cache.keys, *cache.values):
+                pool.zero_()
+            max_row_blocks = min(cache.blocks_for(max_context), cache.allocator.num_blocks)
+            self.tables = PagedTables(
+                bucket(min(max_rows, ROW_BUCKETS[-1]), ROW_BUCKETS) or ROW_BUCKETS[-1],
+                cache.allocator.num_blocks,
+                max_row_blocks,
+                cache.device,
+            )
         for pool in (*cache.keys, *cache.values):
             pool[:, self.scratch_slot] = 0  # read by padded rows: must be finite
         self.steps: dict[StepShape, FixedStep] = {}
@@ -280,6 +442,10 @@ class StepGraphs:
         self.max_positions = POSITION_BUCKETS[-1]  # the widest positions per row a step may take
         self.num_captured_serving = 0  # shapes captured by serving steps (none once warm)
         self.last_captured = False  # the last step captured its shape (its time is no step's cost)
+
+    @property
+    def paged(self) -> bool:
+        return self.tables is not None
 
     @staticmethod
     def supports(model) -> bool:
@@ -294,14 +460,18 @@ class StepGraphs:
             return len(self.steps)
         started = time.perf_counter()
         self.max_positions = bucket(min(max_positions, POSITION_BUCKETS[-1]), POSITION_BUCKETS) or 1
-        for shape in grid_shapes(max_rows, max_positions, max_keys, self.groups):
+        paged = self.paged
+        for shape in grid_shapes(max_rows, max_positions, max_keys, self.groups, paged):
             if self.failed or time.perf_counter() - started > budget_s:
                 break
-            if shape not in self.steps:
-                self._build(shape)
+            if shape not in self.steps and self._build(shape) is None and paged and not self.paged:
+                # Paged steps failed and gave way to gathered ones: warm those up instead.
+                remaining = budget_s - (time.perf_counter() - started)
+                return self.warm_up(max_rows, max_positions, max_keys, remaining)
         self.is_warm = True
         logger.info(
-            "step graphs: %d shapes ready in %.1f s (budget %.0f s)",
+            "step graphs (%s attention): %d shapes ready in %.1f s (budget %.0f s)",
+            "paged" if self.paged else "gathered",
             len(self.steps),
             time.perf_counter() - started,
             budget_s,
@@ -312,29 +482,50 @@ class StepGraphs:
         """The fixed shape serving ``rows``, or None (the packed path takes the step)."""
         if self.failed:
             return None
-        shape = fixed_shape(rows, self.groups)
-        if shape is None or shape in self.steps:
+        shape = fixed_shape(rows, self.groups, self.paged)
+        if shape is None:
+            return None
+        if self.tables is not None and (
+            shape.num_rows > self.tables.max_rows
+            or max(row.cached + len(row.token_ids) for row in rows)
+            > self.tables.max_row_blocks * self.cache.block_size
+        ):
+            return None
+        if shape in self.steps:
             return shape
         return shape if captures_when_met(len(self.steps), self.is_warm) else None
 
-    def forward(self, rows: Sequence[RowInput], shape: StepShape) -> torch.Tensor:
-        """Logits of every position of ``rows`` (all of them, in row order) from the step of ``shape``."""
+    def forward(self, rows: Sequence[RowInput], shape: StepShape) -> torch.Tensor | None:
+        """Logits of every position of ``rows`` (all of them, in row order) from the step of
+        ``shape``; None where the shape could not be captured (the packed path takes the step)."""
         step = self.steps.get(shape)
         self.last_captured = step is None
         if step is None:
             step = self._build(shape)
+            if step is None:
+                return None
             self.num_captured_serving += 1
         real = step.load(rows)
         hidden = step.replay().index_select(0, torch.from_numpy(real).to(self.cache.device))
         return self.model.lm_head(hidden)
 
-    def _build(self, shape: StepShape) -> FixedStep:
-        step = FixedStep(self.model, self.cache, self.groups, shape, self.scratch_slot)
+    def _build(self, shape: StepShape) -> FixedStep | None:
+        """The step of ``shape``, captured on a GPU; None where that failed: paged steps then
+        give way to gathered ones, gathered steps to the packed path."""
+        step = FixedStep(
+            self.model, self.cache, self.groups, shape, self.scratch_slot, self.tables, self.compiled
+        )
         if self.capture:
             try:
                 step.capture(self.pool)
-            except RuntimeError as exc:  # an op a graph cannot record: run without graphs
-                logger.warning("CUDA graph capture failed, steps run without graphs: %s", exc)
-                self.failed = True
+            except Exception as exc:  # an op a graph cannot record, a kernel that does not compile
+                if self.paged:
+                    logger.warning("paged attention failed in a CUDA graph, gathering keys instead: %s", exc)
+                    self.tables = None
+                    self.steps.clear()
+                else:
+                    logger.warning("CUDA graph capture failed, steps run without graphs: %s", exc)
+                    self.failed = True
+                return None
         self.steps[shape] = step
         return step

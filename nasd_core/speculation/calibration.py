@@ -94,8 +94,14 @@ def filled_runner(
     """A runner whose probe rows ``0..num_rows-1`` hold ``context_length`` cached tokens each,
     with room for steps of up to ``max_width`` positions per row (and the graphs' scratch block)."""
     row_tokens = context_length + max_width
+    block_size = 32  # the engine's default: paged graph steps read whole blocks
+    row_blocks = -(-row_tokens // block_size)
     runner = ModelRunner(
-        model, kv_cache_tokens=(num_rows + 1) * row_tokens, block_size=row_tokens, step_graphs=step_graphs
+        model,
+        kv_cache_tokens=(num_rows * row_blocks + 1) * block_size,
+        block_size=block_size,
+        max_rows=num_rows,
+        step_graphs=step_graphs,
     )
     fill_rows(runner, num_rows, context_length, row_tokens)
     return runner

@@ -121,9 +121,11 @@ def test_bfloat16_batched_greedy_differs_from_single_runs_only_at_near_ties(
     assert not unexplained_divergences(cuda_bf16_model, tokenizer, ordered, references, BFLOAT16_TIE)
 
 
-def test_steps_replayed_from_cuda_graphs_get_the_packed_paths_logits(cuda_model):
-    runner, logits = test_step_graphs.fixed_and_packed_logits(cuda_model[0])
+@pytest.mark.parametrize("graph_attention", ["paged", "gathered"])
+def test_steps_replayed_from_cuda_graphs_get_the_packed_paths_logits(cuda_model, graph_attention):
+    runner, logits = test_step_graphs.fixed_and_packed_logits(cuda_model[0], graph_attention)
     assert runner.graphs is not None and not runner.graphs.failed, "a capture failed (see the warning)"
+    assert runner.graphs.paged == (graph_attention == "paged"), "paged steps fell back (see the warning)"
     assert all(step.graph is not None for step in runner.graphs.steps.values())
     for fixed, packed in logits:
         torch.testing.assert_close(fixed, packed, atol=1e-3, rtol=0)
@@ -135,6 +137,7 @@ def test_an_engine_on_cuda_graphs_emits_the_single_sequence_greedy_tokens(cuda_m
     references = test_engine.single_sequence_runs(model, tokenizer)
     engine = test_step_graphs.run_engine_on_fixed_steps(model, tokenizer, references, mode)
     assert engine.runner.graphs is not None and not engine.runner.graphs.failed
+    assert engine.runner.graphs.paged, "the default paged steps fell back to gathered ones (see the warning)"
     assert all(step.graph is not None for step in engine.runner.graphs.steps.values())
 
 
@@ -147,7 +150,7 @@ def test_an_engine_captures_its_grid_at_start_and_nothing_while_serving(cuda_mod
     config = EngineConfig(max_batch_rows=4, prefill_chunk_tokens=16, kv_cache_tokens=4096, spec=spec)
     engine = Engine(model, tokenizer, config)
     graphs = engine.runner.graphs
-    assert graphs is not None and graphs.is_warm and not graphs.failed
+    assert graphs is not None and graphs.is_warm and not graphs.failed and graphs.paged
     outputs = test_engine.run_staggered(engine, test_engine.PROMPTS, test_engine.MAX_TOKENS, spec)
     assert [outputs[index] for index in range(len(test_engine.PROMPTS))] == references
     assert graphs.num_captured_serving == 0

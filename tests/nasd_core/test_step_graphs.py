@@ -2,8 +2,9 @@
 
 On a GPU these steps are replayed from CUDA graphs (``test_gpu.py`` checks that); here they
 run eagerly, which holds their layout to the packed path's logits: rows padded to a bucket
-of rows and positions, keys padded to a power of two, a scratch slot for every padded
-write, fragmented rows and rolled-back drafts whose stale slots the padding must never read.
+of rows and positions, keys gathered and padded to a power of two or read through the block
+tables (FlexAttention, unfused and compiled), a scratch slot for every padded write, fragmented
+rows and rolled-back drafts whose stale slots the padding must never read.
 """
 
 from __future__ import annotations
@@ -28,12 +29,20 @@ def test_buckets_hold_the_step():
     assert key_bucket(1) == 128 and key_bucket(129) == 256 and key_bucket(1024) == 1024
 
 
-def fragmented_runner(model, prompts: list[list[int]], step_graphs: bool) -> ModelRunner:
+def fragmented_runner(
+    model, prompts: list[list[int]], step_graphs: bool, graph_attention: str | None = None
+) -> ModelRunner:
     """A runner whose rows hold ``prompts`` with 8 spare positions each, row 1 fragmented
     around a hole left by a freed row."""
     # Exactly the rows' blocks (and the scratch block): row 1, allocated last, must take the hole.
     num_blocks = sum(-(-(len(prompt) + 8) // 8) for prompt in prompts) + step_graphs
-    runner = ModelRunner(model, kv_cache_tokens=num_blocks * 8, block_size=8, step_graphs=step_graphs)
+    runner = ModelRunner(
+        model,
+        kv_cache_tokens=num_blocks * 8,
+        block_size=8,
+        step_graphs=step_graphs,
+        graph_attention=graph_attention,
+    )
     for row in (0, "hole", *range(2, len(prompts))):
         runner.cache.allocate(row, len(prompts[row]) + 8 if row != "hole" else 8)
     runner.cache.free("hole")
@@ -59,37 +68,63 @@ def run_steps(runner: ModelRunner, prompts: list[list[int]], widths: list[int]) 
     return results
 
 
-def fixed_and_packed_logits(model) -> tuple[ModelRunner, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """``run_steps`` on fixed-shape steps and on the packed path: the fixed-shape runner and
-    each step's (fixed, packed) logits."""
+def fixed_and_packed_logits(
+    model, graph_attention: str | None = None, compiled: bool | None = None
+) -> tuple[ModelRunner, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``run_steps`` on fixed-shape steps (attending as ``graph_attention`` says, through a
+    compiled kernel where ``compiled``; None: the runner's default) and on the packed path:
+    the fixed-shape runner and each step's (fixed, packed) logits."""
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (70, 300, 33)]
     widths = [1, 5, 12]  # 3 rows of up to 12 positions: a 4 x 17 step with a padded row
     results = {}
     for step_graphs in (False, True, False):  # the first run warms up (see test_attention)
-        runner = fragmented_runner(model, prompts, step_graphs)
+        runner = fragmented_runner(model, prompts, step_graphs, graph_attention)
+        if runner.graphs is not None and compiled is not None:
+            runner.graphs.compiled = compiled
         results[step_graphs] = run_steps(runner, prompts, widths)
         if step_graphs:
             fixed_runner = runner
     return fixed_runner, list(zip(results[True], results[False], strict=True))
 
 
-def test_fixed_shape_steps_get_the_logits_of_the_packed_path(model):
-    runner, logits = fixed_and_packed_logits(model)
-    assert runner.graphs is not None
-    # The prompt chunks took the packed path; every other step a fixed shape.
-    assert set(runner.graphs.steps) == {StepShape(4, 17, 512), StepShape(4, 1, 512), StepShape(2, 1, 512)}
+@pytest.mark.parametrize("graph_attention", ["gathered", "paged"])
+def test_fixed_shape_steps_get_the_logits_of_the_packed_path(model, graph_attention):
+    runner, logits = fixed_and_packed_logits(model, graph_attention)
+    assert runner.graphs is not None and runner.graphs.paged == (graph_attention == "paged")
+    # The prompt chunks took the packed path; every other step a fixed shape (with a key bucket
+    # where keys are gathered, none where they are read through the block tables).
+    keys = 0 if graph_attention == "paged" else 512
+    assert set(runner.graphs.steps) == {StepShape(4, 17, keys), StepShape(4, 1, keys), StepShape(2, 1, keys)}
     for fixed, packed in logits:
         torch.testing.assert_close(fixed, packed, atol=2e-4, rtol=0)
 
 
-def run_engine_on_fixed_steps(model, tokenizer, references: list[list[int]], mode: str) -> Engine:
+def test_paged_steps_through_the_compiled_kernel_get_the_logits_of_the_packed_path(model):
+    """The fused FlexAttention kernel (what a GPU runs in its graphs), compiled for this CPU."""
+    runner, logits = fixed_and_packed_logits(model, "paged", compiled=True)
+    assert runner.graphs is not None and runner.graphs.paged
+    for fixed, packed in logits:
+        torch.testing.assert_close(fixed, packed, atol=2e-4, rtol=0)
+
+
+def run_engine_on_fixed_steps(
+    model, tokenizer, references: list[list[int]], mode: str, graph_attention: str | None = None
+) -> Engine:
     """The staggered prompts on an engine with fixed-shape steps: rows joining and leaving
     between steps (row counts off the buckets), drafts of every width, prompt chunks beside
     decode steps (those steps take the packed path); its greedy outputs must be ``references``."""
-    engine = Engine(
-        model, tokenizer, EngineConfig(max_batch_rows=6, prefill_chunk_tokens=16, step_graphs=True)
+    # On a CPU paged steps run FlexAttention's unfused reference, which scores the whole pool:
+    # a small one keeps that quick.
+    kv_cache_tokens = 2048 if graph_attention == "paged" and model.device.type == "cpu" else None
+    config = EngineConfig(
+        max_batch_rows=6,
+        prefill_chunk_tokens=16,
+        step_graphs=True,
+        graph_attention=graph_attention,
+        kv_cache_tokens=kv_cache_tokens,
     )
+    engine = Engine(model, tokenizer, config)
     outputs = run_staggered(engine, PROMPTS, MAX_TOKENS, SpecConfig(mode=mode, num_draft_tokens=5))
     mismatches = [index for index, expected in enumerate(references) if outputs[index] != expected]
     assert not mismatches, f"rows {mismatches} differ from their single-sequence runs"
@@ -99,8 +134,11 @@ def run_engine_on_fixed_steps(model, tokenizer, references: list[list[int]], mod
     return engine
 
 
-@pytest.mark.parametrize("mode", ["on", "auto"])
+@pytest.mark.parametrize(
+    ("mode", "graph_attention"), [("on", "gathered"), ("auto", "gathered"), ("on", "paged")]
+)
 def test_an_engine_on_fixed_shape_steps_emits_the_single_sequence_greedy_tokens(
-    model, tokenizer, single_runs, mode
+    model, tokenizer, single_runs, mode, graph_attention
 ):
-    run_engine_on_fixed_steps(model, tokenizer, single_runs, mode)
+    engine = run_engine_on_fixed_steps(model, tokenizer, single_runs, mode, graph_attention)
+    assert engine.runner.graphs is not None and engine.runner.graphs.paged == (graph_attention == "paged")
