@@ -136,8 +136,9 @@ class Request:
 
     def advance(self, draft: Draft, num_drafted: int, emitted: list[int]) -> list[int]:
         """Take one verified step: ``num_drafted`` tokens of ``draft`` were verified and
-        ``emitted`` came out. Updates the output, the drafter, acceptance and counters;
-        returns the tokens actually kept (a stop condition can cut the step short)."""
+        ``emitted`` came out. Updates the output, acceptance and counters (the drafter learns
+        the new tokens when it next looks up); returns the tokens actually kept (a stop
+        condition can cut the step short)."""
         num_accepted = len(emitted) - 1
         self.acceptance.record(draft.match_length, num_drafted, num_accepted, draft.source, draft.splits)
         num_taken = self.stopper.extend(emitted)
@@ -145,7 +146,6 @@ class Request:
         self.tokens.extend(kept)
         if self.processors is not None:
             self.processors.observe(kept)
-        self.drafter.observe(self.tokens)
         self.stats.record_step(num_drafted, num_accepted, num_taken, draft.source if num_drafted else None)
         return kept
 

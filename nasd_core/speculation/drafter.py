@@ -96,7 +96,11 @@ class RequestDrafter:
         self._filler_rng = np.random.default_rng(None if seed is None else seed % 2**64)
 
     def observe(self, tokens: Sequence[int]) -> None:
-        """Learn the n-grams of ``tokens`` (the whole sequence so far) not learned yet."""
+        """Learn the n-grams of ``tokens`` (the whole sequence so far) not learned yet. Every
+        lookup catches up first, so a row learns its new tokens only when it next drafts: a
+        resting row costs nothing per step, and one call learns the tokens of several steps."""
+        if len(tokens) <= self._num_learned:
+            return
         if self.local_index is not None:
             self.local_index.update(tokens, start=self._num_learned)
         if self.local_suffix is not None:
@@ -115,6 +119,7 @@ class RequestDrafter:
         every row's at once (None: asked here)."""
         if max_tokens <= 0:
             return EMPTY_DRAFT
+        self.observe(tokens)
         draft = self._best_draft(tokens, max_tokens, suffix)
         if self.spec.stop_if_unknown or self._vocab_size is None or len(draft.tokens) >= max_tokens:
             return draft
@@ -131,6 +136,7 @@ class RequestDrafter:
         the request's own index holds too, except beyond the index's longest context, where it
         is scanned for.
         """
+        self.observe(tokens)
         longest, source = 0, None
         if self.local_suffix is not None:
             match = suffix if suffix is not None else self._suffix_draft(tokens, 0)
@@ -233,6 +239,8 @@ def propose_rows(
     drafters: Sequence[RequestDrafter], contexts: Sequence[Sequence[int]], max_tokens: Sequence[int]
 ) -> list[Draft]:
     """``RequestDrafter.propose`` for every row of a step, the suffix stores asked in one call."""
+    for drafter, context in zip(drafters, contexts):
+        drafter.observe(context)
     suffix = suffix_drafts(drafters, contexts, max_tokens)
     return [
         drafter.propose(context, cap, answer)
@@ -244,6 +252,8 @@ def longest_matches(
     drafters: Sequence[RequestDrafter], contexts: Sequence[Sequence[int]]
 ) -> list[tuple[int, str | None]]:
     """``RequestDrafter.longest_match`` for every row of a step, the suffix stores asked in one call."""
+    for drafter, context in zip(drafters, contexts):
+        drafter.observe(context)
     suffix = suffix_drafts(drafters, contexts, [0] * len(drafters))
     return [
         drafter.longest_match(context, answer) for drafter, context, answer in zip(drafters, contexts, suffix)
