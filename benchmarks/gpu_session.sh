@@ -6,7 +6,8 @@
 #
 #   setup   (carry .whl .gpu1): install the wheels, keep the model's first part, then the
 #                               step-cost surface of a ~1.5B architecture with random weights,
-#                               packed steps against steps replayed from CUDA graphs (no model needed)
+#                               packed steps against steps replayed from CUDA graphs, paged and
+#                               gathered attention (no model needed)
 #   tests   (carry .gpu2):      join the model, pytest -m gpu (the CUDA-graph tests among them),
 #                               single stream
 #   sweep   (no carry):         the engine sweep on CUDA graphs, C = 1 ... 64 (at most 9 minutes)
@@ -56,7 +57,7 @@ transformers.__version__, torch.cuda.get_device_name())"
         python3 -c "from nasd_core.model import native; print('C++ drafter:', native.drafter() is not None)"
     } 2>&1 | tee "$OUT/env.txt"
     logged step_cost 300 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
-        --rows 1 4 16 64 --repeats 3 --step-graphs
+        --rows 1 4 16 64 --repeats 3 --step-graphs --graph-attention paged gathered
     results step_cost_cuda_qwen2-1.5b.json
 }
 

@@ -12,7 +12,8 @@ timed and the run also checks the policy's cost model and the attention layout:
 - decode and 5-position steps with every row attended by its own SDPA call and with the rows
   padded into one call per layer (``ModelRunner.batch_attention``), at two context lengths;
 - with ``--step-graphs``, the probe's surface again on fixed-shape steps, replayed from CUDA
-  graphs on a GPU (``nasd_core/model/step_graphs.py``).
+  graphs on a GPU (``nasd_core/model/step_graphs.py``), for each ``--graph-attention`` layout
+  (paged through the block tables, the default; gathered per context bucket).
 
 python -m benchmarks.step_cost                      # float32 stock/fast and bfloat16, rows 1..32
 python -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b --rows 1 4 16 64 --step-graphs
@@ -120,12 +121,13 @@ def device_run(args: argparse.Namespace) -> None:
         time_step(warm, [1], 16)
     del warm
     step_time = measure_step_times(model, PROBE_POSITIONS, rows=args.rows, repeats=args.repeats).step_time
-    graphs_surface = None
-    if args.step_graphs:
+    graphs_surfaces = {}
+    for layout in args.graph_attention if args.step_graphs else ():
         graphs_time = measure_step_times(
-            model, PROBE_POSITIONS, args.rows, repeats=args.repeats, step_graphs=True
+            model, PROBE_POSITIONS, args.rows, repeats=args.repeats, step_graphs=True, graph_attention=layout
         ).graph_step_times
-        graphs_surface = {
+        key = "step_graphs" if layout == "paged" else f"step_graphs_{layout}"
+        graphs_surfaces[key] = {
             rows: {
                 width: round(1000 * graphs_time.estimate(rows, bucket(width, POSITION_BUCKETS)), 1)
                 for width in PROBE_POSITIONS
@@ -143,8 +145,7 @@ def device_run(args: argparse.Namespace) -> None:
         "held_out": held_out(model, step_time, args.rows, args.repeats),
         "attention_layouts": attention_layouts(model, args.rows, args.repeats),
     }
-    if graphs_surface is not None:
-        payload["step_graphs"] = graphs_surface
+    payload.update(graphs_surfaces)
     name = f"step_cost_{args.device.split(':')[0]}_{args.arch or 'embedded'}"
     print(f"results: {write_result(name, payload)}")
     for rows, by_positions in payload["ms_by_rows_and_positions"][args.dtype].items():
@@ -223,6 +224,13 @@ def main() -> None:
         "--step-graphs",
         action="store_true",
         help="with --device: also time the surface on fixed-shape steps (replayed from CUDA graphs on a GPU)",
+    )
+    parser.add_argument(
+        "--graph-attention",
+        nargs="+",
+        choices=["paged", "gathered"],
+        default=["paged"],
+        help="with --step-graphs: fixed-shape attention layouts to time (EngineConfig.graph_attention)",
     )
     args = parser.parse_args()
     if args.device != "cpu" or args.arch:

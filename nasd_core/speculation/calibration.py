@@ -89,7 +89,12 @@ def free_rows(runner, num_rows: int) -> None:
 
 
 def filled_runner(
-    model, num_rows: int, context_length: int, max_width: int, step_graphs: bool = False
+    model,
+    num_rows: int,
+    context_length: int,
+    max_width: int,
+    step_graphs: bool = False,
+    graph_attention: str | None = None,
 ) -> ModelRunner:
     """A runner whose probe rows ``0..num_rows-1`` hold ``context_length`` cached tokens each,
     with room for steps of up to ``max_width`` positions per row (and the graphs' scratch block)."""
@@ -102,6 +107,7 @@ def filled_runner(
         block_size=block_size,
         max_rows=num_rows,
         step_graphs=step_graphs,
+        graph_attention=graph_attention,
     )
     fill_rows(runner, num_rows, context_length, row_tokens)
     return runner
@@ -130,6 +136,7 @@ def measure_step_times(
     calibration: Calibration | None = None,
     step_graphs: bool = False,
     runner=None,
+    graph_attention: str | None = None,
 ) -> Calibration:
     """Time steps of every shape ``rows`` x ``positions`` per row (an int means 1..positions),
     and, for more than one row of packed steps, ragged steps where one row feeds that many
@@ -150,7 +157,7 @@ def measure_step_times(
     if own_rows:
         fill_rows(runner, max(rows), context_length, context_length + max(positions))
     else:
-        runner = filled_runner(model, max(rows), context_length, max(positions), step_graphs)
+        runner = filled_runner(model, max(rows), context_length, max(positions), step_graphs, graph_attention)
     ragged = runner.graph_widths is None  # a fixed shape costs its width whatever the rows use
     for num_rows in rows:
         shapes = [[width] * num_rows for width in positions]
