@@ -12,11 +12,12 @@ import os
 from typing import Any, Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from deployments.auth import AuthSettings, KeyLimits
 from deployments.ingress import OpenAIIngress
 from deployments.replica import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, NASDReplica, ReplicaConfig
 from deployments.router import ROUTER_CLASS
@@ -60,6 +61,10 @@ ENV_VARS = {
     "redis_url": "NASD_REDIS_URL",
     "pool_namespace": "NASD_POOL_NAMESPACE",
     "tenant_isolation": "NASD_TENANT_ISOLATION",
+    "api_key": "NASD_API_KEY",
+    "api_keys_file": "NASD_API_KEYS_FILE",
+    "key_max_in_flight": "NASD_KEY_MAX_IN_FLIGHT",
+    "key_tokens_per_minute": "NASD_KEY_TOKENS_PER_MINUTE",
     "pool_partitions": "NASD_POOL_PARTITIONS",
     "num_replicas": "NASD_NUM_REPLICAS",
     "num_cpus_per_replica": "NASD_NUM_CPUS",
@@ -95,7 +100,28 @@ class AppArgs(BaseModel):
         None, description="Prefix of the pool namespace, to separate deployments sharing one Redis."
     )
     tenant_isolation: bool = Field(
-        False, description="Requests draft only from their `user`'s pool namespace."
+        False,
+        description="Each tenant drafts only from its own pool namespace and reuses only its own cached "
+        "prefixes. The tenant is the API key's (api_key / api_keys_file); without keys, the request's "
+        "`user` field, which any caller may write.",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="One API key (tenant 'default'): every route but /health then needs "
+        "'Authorization: Bearer <key>'. Prefer NASD_API_KEY or a key file to a command line.",
+    )
+    api_keys_file: str | None = Field(
+        None,
+        description="A file of '<key> <tenant> [max_in_flight=N] [tokens_per_minute=N]' lines, re-read "
+        "when it changes (in k8s, mounted from a Secret).",
+    )
+    key_max_in_flight: int | None = Field(
+        None, ge=1, description="Generation requests in flight per key (429 beyond); None: unlimited."
+    )
+    key_tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt + completion tokens per key over the last minute (429 beyond); None: unlimited.",
     )
     pool_partitions: int = Field(
         0,
@@ -276,5 +302,10 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             served_model_name,
             EMBEDDED_MODEL_ALIASES if served_model_name == EMBEDDED_MODEL else (),
             args.pool_partitions,
+            AuthSettings(
+                api_key=args.api_key.get_secret_value() if args.api_key is not None else None,
+                keys_file=args.api_keys_file,
+                limits=KeyLimits(args.key_max_in_flight, args.key_tokens_per_minute),
+            ),
         )
     )

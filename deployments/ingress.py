@@ -3,6 +3,9 @@ handle to the replicas (no model files, no torch).
 
 Every error leaves as OpenAI's error JSON, ``{"error": {"message", "type", "param", "code"}}``,
 with a 4xx status for a bad request (FastAPI's own 422 validation answer is replaced by 400).
+With API keys configured (``deployments/auth.py``), every route but ``/health`` needs a valid
+bearer key (401 otherwise), generation routes count against the key's limits (429 with
+``Retry-After`` over them), and a request's tenant is its key's.
 """
 
 # No `from __future__ import annotations` here: serve.ingress pickles the FastAPI app when the
@@ -12,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI
@@ -24,6 +27,8 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from deployments.auth import ApiKey, AuthSettings, Gate, install_gate, installed_gate
+from deployments.metrics import TenantMetrics
 from deployments.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -84,6 +89,78 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return error_response(exc.status_code, ErrorInfo(message=str(exc.detail), type=kind))
+
+
+# Routes that generate: they count against a key's limits.
+GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def _route_path(request: Request) -> str:
+    """The request's path inside the application (without the route prefix Serve mounts it at)."""
+    path, root = request.scope["path"], request.scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _unauthorized(has_header: bool) -> JSONResponse:
+    message = (
+        "Incorrect API key provided."
+        if has_header
+        else "Missing bearer authentication in header: send 'Authorization: Bearer <key>'."
+    )
+    response = error_response(
+        401, ErrorInfo(message=message, type="invalid_request_error", code="invalid_api_key")
+    )
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+async def _released(body: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
+    """``body``, then ``release`` once it is sent or abandoned (the client went away)."""
+    try:
+        async for part in body:
+            yield part
+    finally:
+        release()
+
+
+@app.middleware("http")
+async def _authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    """Without keys, nothing. With keys: the bearer key's ``ApiKey`` in ``request.state.api_key``
+    (401 without a valid one, except on /health), and on generation routes a slot of its limits
+    for as long as the answer streams (429 over them)."""
+    gate = installed_gate()
+    path = _route_path(request)
+    if gate is None or not gate.keys.enabled or path == "/health":
+        request.state.api_key = None
+        return await call_next(request)
+    header = request.headers.get("authorization", "")
+    scheme, _, presented = header.partition(" ")
+    key = gate.keys.find(presented.strip()) if scheme.lower() == "bearer" and presented.strip() else None
+    if key is None:
+        gate.limiter.num_unauthorized += 1
+        if gate.metrics is not None:
+            gate.metrics.record_unauthorized()
+        return _unauthorized(bool(header))
+    request.state.api_key = key
+    if request.method != "POST" or path not in GENERATION_PATHS:
+        return await call_next(request)
+    rejection = gate.limiter.admit(key)
+    if gate.metrics is not None:
+        gate.metrics.record_outcome(
+            key.tenant, "admitted" if rejection is None else f"rejected_{rejection.kind}"
+        )
+    if rejection is not None:
+        info = ErrorInfo(message=rejection.message, type=rejection.kind, code="rate_limit_exceeded")
+        response = error_response(429, info)
+        response.headers["Retry-After"] = str(rejection.retry_after_s)
+        return response
+    try:
+        response = await call_next(request)
+    except BaseException:
+        gate.limiter.release(key)
+        raise
+    response.body_iterator = _released(response.body_iterator, lambda: gate.limiter.release(key))
+    return response
 
 
 def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> CompletionLogprobs:
@@ -210,6 +287,7 @@ class OpenAIIngress:
         aliases: other names requests may ask for it by (listed in ``/v1/models`` too).
         pool_partitions: the replicas' ``PoolConfig.partitions``; with partitions each request
             carries its tenant and partition as its session id, for the replicas' router.
+        auth: API keys and their limits (``deployments/auth.py``); None: an open server.
     """
 
     def __init__(
@@ -218,7 +296,10 @@ class OpenAIIngress:
         served_model_name: str,
         aliases: Sequence[str] = (),
         pool_partitions: int = 0,
+        auth: AuthSettings | None = None,
     ) -> None:
+        self.gate = Gate(auth or AuthSettings(), lambda: TenantMetrics(served_model_name))
+        install_gate(self.gate)
         self.replica = replica
         self.pool_partitions = pool_partitions
         self.served_model_name = served_model_name
@@ -248,11 +329,13 @@ class OpenAIIngress:
         return JSONResponse((await self._model_card(model_id)).model_dump())
 
     @app.post("/v1/completions", response_model=None)
-    async def completions(self, body: CompletionRequest) -> Response:
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         request_id = new_id("cmpl")
+        tenant = self._tenant(raw, body.user)
         return await self._answer(
+            raw.state.api_key,
             body.model,
-            [GenerateRequest.from_completion(body, prompt) for prompt in body.prompts],
+            [GenerateRequest.from_completion(body, prompt, tenant) for prompt in body.prompts],
             body.stream,
             lambda chunks: self._completion_events(request_id, body, chunks),
             lambda choices, last: CompletionResponse(
@@ -275,11 +358,12 @@ class OpenAIIngress:
         )
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat_completions(self, body: ChatCompletionRequest) -> Response:
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         request_id = new_id("chatcmpl")
         return await self._answer(
+            raw.state.api_key,
             body.model,
-            [GenerateRequest.from_chat(body)],
+            [GenerateRequest.from_chat(body, self._tenant(raw, body.user))],
             body.stream,
             lambda chunks: self._chat_events(request_id, body, chunks),
             lambda choices, last: ChatCompletionResponse(
@@ -336,16 +420,26 @@ class OpenAIIngress:
         except Exception as exc:  # still show what earlier requests reported
             logger.warning("stats call failed: %s", exc)
         replicas = sorted(self.replica_stats.values(), key=lambda stats: stats["replica_id"])
-        return {
+        stats = {
             "object": "nasd.stats",
             "model": self.served_model_name,
             "total": _total(replicas),
             "replicas": replicas,
         }
+        if self.gate.keys.enabled:
+            stats["auth"] = self.gate.limiter.snapshot()
+        return stats
 
     # ----------------------------------------------------------------- helpers
+    def _tenant(self, raw: Request, user: str | None) -> str | None:
+        """A request's tenant: its key's where keys are configured, else its ``user`` label
+        (which any caller may write: not isolation)."""
+        key: ApiKey | None = raw.state.api_key
+        return key.tenant if key is not None else user
+
     async def _answer(
         self,
+        key: ApiKey | None,
         model: str | None,
         requests: list[GenerateRequest],
         stream: bool,
@@ -354,7 +448,7 @@ class OpenAIIngress:
     ) -> Response:
         """One generation route: check the model, start the requests (one per prompt) on
         replicas, then answer with ``events`` (SSE) or, once they are done, the ``whole``
-        response; errors as JSON."""
+        response; errors as JSON. The tokens are counted against ``key`` (None: no keys)."""
         if (error := self._check_model(model)) is not None:
             return error
         started = await asyncio.gather(*(self._start(request) for request in requests))
@@ -366,12 +460,22 @@ class OpenAIIngress:
             return error_response(failed[0].status_code, failed[0].error)
         streams = [self._chunks(first, chunks) for chunks, first in started]
         merged = streams[0] if len(streams) == 1 else _merged(streams, requests[0].n)
+        merged = self._counted(merged, key)
         if stream:
             return self._stream(events(merged))
         last, choices = await _collect(merged)
         if last.error is not None:
             return error_response(last.status_code, last.error)
         return JSONResponse(whole(choices, last).model_dump())
+
+    async def _counted(
+        self, chunks: AsyncIterator[GenerateChunk], key: ApiKey | None
+    ) -> AsyncIterator[GenerateChunk]:
+        """``chunks``, the last one's usage counted against ``key``."""
+        async for chunk in chunks:
+            if chunk.usage is not None:
+                self.gate.record_usage(key, chunk.usage)
+            yield chunk
 
     async def _tokens_call(self, model: str | None, method, body: BaseModel) -> TokensResult | Response:
         """A tokenize / detokenize call on a replica; an error as an OpenAI error response."""

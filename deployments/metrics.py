@@ -96,3 +96,37 @@ class ReplicaMetrics:
             self.pool_connected.set(1.0 if namespace["state"] == "connected" else 0.0, tags)
             if namespace["lag_ms_p99"] is not None:
                 self.pool_lag_ms.set(namespace["lag_ms_p99"], tags)
+
+
+class TenantMetrics:
+    """The ingress's per-tenant counters (with API keys): requests by outcome and tokens by kind,
+    tagged with the model and the key's tenant; and requests refused for a missing or wrong key."""
+
+    def __init__(self, model: str) -> None:
+        self.tags = {"model": model}
+        self.requests = Counter(
+            "nasd_tenant_requests",
+            "Generation requests by tenant and outcome (admitted, rejected_requests, rejected_tokens).",
+            tag_keys=("model", "tenant", "outcome"),
+        )
+        self.tokens = Counter(
+            "nasd_tenant_tokens",
+            "Tokens by tenant and kind (prompt, completion).",
+            tag_keys=("model", "tenant", "kind"),
+        )
+        self.unauthorized = Counter(
+            "nasd_unauthorized_requests",
+            "Requests refused for a missing or wrong API key.",
+            tag_keys=("model",),
+        )
+
+    def record_outcome(self, tenant: str, outcome: str) -> None:
+        self.requests.inc(1, {**self.tags, "tenant": tenant, "outcome": outcome})
+
+    def record_tokens(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
+        for kind, count in (("prompt", prompt_tokens), ("completion", completion_tokens)):
+            if count:
+                self.tokens.inc(count, {**self.tags, "tenant": tenant, "kind": kind})
+
+    def record_unauthorized(self) -> None:
+        self.unauthorized.inc(1, self.tags)

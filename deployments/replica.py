@@ -282,7 +282,7 @@ class NASDServer:
                     choice.add(step, prompt_ids if parsed.echo else None)
                     if step.finish_reason is not None:
                         stats.merge(step.stats)
-                        self.pools.publish(parsed.user, prompt_ids + choice.text.output_ids, partition)
+                        self.pools.publish(parsed.tenant, prompt_ids + choice.text.output_ids, partition)
                         chunk = choice.chunk(index, step.finish_reason)
                         if all(other.finish_reason for other in choices):  # the request's last chunk
                             yield self._finish(prompt_ids, choices, stats, chunk)
@@ -306,7 +306,7 @@ class NASDServer:
         """Every choice's engine steps as they come, tagged with the choice's index. The first
         choice starts alone; the others join after its first step and copy its prefill. Choice
         i samples with seed + i. Leaving early (the client went away) cancels every choice."""
-        shared = self.pools.sources_for(request.user, partition)
+        shared = self.pools.sources_for(request.tenant, partition)
         first_id = f"choice0-{uuid.uuid4().hex}"
         streams = [
             self.async_engine.generate(
@@ -317,7 +317,7 @@ class NASDServer:
                 shared=shared,
                 prefill_from=first_id if index else None,
                 # Tenants reuse only their own prompts' cached prefixes.
-                prefix_salt=request.user if self.config.pool.tenant_isolation else None,
+                prefix_salt=request.tenant if self.config.pool.tenant_isolation else None,
             )
             for index in range(request.n)
         ]

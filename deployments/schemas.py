@@ -87,7 +87,11 @@ class SamplingFields(_Request):
     ignore_eos: bool = Field(False, description="Extra field: keep going past end-of-sequence.")
     stream: bool = Field(False, description="Answer with server-sent events.")
     stream_options: StreamOptions | None = Field(None, description="Streaming options.")
-    user: str | None = Field(None, description="End-user id; the pool tenant when isolation is on.")
+    user: str | None = Field(
+        None,
+        description="End-user label for logs and metrics. Without API keys it is also the tenant "
+        "(pool, prefix cache, routing): a field any caller may write, so not isolation.",
+    )
     speculation: SpeculationMode | None = Field(
         None, description="Extra field: speculative decoding mode of this request (default: the server's)."
     )
@@ -235,25 +239,33 @@ class GenerateRequest(SamplingFields):
     messages: list[dict[str, str]] | None = Field(None, description="Chat messages, content as text.")
     logprobs: int | None = Field(None, description="Top logprobs per token (None: no logprobs).")
     echo: bool = Field(False, description="Send the prompt first (and its logprobs with logprobs).")
+    tenant: str | None = Field(
+        None,
+        description="Set by the ingress, never by a client: the API key's tenant, or without keys the "
+        "`user` label. It picks the pool namespace, the prefix-cache salt and the routing key.",
+    )
 
     @classmethod
-    def from_completion(cls, request: CompletionRequest, prompt: str | list[int]) -> GenerateRequest:
-        """The replica request of ``prompt``, one of ``request.prompts``."""
+    def from_completion(
+        cls, request: CompletionRequest, prompt: str | list[int], tenant: str | None = None
+    ) -> GenerateRequest:
+        """The replica request of ``prompt``, one of ``request.prompts``, for ``tenant``."""
         return cls(
             prompt=prompt,
             logprobs=request.logprobs,
             echo=request.echo,
+            tenant=tenant,
             **request.model_dump(include=_SAMPLING_FIELDS),
         )
 
     @classmethod
-    def from_chat(cls, request: ChatCompletionRequest) -> GenerateRequest:
+    def from_chat(cls, request: ChatCompletionRequest, tenant: str | None = None) -> GenerateRequest:
         messages = [message.as_template_input() for message in request.messages]
         fields = request.model_dump(include=_SAMPLING_FIELDS)
         if request.max_completion_tokens is not None:
             fields["max_tokens"] = request.max_completion_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        return cls(messages=messages, logprobs=logprobs, **fields)
+        return cls(messages=messages, logprobs=logprobs, tenant=tenant, **fields)
 
     def pool_partition(self, partitions: int) -> int:
         """Which of its tenant's ``partitions`` pool partitions this request reads and feeds.
@@ -272,7 +284,7 @@ class GenerateRequest(SamplingFields):
             opening = self.prompt[:PARTITION_PREFIX_CHARS]
         else:
             opening = json.dumps((self.prompt or [])[:PARTITION_PREFIX_IDS])
-        digest = hashlib.sha256(f"{self.user or ''}\0{opening}".encode()).digest()
+        digest = hashlib.sha256(f"{self.tenant or ''}\0{opening}".encode()).digest()
         return int.from_bytes(digest[:8], "big") % partitions
 
     def routing_key(self, partitions: int) -> str | None:
@@ -280,7 +292,7 @@ class GenerateRequest(SamplingFields):
         without partitions, 0: requests then go to the less loaded of two replicas)."""
         if not partitions:
             return None
-        return f"{self.user or ''}\0{self.pool_partition(partitions)}"
+        return f"{self.tenant or ''}\0{self.pool_partition(partitions)}"
 
 
 _SAMPLING_FIELDS = set(SamplingFields.model_fields)

@@ -25,6 +25,7 @@ from tests.redis_server import free_port
 class RawResponse:
     status: int
     body: Any  # parsed JSON, or the text when it is not JSON
+    headers: dict[str, str] | None = None  # lower-cased names
 
 
 @dataclass
@@ -38,30 +39,38 @@ class ServedApp:
     def api_url(self) -> str:
         return f"{self.base_url}/v1"
 
-    def client(self) -> openai.OpenAI:
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
         # No retries: a retried request would hide exactly the failures these tests look for.
-        return openai.OpenAI(base_url=self.api_url, api_key="unused", max_retries=0, timeout=120)
+        return openai.OpenAI(base_url=self.api_url, api_key=api_key, max_retries=0, timeout=120)
 
-    def async_client(self) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.api_url, api_key="unused", max_retries=0, timeout=300)
+    def async_client(self, api_key: str = "unused") -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.api_url, api_key=api_key, max_retries=0, timeout=300)
 
-    def request(self, method: str, path: str, body: bytes | dict | list | None = None) -> RawResponse:
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | dict | list | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> RawResponse:
         """A raw HTTP call (bodies the OpenAI client would refuse to send, such as broken JSON)."""
         host_port, _, prefix = self.base_url.removeprefix("http://").partition("/")
         host, port = host_port.split(":")
         payload = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
         connection = http.client.HTTPConnection(host, int(port), timeout=120)
         try:
-            headers = {"Content-Type": "application/json"} if payload is not None else {}
-            connection.request(method, f"/{prefix}{path}".replace("//", "/"), body=payload, headers=headers)
+            sent = {"Content-Type": "application/json"} if payload is not None else {}
+            sent.update(headers or {})
+            connection.request(method, f"/{prefix}{path}".replace("//", "/"), body=payload, headers=sent)
             response = connection.getresponse()
             text = response.read().decode()
+            received = {name.lower(): value for name, value in response.getheaders()}
         finally:
             connection.close()
         try:
-            return RawResponse(response.status, json.loads(text))
+            return RawResponse(response.status, json.loads(text), received)
         except json.JSONDecodeError:
-            return RawResponse(response.status, text)
+            return RawResponse(response.status, text, received)
 
 
 @contextmanager

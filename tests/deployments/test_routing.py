@@ -11,10 +11,10 @@ from deployments.schemas import PARTITION_PREFIX_CHARS, GenerateRequest
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 
 
-def chat(*turns: str, user: str | None = None) -> GenerateRequest:
+def chat(*turns: str, tenant: str | None = None) -> GenerateRequest:
     roles = ["user", "assistant"] * len(turns)
     messages = [SYSTEM] + [{"role": role, "content": turn} for role, turn in zip(roles, turns)]
-    return GenerateRequest(messages=messages, user=user)
+    return GenerateRequest(messages=messages, tenant=tenant)
 
 
 def test_every_turn_of_a_conversation_keeps_its_partition():
@@ -24,13 +24,19 @@ def test_every_turn_of_a_conversation_keeps_its_partition():
     assert first.routing_key(64) == later.routing_key(64)
 
 
+def test_the_tenant_routes_and_the_user_label_does_not():
+    request = chat("What is 2 squared?", tenant="t")
+    labelled = [request.model_copy(update={"user": f"user-{i}"}) for i in range(5)]
+    assert {other.routing_key(8) for other in labelled} == {request.routing_key(8)}
+
+
 def test_partitions_spread_questions_and_tenants():
     questions = [chat(f"Question number {i}: what is {i} squared?") for i in range(400)]
     counts = collections.Counter(question.pool_partition(8) for question in questions)
     assert sorted(counts) == list(range(8))
     assert max(counts.values()) < 2 * 400 / 8  # about even
     # The same question from two tenants: its partition is drawn for each, and so is its route.
-    keys = {chat("What is 2 squared?", user=f"tenant-{i}").routing_key(8) for i in range(20)}
+    keys = {chat("What is 2 squared?", tenant=f"tenant-{i}").routing_key(8) for i in range(20)}
     assert len(keys) > 4
 
 
@@ -46,7 +52,7 @@ def test_completion_prompts_are_placed_by_their_opening():
 def test_without_partitions_nothing_is_routed_and_one_partition_routes_by_tenant():
     request = chat("Hello")
     assert request.pool_partition(0) == 0 and request.routing_key(0) is None
-    keys = {chat(f"Question {i}", user=user).routing_key(1) for i in range(10) for user in ("a", "b")}
+    keys = {chat(f"Question {i}", tenant=tenant).routing_key(1) for i in range(10) for tenant in ("a", "b")}
     assert keys == {"a\x000", "b\x000"}
 
 

@@ -54,6 +54,46 @@ def rayservice_problems(rayservice: dict[str, Any]) -> list[str]:
         images.add(group["template"]["spec"]["containers"][0]["image"])
     if len(images) != 1:
         problems.append(f"head and workers must run one image (Ray versions must match): {sorted(images)}")
+    problems += api_key_problems(rayservice)
+    return problems
+
+
+def api_key_problems(rayservice: dict[str, Any]) -> list[str]:
+    """No API key written in the manifest, and the key file, where the app reads one, mounted
+    read-only from a required Secret on every pod the ingress may run on (head and workers)."""
+    problems = []
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    templates = [cluster["headGroupSpec"]["template"]] + [
+        group["template"] for group in cluster.get("workerGroupSpecs", [])
+    ]
+    for template in templates:
+        for container in template["spec"]["containers"]:
+            if "value" in env_by_name(container).get("NASD_API_KEY", {}):
+                problems.append(f"container {container['name']!r}: NASD_API_KEY must come from a Secret")
+    for application in serve_config(rayservice)["applications"]:
+        args = application.get("args", {})
+        if "api_key" in args:
+            problems.append(f"application {application['name']!r}: an api_key arg puts a key in the manifest")
+        keys_file = args.get("api_keys_file")
+        if not keys_file:
+            continue
+        directory = keys_file.rsplit("/", 1)[0]
+        for template in templates:
+            spec = template["spec"]
+            container = spec["containers"][0]
+            mounts = {mount["mountPath"]: mount for mount in container.get("volumeMounts", [])}
+            mount = mounts.get(directory)
+            volumes = {volume["name"]: volume for volume in spec.get("volumes", [])}
+            secret = volumes.get(mount["name"], {}).get("secret") if mount else None
+            if not mount or not secret or not mount.get("readOnly"):
+                problems.append(
+                    f"container {container['name']!r}: {directory} must be a read-only mount of a Secret "
+                    "(api_keys_file)"
+                )
+            elif secret.get("optional"):
+                problems.append(
+                    f"container {container['name']!r}: the API key Secret must not be optional (fail closed)"
+                )
     return problems
 
 

@@ -115,6 +115,17 @@ def _gpu_limit(count):
             "head container port 'gcs' must be 6379",
         ),
         (_append_to_config("http_options:\n  port: 9000\n"), "Serve's HTTP port 9000"),
+        (lambda doc: _worker_container(doc).pop("volumeMounts"), "must be a read-only mount of a Secret"),
+        (lambda doc: _head(doc)["template"]["spec"].pop("volumes"), "must be a read-only mount of a Secret"),
+        (
+            lambda doc: _workers(doc)[0]["template"]["spec"]["volumes"][1]["secret"].update(optional=True),
+            "must not be optional",
+        ),
+        (
+            lambda doc: _worker_container(doc)["env"].append({"name": "NASD_API_KEY", "value": "sk-1"}),
+            "NASD_API_KEY must come from a Secret",
+        ),
+        (_set_args(api_key="sk-in-the-manifest"), "puts a key in the manifest"),
     ],
 )
 def test_rayservice_check_catches(manifests, change, expected):
