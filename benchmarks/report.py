@@ -33,6 +33,11 @@ SUITES = (
     "pool_scale",
 )
 README = Path(__file__).resolve().parent.parent / "README.md"
+# Results that are a table only (no ratios to compare, no plot): README block -> (result file
+# stem, suite, table).
+TABLE_BLOCKS = {
+    "auth_cost": ("auth_cost_float32", "auth_cost", "markdown_table"),
+}
 # Runs on a lent GPU (benchmarks/gpu_session.sh): README block -> (result file stem, suite, table).
 GPU_BLOCKS = {
     "gpu_step_cost": ("step_cost_cuda_qwen2-1.5b", "step_cost", "markdown_table"),
@@ -92,7 +97,7 @@ def footer(meta: dict, path: Path) -> str:
 
 def readme_tables() -> dict[str, str]:
     tables = {suite: block(suite, payload) for suite in SUITES if (payload := load(suite)) is not None}
-    for name, (stem, suite, table) in GPU_BLOCKS.items():
+    for name, (stem, suite, table) in {**TABLE_BLOCKS, **GPU_BLOCKS}.items():
         path = RESULTS_DIR / f"{stem}.json"
         if path.exists():
             payload = json.loads(path.read_text())

@@ -6,8 +6,11 @@ file taking effect without a restart."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -209,6 +212,47 @@ def test_limits_answer_429_with_retry_after_and_nothing_else_breaks(keyed):
     assert stats["auth"]["unauthorized"] > 0
 
 
+def tenant_samples(url: str) -> dict[str, float]:
+    """The ingress's per-tenant Prometheus samples, by metric name and its tenant/outcome/kind tags."""
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples: dict[str, float] = {}
+    for line in body.splitlines():
+        if not line.startswith(("ray_nasd_tenant_", "ray_nasd_unauthorized")):
+            continue
+        name_and_labels, _, value = line.rpartition(" ")
+        name, _, labels = name_and_labels.partition("{")
+        tags = dict(re.findall(r'(tenant|outcome|kind)="([^"]*)"', labels))
+        key = name + "".join(f"[{tag}={tags[tag]}]" for tag in sorted(tags))
+        samples[key] = samples.get(key, 0.0) + float(value)
+    return samples
+
+
+def test_prometheus_counts_match_the_stats_endpoint_per_tenant(keyed):
+    served, _ = keyed
+    stats = served.request("GET", "/v1/nasd/stats", headers={"Authorization": f"Bearer {KEYS['bob']}"}).body
+    tenants = stats["auth"]["tenants"]
+    expected = {
+        "ray_nasd_tenant_requests_total[outcome=rejected_requests][tenant=one]": tenants["one"][
+            "rejected_requests"
+        ],
+        "ray_nasd_tenant_requests_total[outcome=rejected_tokens][tenant=tpm]": tenants["tpm"][
+            "rejected_tokens"
+        ],
+        "ray_nasd_tenant_requests_total[outcome=admitted][tenant=alice]": tenants["alice"]["requests"],
+        "ray_nasd_tenant_tokens_total[kind=completion][tenant=alice]": tenants["alice"]["completion_tokens"],
+        "ray_nasd_unauthorized_requests_total": stats["auth"]["unauthorized"],
+    }
+    assert all(expected.values()), expected
+    deadline = time.monotonic() + 30
+    while True:
+        samples = tenant_samples(served.metrics_url)
+        seen = {name: samples.get(name) for name in expected}
+        if seen == expected:
+            break
+        assert time.monotonic() < deadline, f"metrics {seen} never matched the stats {expected}"
+        time.sleep(1)
+
+
 def test_concurrent_requests_of_one_key_never_exceed_its_limit(keyed):
     served, _ = keyed
     statuses: list[int] = []
@@ -241,3 +285,16 @@ def test_a_key_rotated_in_the_file_takes_effect_without_a_restart(keyed):
         assert ask(served.client(rotated["alice"]), max_tokens=2).choices
     finally:
         write_atomically(path, key_file_text(KEYS))
+
+
+def test_no_log_holds_a_key(keyed):
+    """Every key this module sent, valid or not, is absent from every log Ray and Serve wrote."""
+    sent = [*KEYS.values(), KEYS["alice"] + "x", "sk-test-alice-rotated"]
+    logs = Path("/tmp/ray/session_latest/logs")
+    assert logs.is_dir(), "no Ray session logs to search"
+    files = [path for path in logs.rglob("*") if path.is_file()]
+    assert any("OpenAIIngress" in path.name for path in files), "the ingress's log is not there"
+    for path in files:
+        text = path.read_bytes()
+        leaked = [key for key in sent if key.encode() in text]
+        assert not leaked, f"{path} holds a key"
