@@ -36,7 +36,15 @@ from deployments.schemas import (
 )
 from deployments.streams import interleave
 from nasd_core import logprobs as engine_logprobs
-from nasd_core.config import EMBEDDED_MODEL, EngineConfig, ModelConfig, SamplingParams, SpecConfig, build
+from nasd_core.config import (
+    EMBEDDED_MODEL,
+    EngineConfig,
+    GrammarSpec,
+    ModelConfig,
+    SamplingParams,
+    SpecConfig,
+    build,
+)
 from nasd_core.engine.async_engine import AsyncEngine, StreamChunk
 from nasd_core.engine.engine import Engine
 from nasd_core.engine.stopping import first_stop_at
@@ -444,6 +452,9 @@ class NASDServer:
             sampling["prompt_logprobs"] = request.logprobs or 0
         if request.stop is not None:
             sampling["stop"] = request.stop
+        grammar = request.grammar()
+        if grammar is not None:
+            sampling["grammar"] = build(GrammarSpec, **grammar)
         spec = self.config.engine.spec
         overrides = {
             name: value

@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # The OpenAI completions API documents 16 as the default of max_tokens. Chat has no default:
 # the replica lets it run to the end of the context, as vLLM does.
@@ -43,9 +43,6 @@ UNSUPPORTED_FIELDS = {
     "functions": bool,
     "tool_choice": lambda value: value not in (None, "none"),
     "function_call": lambda value: value not in (None, "none"),
-    "response_format": lambda value: (
-        not (value is None or (isinstance(value, dict) and value.get("type") == "text"))
-    ),
     "best_of": lambda value: value not in (None, 1),
     "suffix": bool,
     "audio": bool,
@@ -61,6 +58,57 @@ class _Request(BaseModel):
 # ---------------------------------------------------------------------------- requests
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="Send a last chunk with the request's usage.")
+
+
+def _json_spec(schema: dict[str, Any] | str, param: str) -> dict[str, str]:
+    return {
+        "kind": "json_schema",
+        "source": schema if isinstance(schema, str) else json.dumps(schema),
+        "param": param,
+    }
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = Field(None, description="The schema's name.")
+    description: str | None = Field(None, description="What the schema is for.")
+    json_schema: dict[str, Any] = Field(alias="schema", description="The JSON schema.")
+    strict: bool | None = Field(None, description="The output always follows the schema here.")
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"] = Field(description="The answer's format.")
+    json_schema: JsonSchemaFormat | None = Field(None, description="With type json_schema: the schema.")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type json_schema needs json_schema")
+        return self
+
+
+class StructuredOutputs(_Request):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON schema.")
+    regex: str | None = Field(None, description="A regex the output matches.")
+    choice: list[str] | None = Field(None, description="The output is one of these.")
+    grammar: str | None = Field(None, description="A Lark grammar.")
+
+    def specs(self) -> list[dict[str, str]]:
+        specs = []
+        if self.json_ is not None:
+            specs.append(_json_spec(self.json_, "structured_outputs.json"))
+        if self.regex is not None:
+            specs.append({"kind": "regex", "source": self.regex, "param": "structured_outputs.regex"})
+        if self.choice is not None:
+            specs.append(
+                {"kind": "choice", "source": json.dumps(self.choice), "param": "structured_outputs.choice"}
+            )
+        if self.grammar is not None:
+            specs.append({"kind": "lark", "source": self.grammar, "param": "structured_outputs.grammar"})
+        return specs
 
 
 class SamplingFields(_Request):
@@ -112,7 +160,6 @@ class SamplingFields(_Request):
     tool_choice: Any = Field(None, description="Not supported (refused unless 'none').")
     functions: Any = Field(None, description="Not supported (refused unless empty).")
     function_call: Any = Field(None, description="Not supported (refused unless 'none').")
-    response_format: Any = Field(None, description="Only {'type': 'text'} is supported.")
     best_of: Any = Field(None, description="Only 1 is supported.")
     suffix: Any = Field(None, description="Not supported (refused unless empty).")
     audio: Any = Field(None, description="Not supported.")
@@ -125,6 +172,59 @@ class SamplingFields(_Request):
         if UNSUPPORTED_FIELDS[info.field_name](value):
             raise ValueError(f"{info.field_name} is not supported by this server")
         return value
+
+    # Structured output: OpenAI's response_format and vLLM's guided fields (at most one).
+    response_format: ResponseFormat | None = Field(
+        None, description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {...}}."
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="Extra field (vLLM's): a JSON schema.")
+    guided_regex: str | None = Field(None, description="Extra field (vLLM's): a regex the output matches.")
+    guided_choice: list[str] | None = Field(
+        None, description="Extra field (vLLM's): the output is one of these."
+    )
+    guided_grammar: str | None = Field(None, description="Extra field (vLLM's): a Lark grammar.")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Extra field (vLLM's newer form): one of json, regex, choice, grammar."
+    )
+
+    def grammar(self) -> dict[str, str] | None:
+        """The request's output constraint as a ``GrammarSpec``'s fields (kind, source, the
+        field it came from), or None; more than one is an error naming the second."""
+        found: list[dict[str, str]] = []
+        if self.response_format is not None and self.response_format.type != "text":
+            schema = (
+                self.response_format.json_schema.json_schema
+                if self.response_format.type == "json_schema" and self.response_format.json_schema is not None
+                else {"type": "object"}
+            )
+            found.append(_json_spec(schema, "response_format"))
+        if self.guided_json is not None:
+            found.append(_json_spec(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            found.append({"kind": "regex", "source": self.guided_regex, "param": "guided_regex"})
+        if self.guided_choice is not None:
+            found.append(
+                {"kind": "choice", "source": json.dumps(self.guided_choice), "param": "guided_choice"}
+            )
+        if self.guided_grammar is not None:
+            found.append({"kind": "lark", "source": self.guided_grammar, "param": "guided_grammar"})
+        if self.structured_outputs is not None:
+            found += self.structured_outputs.specs()
+        return found[0] if found else None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingFields:
+        names = [
+            name
+            for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(self, name) is not None
+            and not (name == "response_format" and self.response_format.type == "text")
+        ]
+        if self.structured_outputs is not None:
+            names += [spec["param"] for spec in self.structured_outputs.specs()]
+        if len(names) > 1:
+            raise ValueError(f"at most one output constraint per request: {', '.join(names)} are given")
+        return self
 
     @property
     def include_usage(self) -> bool:

@@ -54,6 +54,19 @@ def at_most(name: str, value: int, bound_name: str, bound: int) -> int:
     return value
 
 
+class GrammarSpec(_Config):
+    """A constraint on a request's output (structured output, ``nasd_core/structured.py``)."""
+
+    kind: Literal["json_schema", "regex", "choice", "lark"] = Field(
+        description="json_schema: JSON matching a schema; regex: text matching it; choice: one of a "
+        "list of strings; lark: a Lark grammar (llguidance's dialect)."
+    )
+    source: str = Field(
+        description="The schema (JSON text), the regex, the choices (a JSON list) or the grammar."
+    )
+    param: str = Field("grammar", description="The request field it came from, named in errors.")
+
+
 class SamplingParams(_Config):
     """How one request is decoded. ``temperature == 0`` means greedy."""
 
@@ -94,6 +107,9 @@ class SamplingParams(_Config):
     )
     logprobs: int | None = Field(
         None, ge=0, le=20, description="Return each output token's log-probability and this many top ones."
+    )
+    grammar: GrammarSpec | None = Field(
+        None, description="Constrain the output to a grammar (JSON schema, regex, choice, Lark)."
     )
 
     @field_validator("stop", mode="before")

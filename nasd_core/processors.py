@@ -1,4 +1,5 @@
-"""Logits processors of one request: logit bias, min_tokens, repetition/presence/frequency penalties.
+"""Logits processors of one request: a grammar's mask, logit bias, min_tokens,
+repetition/presence/frequency penalties.
 
 Semantics are vLLM's (what an OpenAI client of an open server expects):
 
@@ -9,7 +10,10 @@ Semantics are vLLM's (what an OpenAI client of an open server expects):
 - ``presence_penalty`` / ``frequency_penalty`` (in [-2, 2]): subtracted once if the token is
   in the output / once per occurrence in the output.
 
-Bias and the ban come first, then the penalties, then temperature, top-k and top-p.
+- ``grammar``: tokens the request's grammar forbids get -inf (``nasd_core/structured.py``).
+
+The grammar's mask, bias and the ban come first, then the penalties, then temperature, top-k
+and top-p.
 
 Exact under speculation: a step verifies ``[last token, d_1 .. d_g]`` and the logits at
 position j predict the output token that follows the output so far *plus d_1 .. d_j*. The
@@ -26,12 +30,14 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from nasd_core.config import SamplingParams
+from nasd_core.structured import RequestGrammar
 
 
 def needs_processing(params: SamplingParams) -> bool:
     """Whether any processor of ``params`` changes the logits."""
     return bool(
-        params.logit_bias
+        params.grammar is not None
+        or params.logit_bias
         or params.min_tokens
         or params.repetition_penalty != 1.0
         or params.presence_penalty
@@ -47,12 +53,19 @@ class LogitsProcessors:
         prompt_ids: its prompt (the repetition penalty counts prompt tokens too).
         vocab_size: rows of logits are this wide.
         stop_ids: the ids ``min_tokens`` holds back (end-of-sequence and stop ids).
+        grammar: the request's grammar state (``params.grammar`` compiled), or None.
     """
 
     def __init__(
-        self, params: SamplingParams, prompt_ids: Sequence[int], vocab_size: int, stop_ids: Iterable[int]
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        vocab_size: int,
+        stop_ids: Iterable[int],
+        grammar: RequestGrammar | None = None,
     ) -> None:
         self.params = params
+        self.grammar = grammar
         self.vocab_size = vocab_size
         self.stop_ids = sorted(stop_ids)
         # Counts live on the host until the first step moves them to the logits' device.
@@ -63,7 +76,9 @@ class LogitsProcessors:
         self.bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
 
     def observe(self, tokens: Sequence[int]) -> None:
-        """Count tokens the request kept."""
+        """Count tokens the request kept (and move its grammar past them)."""
+        if self.grammar is not None:
+            self.grammar.observe(tokens)
         if tokens:
             index = torch.tensor(list(tokens), dtype=torch.long, device=self.output_counts.device)
             self.output_counts.index_add_(0, index, torch.ones(len(tokens), device=index.device))
@@ -78,6 +93,8 @@ class LogitsProcessors:
             self.prompt_seen = self.prompt_seen.to(device)
         logits = logits.float().clone()
         num_positions = logits.shape[0]
+        if self.grammar is not None:
+            self.grammar.mask(logits, draft)
         if len(self.bias_ids):
             logits[:, self.bias_ids.to(device)] += self.bias_values.to(device)
         # Output positions num_output + j below min_tokens may not end the request.

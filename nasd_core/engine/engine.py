@@ -16,6 +16,7 @@ streams it; the scheduler retires finished rows.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections import deque
@@ -40,6 +41,7 @@ from nasd_core.speculation.drafter import Draft, RequestDrafter, SharedIndex
 from nasd_core.speculation.ngram import NGramIndex
 from nasd_core.speculation.policy import AcceptanceEstimator, DraftPayoff, StepTimeModel
 from nasd_core.speculation.verify import verify_rows
+from nasd_core.structured import Grammars
 
 TokenListener = Callable[[Request, list[int]], None]
 # Prompt tokens per step by default. On a CPU a step's cost grows with its tokens from the
@@ -214,6 +216,7 @@ class Engine:
                 f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
                 param="logit_bias",
             )
+        grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
@@ -234,7 +237,7 @@ class Engine:
             acceptance=AcceptanceEstimator(prior=self.acceptance),
             on_tokens=on_tokens,
             processors=(
-                LogitsProcessors(params, prompt_ids, self.vocab_size, stopper.stop_ids)
+                LogitsProcessors(params, prompt_ids, self.vocab_size, stopper.stop_ids, grammar)
                 if needs_processing(params)
                 else None
             ),
@@ -331,6 +334,11 @@ class Engine:
         while not self.is_finished():
             self.step()
         return [self.pop_result(request_id) for request_id in ids]
+
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The compiler of requests' grammars (structured output), made at the first one."""
+        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     # ---------------------------------------------------------------- step
     @torch.inference_mode()

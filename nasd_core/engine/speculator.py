@@ -19,7 +19,7 @@ from nasd_core.engine.scheduler import ScheduledStep
 from nasd_core.engine.sequence import Request
 from nasd_core.model.model_runner import ModelRunner, StepRow
 from nasd_core.speculation.calibration import Calibration
-from nasd_core.speculation.drafter import EMPTY_DRAFT, Draft, longest_matches, propose_rows
+from nasd_core.speculation.drafter import EMPTY_DRAFT, Draft, cut_draft, longest_matches, propose_rows
 from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
 from nasd_core.speculation.policy import (
     DraftPayoff,
@@ -29,6 +29,7 @@ from nasd_core.speculation.policy import (
     draft_position_cap,
     plan_batch_drafts,
 )
+from nasd_core.structured import GRAMMAR_SOURCE
 
 DRAFTING_COST_WEIGHT = 0.1  # moving-average weight of each step's drafting time per row
 
@@ -182,8 +183,25 @@ class Speculator:
                 [request.draft_cap for request in chosen],
             )
         )
-        drafts = [next(built) if want else EMPTY_DRAFT for want in wanted]
+        drafts = [
+            within_grammar(request, next(built) if want else EMPTY_DRAFT)
+            for request, want in zip(rows, wanted)
+        ]
         if chosen:
             per_row = (time.perf_counter() - started) / len(chosen)
             self.drafting_s_per_row += DRAFTING_COST_WEIGHT * (per_row - self.drafting_s_per_row)
         return drafts
+
+
+def within_grammar(request: Request, draft: Draft) -> Draft:
+    """For a request with a grammar: ``draft`` cut before its first token the grammar forbids
+    (such a token could never be accepted, and the grammar's masks past it would have no state
+    to follow), or the tokens the grammar forces next where the draft does not start with them."""
+    grammar = request.processors.grammar if request.processors is not None else None
+    if grammar is None or request.draft_cap <= 0:
+        return draft
+    draft = cut_draft(draft, grammar.valid_prefix(draft.tokens))
+    forced = grammar.forced_tokens()[: request.draft_cap]
+    if not forced or draft.tokens[: len(forced)] == forced:
+        return draft
+    return Draft(forced, GRAMMAR_SOURCE, len(forced))

@@ -45,6 +45,15 @@ class Draft:
 EMPTY_DRAFT = Draft([], None, 0)
 
 
+def cut_draft(draft: Draft, length: int) -> Draft:
+    """``draft``'s first ``length`` tokens (itself when it is no longer)."""
+    if length >= len(draft.tokens):
+        return draft
+    return Draft(
+        draft.tokens[:length], draft.source if length else None, draft.match_length, draft.splits[:length]
+    )
+
+
 class RequestDrafter:
     """Draft proposals for one request.
 

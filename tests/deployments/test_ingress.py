@@ -10,7 +10,9 @@ import re
 import socket
 import time
 import urllib.request
+from typing import Annotated
 
+import pydantic
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -644,11 +646,45 @@ BAD_INPUT = {
         "tools",
         None,
     ),
-    "response_format_json": (
+    "response_format_bad_schema": (
         CHAT_PATH,
-        {"messages": HI, "response_format": {"type": "json_object"}},
+        {
+            "messages": HI,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            },
+        },
         400,
         "response_format",
+        None,
+    ),
+    "response_format_schema_missing": (
+        CHAT_PATH,
+        {"messages": HI, "response_format": {"type": "json_schema"}},
+        400,
+        "response_format",
+        None,
+    ),
+    "guided_regex_unclosed": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "guided_regex": "(a"},
+        400,
+        "guided_regex",
+        None,
+    ),
+    "guided_choice_empty": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "guided_choice": []},
+        400,
+        "guided_choice",
+        None,
+    ),
+    "two_output_constraints": (
+        CHAT_PATH,
+        {"messages": HI, "response_format": {"type": "json_object"}, "guided_regex": "a+"},
+        400,
+        None,
         None,
     ),
     "detokenize_id_beyond_vocab": ("/detokenize", {"tokens": [49152]}, 400, "tokens", None),
@@ -829,7 +865,17 @@ FIELDS = {
     "top_logprobs": st.one_of(st.integers(-1, 22), ODD),
     "echo": st.one_of(st.booleans(), ODD),
     "tools": st.one_of(st.just([]), st.just([{"type": "function"}]), ODD),
-    "response_format": st.one_of(st.sampled_from([{"type": "text"}, {"type": "json_object"}]), ODD),
+    "response_format": st.one_of(
+        st.sampled_from(
+            [
+                {"type": "text"},
+                {"type": "json_object"},
+                {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}},
+            ]
+        ),
+        ODD,
+    ),
+    "guided_regex": st.one_of(st.sampled_from(["[0-9]+", "(", "a|b"]), ODD),
     "best_of": st.one_of(st.integers(0, 3), ODD),
 }
 TOKEN_IDS = st.lists(st.integers(-2, 50_000), max_size=6)
@@ -881,3 +927,69 @@ def test_the_replica_survives_the_fuzzing(app, replica_ids):
     assert app.request("POST", COMPLETIONS_PATH, {"prompt": "hi", "max_tokens": 2}).status == 200
     stats = app.request("GET", "/v1/nasd/stats").body
     assert {replica["replica_id"] for replica in stats["replicas"]} == replica_ids
+
+
+# ---------------------------------------------------------------- structured output
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    age: int
+    languages: list[Annotated[str, pydantic.Field(max_length=12)]] = pydantic.Field(max_length=3)
+
+
+PERSON_PROMPT = [
+    {
+        "role": "user",
+        "content": 'Records: {"name": "Ada", "age": 36, "languages": ["English"]}. '
+        "Write the record of Grace.",
+    }
+]
+
+
+def test_the_openai_sdks_parse_gets_its_pydantic_object_whole_and_streamed(app):
+    """``client.chat.completions.parse`` sends a strict json_schema response_format and parses
+    the answer into the model; streamed, the greedy answer is the same text."""
+    client = app.client()
+    answers = {}
+    for temperature in (0.0, 1.0):
+        completion = client.chat.completions.parse(
+            model=MODEL,
+            messages=PERSON_PROMPT,
+            response_format=Person,
+            temperature=temperature,
+            max_tokens=96,
+            seed=3,
+        )
+        assert isinstance(completion.choices[0].message.parsed, Person)
+        answers[temperature] = completion.choices[0].message.content
+    # The SDK's streaming helper: the same strict schema, the answer as chunks, parsed at the end.
+    with client.chat.completions.stream(
+        model=MODEL, messages=PERSON_PROMPT, response_format=Person, temperature=0, max_tokens=96
+    ) as stream:
+        num_chunks = sum(1 for event in stream if event.type == "content.delta")
+        final = stream.get_final_completion()
+    assert num_chunks > 1 and final.choices[0].message.content == answers[0.0]
+    assert isinstance(final.choices[0].message.parsed, Person)
+
+
+def test_guided_fields_constrain_completions_and_chat(app):
+    client = app.client()
+    choice = client.completions.create(
+        model=MODEL,
+        prompt="The review 'great film!' is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"guided_choice": ["positive", "negative"]},
+    )
+    assert choice.choices[0].text in ("positive", "negative")
+    number = client.chat.completions.create(
+        model=MODEL, messages=HI, max_tokens=8, temperature=0, extra_body={"guided_regex": "[0-9]{3}"}
+    )
+    assert re.fullmatch("[0-9]{3}", number.choices[0].message.content)
+    record = client.chat.completions.create(
+        model=MODEL,
+        messages=PERSON_PROMPT,
+        max_tokens=96,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
+    assert isinstance(json.loads(record.choices[0].message.content), dict)

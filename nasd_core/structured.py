@@ -1,0 +1,170 @@
+"""Structured output: a grammar constrains a request's tokens, exactly, under speculation.
+
+A ``GrammarSpec`` (a JSON schema, a regex, a list of choices or a Lark grammar) is compiled by
+llguidance for the engine's tokenizer (``Grammars``; each spec validated once and cached) into
+one matcher per request (``RequestGrammar``). The matcher follows the tokens the request keeps
+and gives, for any position, the mask of tokens the grammar allows next.
+
+Exact under speculation: a step verifies ``[last token, d_1 .. d_g]``, and the logits at
+position j pick the token after the output so far *plus d_1 .. d_j*; so position j is masked by
+the grammar's state after those drafts (the matcher advances through the draft, one mask a
+position, and is rolled back). A draft is cut before its first token the grammar forbids
+(``valid_prefix``, a host-side check before the step): such a token could never be accepted.
+Greedy output is then token for token that of constrained plain decoding, and a sampled row
+samples the constrained distribution.
+
+Jump-forward drafts: where the grammar allows exactly one continuation (a schema's next key, its
+punctuation), the grammar itself drafts it (source ``GRAMMAR_SOURCE``), and the policy prices it
+like any other source.
+
+Why llguidance: it needs nothing but its wheel (xgrammar pulls torch's Triton), builds a
+matcher in ~2 ms without precompiling the grammar, and a mask over SmolLM2's 49152 tokens took
+~40 µs on this 2-core machine (``benchmarks``: measured beside a CPU step in issue 42's note).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import torch
+
+from nasd_core.config import GrammarSpec
+from nasd_core.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept per engine (by spec), least recently used dropped first.
+MAX_CACHED_GRAMMARS = 256
+# JSON is written as json.dumps writes it: ", " and ": ", no other whitespace. Free whitespace
+# lets a small model pad an answer with newlines, and a canonical form leaves the grammar whole
+# runs of forced tokens to draft (after a name's value: ', "age":').
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# The draft source name of tokens the grammar forces (``RequestGrammar.forced_tokens``).
+GRAMMAR_SOURCE = "grammar"
+
+
+def parser_limits() -> llguidance.LLParserLimits:
+    """llguidance's per-step limits, ten times its defaults: a step masks up to 17 positions, and
+    a schema of length-bounded strings hit the defaults ("ParserTooComplex") in a server run.
+    Errors name no schema or state (they would land in logs)."""
+    return llguidance.LLParserLimits(step_lexer_fuel=2_000_000, step_max_items=500_000, verbose_errors=False)
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """llguidance's grammar for ``spec`` (not yet checked)."""
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.source)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(
+                f"{spec.param}: the JSON schema is not valid JSON ({exc})", spec.param
+            ) from None
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"{spec.param}: a JSON schema is an object", spec.param)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    if spec.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(spec.source)
+    if spec.kind == "choice":
+        try:
+            choices = json.loads(spec.source)
+        except json.JSONDecodeError:
+            choices = None
+        if not isinstance(choices, list) or not all(
+            isinstance(choice, str) and choice for choice in choices or [""]
+        ):
+            raise InvalidRequestError(
+                f"{spec.param}: choices are a non-empty list of non-empty strings", spec.param
+            )
+        alternatives = " | ".join(json.dumps(choice) for choice in choices)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    return llguidance.LLMatcher.grammar_from_lark(spec.source)
+
+
+class Grammars:
+    """The engine's grammar compiler: one llguidance tokenizer, grammars cached by spec.
+
+    Args:
+        tokenizer: the model's (fast) transformers tokenizer.
+        vocab_size: the width of the model's logits (masks are this wide).
+        eos_ids: the tokens that end a request; a finished grammar allows only these.
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+        self._grammars: OrderedDict[GrammarSpec, str] = OrderedDict()
+
+    def compile(self, spec: GrammarSpec) -> str:
+        """``spec``'s grammar, checked; raises ``InvalidRequestError`` naming ``spec.param``."""
+        grammar = self._grammars.get(spec)
+        if grammar is not None:
+            self._grammars.move_to_end(spec)
+            return grammar
+        grammar = grammar_text(spec)
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=parser_limits())
+        if error and not error.startswith("WARNING"):
+            raise InvalidRequestError(f"{spec.param}: {error.splitlines()[0]}", spec.param)
+        self._grammars[spec] = grammar
+        if len(self._grammars) > MAX_CACHED_GRAMMARS:
+            self._grammars.popitem(last=False)
+        return grammar
+
+    def matcher(self, spec: GrammarSpec) -> RequestGrammar:
+        """A new request's matcher for ``spec``."""
+        matcher = llguidance.LLMatcher(
+            self.tokenizer, self.compile(spec), log_level=0, limits=parser_limits()
+        )
+        if matcher.is_error():
+            raise InvalidRequestError(f"{spec.param}: {matcher.get_error().splitlines()[0]}", spec.param)
+        return RequestGrammar(matcher, self.vocab_size)
+
+
+class RequestGrammar:
+    """One request's grammar state: it follows the kept tokens and masks verification logits."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def valid_prefix(self, draft: Sequence[int]) -> int:
+        """How many of ``draft``'s first tokens the grammar allows after the kept tokens."""
+        return self.matcher.validate_tokens(list(draft)) if draft else 0
+
+    def mask(self, logits: torch.Tensor, draft: Sequence[int]) -> None:
+        """Set to -inf, in place, what the grammar forbids at each of the ``len(draft) + 1``
+        positions of ``logits`` (position j: after the kept tokens and ``draft[:j]``)."""
+        num_positions = logits.shape[0]
+        bitmask = llguidance.torch.allocate_token_bitmask(num_positions, self.vocab_size)
+        num_consumed = 0
+        for position in range(num_positions):
+            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, position)
+            # Drafts are cut to what the grammar allows, so this fails only in a failed matcher
+            # (its masks then allow only the end of sequence).
+            if position + 1 < num_positions and self.matcher.consume_token(draft[position]):
+                num_consumed += 1
+        if num_consumed:
+            self.matcher.rollback(num_consumed)
+        llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows as the only continuation from here (a schema's keys and
+        punctuation): drafts that are always accepted."""
+        return self.matcher.compute_ff_tokens()
+
+    def observe(self, tokens: Sequence[int]) -> None:
+        """The request kept ``tokens`` (past the grammar's end, end-of-sequence tokens that
+        ``ignore_eos`` keeps are all it can allow, and it takes no more). A matcher that failed
+        (a parser limit) allows only the end of sequence: the request ends there, its error
+        logged, and the other requests of the step go on."""
+        if not tokens or self.matcher.is_stopped() or self.matcher.is_error():
+            return
+        if not self.matcher.consume_tokens(list(tokens)):
+            logger.warning(
+                "a request's grammar failed and ended it: %s", self.matcher.get_error().splitlines()[0]
+            )
