@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 
 import jsonschema
 import llguidance
@@ -17,6 +18,10 @@ import torch
 from nasd_core.config import GrammarSpec, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import InvalidRequestError
+from nasd_core.processors import LogitsProcessors
+from nasd_core.sampling import TokenDraws, logits_to_probs, sample_tokens
+from nasd_core.speculation.verify import VerifyRow, accept_prefix, verify_rows
+from tests.nasd_core.test_verify import NUM_TRIALS, chi_square_p
 
 SCHEMA = {
     "type": "object",
@@ -131,3 +136,62 @@ def test_a_grammar_that_does_not_compile_is_an_error_naming_its_field(engine, sp
         engine.add_request("Hello", SamplingParams(max_tokens=4, grammar=spec))
     assert error.value.param == spec.param and error.value.message.startswith(spec.param)
     assert not engine.requests, "nothing is queued"
+
+
+def test_sampled_constrained_rows_keep_the_constrained_plain_distribution(engine):
+    """A sampled row under a grammar ("a digit, then a letter"): the first position follows the
+    masked distribution, the position after an accepted draft digit the distribution masked by
+    the grammar's state after it, exactly what plain constrained sampling sees. The same test
+    rejects verification that masks every position with the state before the draft."""
+    spec = GrammarSpec(kind="regex", source="[0-9][a-z]")
+    prompt = engine.tokenizer("Codes: 4x 7b 1q 9").input_ids
+    with torch.inference_mode():
+        raw = engine.model(torch.tensor([prompt])).logits[0, -1:].float()
+    params = SamplingParams(temperature=1.0, grammar=spec)
+
+    def masked(logits: torch.Tensor, after: list[int]) -> torch.Tensor:
+        grammar = engine.grammars.matcher(spec)
+        grammar.observe(after)
+        logits = logits.clone()
+        grammar.mask(logits, [])
+        return logits
+
+    first_logits = masked(raw, [])
+    digit = int(first_logits.argmax())
+    with torch.inference_mode():
+        second_raw = engine.model(torch.tensor([[*prompt, digit]])).logits[0, -1:].float()
+    step_logits = torch.cat([raw, second_raw])
+    plain = [
+        logits_to_probs(first_logits, params)[0],
+        logits_to_probs(masked(second_raw, [digit]), params)[0],
+    ]
+
+    def run(stateful: bool) -> tuple[Counter, Counter]:
+        processors = LogitsProcessors(params, prompt, engine.vocab_size, [], engine.grammars.matcher(spec))
+        first, second = Counter(), Counter()
+        for trial in range(NUM_TRIALS):
+            draws = TokenDraws(5000 + trial)
+            if stateful:
+                emitted = verify_rows(step_logits, [[digit]], [VerifyRow(params, draws, 0, processors)])[0]
+            else:  # lossy: both positions masked as if the draft were not there
+                logits = step_logits.clone()
+                processors.grammar.mask(logits[:1], [])
+                processors.grammar.mask(logits[1:], [])
+                targets = sample_tokens(
+                    logits_to_probs(logits, params), torch.from_numpy(draws.uniforms(0, 2))
+                )
+                emitted = accept_prefix(targets.tolist(), [digit])
+            first[emitted[0]] += 1
+            if emitted[0] == digit:
+                second[emitted[1]] += 1
+        return first, second
+
+    first, second = run(stateful=True)
+    assert chi_square_p(first, plain[0]) > 1e-3
+    assert sum(second.values()) > 300
+    assert chi_square_p(second, plain[1]) > 1e-3
+    _, lossy_second = run(stateful=False)
+    assert sum(lossy_second.values()) > 300
+    assert not set(lossy_second) <= set(torch.nonzero(plain[1]).flatten().tolist()), (
+        "the lossy rule went unnoticed"
+    )
