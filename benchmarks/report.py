@@ -37,6 +37,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 # stem, suite, table).
 TABLE_BLOCKS = {
     "auth_cost": ("auth_cost_float32", "auth_cost", "markdown_table"),
+    "structured": ("structured_float32", "structured", "markdown_table"),
 }
 # Runs on a lent GPU (benchmarks/gpu_session.sh): README block -> (result file stem, suite, table).
 GPU_BLOCKS = {
