@@ -60,12 +60,17 @@ class StreamOptions(_Request):
     include_usage: bool = Field(False, description="Send a last chunk with the request's usage.")
 
 
-def _json_spec(schema: dict[str, Any] | str, param: str) -> dict[str, str]:
-    return {
-        "kind": "json_schema",
-        "source": schema if isinstance(schema, str) else json.dumps(schema),
-        "param": param,
-    }
+def _specs(fields: list[tuple[str, str, Any]]) -> list[dict[str, str]]:
+    """The ``GrammarSpec`` fields of each given constraint, from ``(param, kind, value)``: a
+    json_schema value is a schema (text or object), a choice value a list, the others text."""
+    specs = []
+    for param, kind, value in fields:
+        if value is None:
+            continue
+        if kind == "choice" or (kind == "json_schema" and not isinstance(value, str)):
+            value = json.dumps(value)
+        specs.append({"kind": kind, "source": value, "param": param})
+    return specs
 
 
 class JsonSchemaFormat(_Request):
@@ -97,18 +102,15 @@ class StructuredOutputs(_Request):
     grammar: str | None = Field(None, description="A Lark grammar.")
 
     def specs(self) -> list[dict[str, str]]:
-        specs = []
-        if self.json_ is not None:
-            specs.append(_json_spec(self.json_, "structured_outputs.json"))
-        if self.regex is not None:
-            specs.append({"kind": "regex", "source": self.regex, "param": "structured_outputs.regex"})
-        if self.choice is not None:
-            specs.append(
-                {"kind": "choice", "source": json.dumps(self.choice), "param": "structured_outputs.choice"}
-            )
-        if self.grammar is not None:
-            specs.append({"kind": "lark", "source": self.grammar, "param": "structured_outputs.grammar"})
-        return specs
+        prefix = "structured_outputs."
+        return _specs(
+            [
+                (prefix + "json", "json_schema", self.json_),
+                (prefix + "regex", "regex", self.regex),
+                (prefix + "choice", "choice", self.choice),
+                (prefix + "grammar", "lark", self.grammar),
+            ]
+        )
 
 
 class SamplingFields(_Request):
@@ -187,41 +189,35 @@ class SamplingFields(_Request):
         None, description="Extra field (vLLM's newer form): one of json, regex, choice, grammar."
     )
 
-    def grammar(self) -> dict[str, str] | None:
-        """The request's output constraint as a ``GrammarSpec``'s fields (kind, source, the
-        field it came from), or None; more than one is an error naming the second."""
-        found: list[dict[str, str]] = []
+    def constraints(self) -> list[dict[str, str]]:
+        """The ``GrammarSpec`` fields (kind, source, the field it came from) of each output
+        constraint the request gives (at most one passes validation)."""
+        response_format = None
         if self.response_format is not None and self.response_format.type != "text":
-            schema = (
+            response_format = (
                 self.response_format.json_schema.json_schema
-                if self.response_format.type == "json_schema" and self.response_format.json_schema is not None
+                if self.response_format.json_schema is not None
                 else {"type": "object"}
             )
-            found.append(_json_spec(schema, "response_format"))
-        if self.guided_json is not None:
-            found.append(_json_spec(self.guided_json, "guided_json"))
-        if self.guided_regex is not None:
-            found.append({"kind": "regex", "source": self.guided_regex, "param": "guided_regex"})
-        if self.guided_choice is not None:
-            found.append(
-                {"kind": "choice", "source": json.dumps(self.guided_choice), "param": "guided_choice"}
-            )
-        if self.guided_grammar is not None:
-            found.append({"kind": "lark", "source": self.guided_grammar, "param": "guided_grammar"})
-        if self.structured_outputs is not None:
-            found += self.structured_outputs.specs()
-        return found[0] if found else None
+        specs = _specs(
+            [
+                ("response_format", "json_schema", response_format),
+                ("guided_json", "json_schema", self.guided_json),
+                ("guided_regex", "regex", self.guided_regex),
+                ("guided_choice", "choice", self.guided_choice),
+                ("guided_grammar", "lark", self.guided_grammar),
+            ]
+        )
+        return specs + (self.structured_outputs.specs() if self.structured_outputs is not None else [])
+
+    def grammar(self) -> dict[str, str] | None:
+        """The request's output constraint as a ``GrammarSpec``'s fields, or None."""
+        constraints = self.constraints()
+        return constraints[0] if constraints else None
 
     @model_validator(mode="after")
     def _one_constraint(self) -> SamplingFields:
-        names = [
-            name
-            for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-            if getattr(self, name) is not None
-            and not (name == "response_format" and self.response_format.type == "text")
-        ]
-        if self.structured_outputs is not None:
-            names += [spec["param"] for spec in self.structured_outputs.specs()]
+        names = [spec["param"] for spec in self.constraints()]
         if len(names) > 1:
             raise ValueError(f"at most one output constraint per request: {', '.join(names)} are given")
         return self

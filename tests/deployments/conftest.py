@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Iterator
+import re
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -106,3 +109,34 @@ def serve_apps(apps: dict[str, dict[str, Any]], num_cpus: int = 2) -> Iterator[d
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def scrape(url: str, tags: Sequence[str] = ()) -> dict[str, float]:
+    """This project's Prometheus samples (``ray_nasd_*``) summed by metric name and the values of
+    ``tags``, keyed ``name[tag=value]...`` in the order of ``tags``."""
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    totals: dict[str, float] = {}
+    for line in body.splitlines():
+        if not line.startswith("ray_nasd_"):
+            continue
+        name_and_labels, _, value = line.rpartition(" ")
+        name, _, labels = name_and_labels.partition("{")
+        values = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        key = name + "".join(f"[{tag}={values[tag]}]" for tag in tags if tag in values)
+        totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+def wait_for_samples(
+    url: str, expected: dict[str, float], tags: Sequence[str] = (), timeout_s: float = 45.0
+) -> dict[str, float]:
+    """Scrape until every ``expected`` sample has its value (Ray exports metrics every second or
+    so); the samples then. Fails with what was seen if they never do."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(url, tags)
+        seen = {name: samples.get(name) for name in expected}
+        if seen == expected:
+            return samples
+        assert time.monotonic() < deadline, f"metrics {seen} never matched {expected}"
+        time.sleep(1)

@@ -6,10 +6,8 @@ file taking effect without a restart."""
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import openai
@@ -17,7 +15,7 @@ import pytest
 
 from deployments.auth import ApiKeys, KeyFileError, KeyLimiter, KeyLimits, parse_keys
 from nasd_core.config import EMBEDDED_MODEL
-from tests.deployments.conftest import serve_apps
+from tests.deployments.conftest import serve_apps, wait_for_samples
 
 KEYS = {
     "alice": "sk-test-alice-0123456789",
@@ -212,21 +210,6 @@ def test_limits_answer_429_with_retry_after_and_nothing_else_breaks(keyed):
     assert stats["auth"]["unauthorized"] > 0
 
 
-def tenant_samples(url: str) -> dict[str, float]:
-    """The ingress's per-tenant Prometheus samples, by metric name and its tenant/outcome/kind tags."""
-    body = urllib.request.urlopen(url, timeout=10).read().decode()
-    samples: dict[str, float] = {}
-    for line in body.splitlines():
-        if not line.startswith(("ray_nasd_tenant_", "ray_nasd_unauthorized")):
-            continue
-        name_and_labels, _, value = line.rpartition(" ")
-        name, _, labels = name_and_labels.partition("{")
-        tags = dict(re.findall(r'(tenant|outcome|kind)="([^"]*)"', labels))
-        key = name + "".join(f"[{tag}={tags[tag]}]" for tag in sorted(tags))
-        samples[key] = samples.get(key, 0.0) + float(value)
-    return samples
-
-
 def test_prometheus_counts_match_the_stats_endpoint_per_tenant(keyed):
     served, _ = keyed
     stats = served.request("GET", "/v1/nasd/stats", headers={"Authorization": f"Bearer {KEYS['bob']}"}).body
@@ -243,14 +226,7 @@ def test_prometheus_counts_match_the_stats_endpoint_per_tenant(keyed):
         "ray_nasd_unauthorized_requests_total": stats["auth"]["unauthorized"],
     }
     assert all(expected.values()), expected
-    deadline = time.monotonic() + 30
-    while True:
-        samples = tenant_samples(served.metrics_url)
-        seen = {name: samples.get(name) for name in expected}
-        if seen == expected:
-            break
-        assert time.monotonic() < deadline, f"metrics {seen} never matched the stats {expected}"
-        time.sleep(1)
+    wait_for_samples(served.metrics_url, expected, ("outcome", "kind", "tenant"))
 
 
 def test_concurrent_requests_of_one_key_never_exceed_its_limit(keyed):

@@ -9,7 +9,6 @@ import json
 import re
 import socket
 import time
-import urllib.request
 from typing import Annotated
 
 import pydantic
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 from deployments.schemas import MAX_PROMPTS
 from nasd_core import SamplingParams, SpecConfig, generate
 from nasd_core.config import EMBEDDED_MODEL, EMBEDDED_MODEL_ALIASES
-from tests.deployments.conftest import serve_apps
+from tests.deployments.conftest import serve_apps, wait_for_samples
 
 MODEL = EMBEDDED_MODEL
 PROMPTS = [
@@ -782,21 +781,6 @@ def test_64_concurrent_requests_each_equal_their_single_request_output(app, refe
 METRICS_WAIT_S = 45
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Prometheus samples summed by metric name and the tags that matter here."""
-    body = urllib.request.urlopen(url, timeout=10).read().decode()
-    totals: dict[str, float] = {}
-    for line in body.splitlines():
-        if not line.startswith("ray_nasd_"):
-            continue
-        name_and_labels, _, value = line.rpartition(" ")
-        name, _, labels = name_and_labels.partition("{")
-        width = re.search(r'width="(\d+)"', labels)
-        key = f"{name}[width={width.group(1)}]" if width else name
-        totals[key] = totals.get(key, 0.0) + float(value)
-    return totals
-
-
 def test_prometheus_metrics_match_the_stats_endpoint(app):
     # Last in the module: no request runs while the exporter catches up with the stats.
     app.client().completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0)
@@ -809,14 +793,7 @@ def test_prometheus_metrics_match_the_stats_endpoint(app):
         "ray_nasd_pool_connected": 1.0,
         **{f"ray_nasd_policy_rows_total[width={w}]": count for w, count in total["width_histogram"].items()},
     }
-    deadline = time.monotonic() + METRICS_WAIT_S
-    while True:
-        samples = scrape(app.metrics_url)
-        seen = {name: samples.get(name) for name in expected}
-        if seen == expected:
-            break
-        assert time.monotonic() < deadline, f"metrics {seen} never matched the stats {expected}"
-        time.sleep(1)
+    samples = wait_for_samples(app.metrics_url, expected, ("width",), METRICS_WAIT_S)
     # Requests that only scored their prompt (echo, max_tokens 0) have no tokens per step.
     assert total["num_scoring_requests"] >= 2  # test_echo_scores_the_prompt_as_lm_eval_asks sent two
     decoded = total["num_requests"] - total["num_scoring_requests"]
