@@ -116,7 +116,8 @@ class ApiKeys:
         self.keys_file = Path(keys_file) if keys_file else None
         self._single: dict[bytes, ApiKey] = {}
         if api_key:
-            self._single[digest(api_key)] = ApiKey(DEFAULT_TENANT, self.defaults, digest(api_key).hex()[:8])
+            single_digest = digest(api_key)
+            self._single[single_digest] = ApiKey(DEFAULT_TENANT, self.defaults, single_digest.hex()[:8])
         self._from_file: dict[bytes, ApiKey] = {}
         self._all = list(self._single.items())
         self._file_stamp: tuple[int, int, int] | None = None

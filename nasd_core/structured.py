@@ -17,9 +17,9 @@ Jump-forward drafts: where the grammar allows exactly one continuation (a schema
 punctuation), the grammar itself drafts it (source ``GRAMMAR_SOURCE``), and the policy prices it
 like any other source.
 
-Why llguidance: it needs nothing but its wheel (xgrammar pulls torch's Triton), builds a
-matcher in ~2 ms without precompiling the grammar, and a mask over SmolLM2's 49152 tokens took
-~40 µs on this 2-core machine (``benchmarks``: measured beside a CPU step in issue 42's note).
+Why llguidance: it needs nothing but its wheel (xgrammar pulls torch's Triton) and builds a
+matcher without precompiling the grammar; what its masks cost beside a step is in
+``python -m benchmarks.structured``.
 """
 
 from __future__ import annotations
@@ -98,19 +98,21 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
-        self._grammars: OrderedDict[GrammarSpec, str] = OrderedDict()
+        # By kind and source: the same schema sent through another field compiles once.
+        self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
 
     def compile(self, spec: GrammarSpec) -> str:
         """``spec``'s grammar, checked; raises ``InvalidRequestError`` naming ``spec.param``."""
-        grammar = self._grammars.get(spec)
+        key = (spec.kind, spec.source)
+        grammar = self._grammars.get(key)
         if grammar is not None:
-            self._grammars.move_to_end(spec)
+            self._grammars.move_to_end(key)
             return grammar
         grammar = grammar_text(spec)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=parser_limits())
         if error and not error.startswith("WARNING"):
             raise InvalidRequestError(f"{spec.param}: {error.splitlines()[0]}", spec.param)
-        self._grammars[spec] = grammar
+        self._grammars[key] = grammar
         if len(self._grammars) > MAX_CACHED_GRAMMARS:
             self._grammars.popitem(last=False)
         return grammar

@@ -133,6 +133,7 @@ class PagedTables:
         # the last column takes the tables' padding entries (never a real block's index).
         self.logical = torch.zeros(max_rows, num_blocks + 1, dtype=torch.int32, device=device)
         self.block_order = torch.arange(max_row_blocks, device=device)
+        self.block_order_int32 = self.block_order.to(torch.int32)  # the map's values, made once
 
     def block_mask(
         self,
@@ -152,7 +153,7 @@ class PagedTables:
         # A block the row does not hold sits past every key it may see (the unfused reference
         # path applies ``sees`` to the whole pool; the kernels only to the blocks listed).
         logical.fill_(self.num_blocks)
-        logical.scatter_(1, blocks, self.block_order.to(torch.int32).expand(num_rows, width))
+        logical.scatter_(1, blocks, self.block_order_int32.expand(num_rows, width))
         held = blocks.clamp(max=self.num_blocks - 1).to(torch.int32)
         self.full[:num_rows, 0, 0, :width] = held
         after_full = (self.block_order[None, :] + num_full[:, None]).clamp(max=width - 1)

@@ -56,14 +56,13 @@ def run(engine: Engine, spec: GrammarSpec, mode: str, temperature: float = 0.0, 
 def oracle(engine: Engine, prompt: str, spec: GrammarSpec, max_tokens: int) -> list[int]:
     """Plain constrained greedy decoding, step by step over the whole sequence with transformers'
     own forward: the grammar's mask on the last position's logits, then the argmax."""
-    model, tokenizer = engine.model, engine.tokenizer
     ids = engine.tokenizer(prompt).input_ids
     matcher = llguidance.LLMatcher(engine.grammars.tokenizer, engine.grammars.compile(spec))
     bitmask = llguidance.torch.allocate_token_bitmask(1, engine.vocab_size)
     output: list[int] = []
     with torch.inference_mode():
         while len(output) < max_tokens:
-            logits = model(torch.tensor([ids + output])).logits[0, -1:].float()
+            logits = engine.model(torch.tensor([ids + output])).logits[0, -1:].float()
             llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
             llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
             token = int(logits.argmax())
@@ -71,7 +70,6 @@ def oracle(engine: Engine, prompt: str, spec: GrammarSpec, max_tokens: int) -> l
             if token in engine.eos_token_ids:
                 break
             assert matcher.consume_token(token)
-    del tokenizer
     return output
 
 
