@@ -21,6 +21,7 @@ from deployments.auth import AuthSettings, KeyLimits
 from deployments.ingress import OpenAIIngress
 from deployments.replica import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, NASDReplica, ReplicaConfig
 from deployments.router import ROUTER_CLASS
+from deployments.tools import ToolCallParser
 from nasd_core.config import (
     DEFAULT_NUM_DRAFT_TOKENS,
     EMBEDDED_MODEL,
@@ -78,6 +79,7 @@ ENV_VARS = {
     "step_graphs": "NASD_STEP_GRAPHS",
     "graph_attention": "NASD_GRAPH_ATTENTION",
     "prefix_cache_tokens": "NASD_PREFIX_CACHE_TOKENS",
+    "tool_call_parser": "NASD_TOOL_CALL_PARSER",
     "autoscaling": "NASD_AUTOSCALING",
 }
 
@@ -98,6 +100,11 @@ class AppArgs(BaseModel):
     )
     pool_namespace: str | None = Field(
         None, description="Prefix of the pool namespace, to separate deployments sharing one Redis."
+    )
+    tool_call_parser: ToolCallParser = Field(
+        "auto",
+        description="How the model writes tool calls (vLLM's --tool-call-parser): hermes (Hermes, Qwen) or "
+        "llama3_json (Llama 3.x); auto reads it from the chat template, else hermes.",
     )
     tenant_isolation: bool = Field(
         False,
@@ -264,6 +271,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         ),
         pool_namespace=args.pool_namespace,
         probe_max_rows=args.probe_max_rows,
+        tool_call_parser=args.tool_call_parser,
     )
     actor_options: dict[str, Any] = {"num_cpus": num_cpus}
     if args.num_gpus_per_replica > 0:

@@ -54,6 +54,7 @@ from deployments.schemas import (
     TokenizeRequest,
     TokenLogprob,
     TokensResult,
+    ToolCallDelta,
     Usage,
     new_id,
 )
@@ -234,6 +235,8 @@ async def _collect(chunks: AsyncIterator[GenerateChunk]) -> tuple[GenerateChunk,
         last = chunk
         choice = choices.setdefault(chunk.index, GenerateChunk(index=chunk.index))
         choice.text += chunk.text
+        if chunk.tool_calls:
+            choice.tool_calls = (choice.tool_calls or []) + chunk.tool_calls
         if chunk.logprobs is not None:
             choice.logprobs = (choice.logprobs or []) + chunk.logprobs
         choice.finish_reason = chunk.finish_reason or choice.finish_reason
@@ -372,7 +375,10 @@ class OpenAIIngress:
                 choices=[
                     ChatChoice(
                         index=choice.index,
-                        message=AssistantMessage(content=choice.text),
+                        message=AssistantMessage(
+                            content=choice.text if choice.text or not choice.tool_calls else None,
+                            tool_calls=choice.tool_calls,
+                        ),
                         finish_reason=choice.finish_reason,
                         logprobs=ChatLogprobs(content=choice.logprobs)
                         if choice.logprobs is not None
@@ -603,6 +609,7 @@ class OpenAIIngress:
             )
 
         # OpenAI opens each choice of a chat stream with the role, then sends content deltas.
+        num_calls = [0] * body.n
         for index in range(body.n):
             yield event([ChatChunkChoice(index=index, delta=Delta(role="assistant", content=""))])
         async for chunk in chunks:
@@ -613,6 +620,14 @@ class OpenAIIngress:
                 logprobs = ChatLogprobs(content=chunk.logprobs) if chunk.logprobs is not None else None
                 delta = Delta(content=chunk.text)
                 yield event([ChatChunkChoice(index=chunk.index, delta=delta, logprobs=logprobs)])
+            if chunk.tool_calls:
+                first = num_calls[chunk.index]
+                num_calls[chunk.index] += len(chunk.tool_calls)
+                calls = [
+                    ToolCallDelta(index=first + offset, **call.model_dump())
+                    for offset, call in enumerate(chunk.tool_calls)
+                ]
+                yield event([ChatChunkChoice(index=chunk.index, delta=Delta(tool_calls=calls))])
             if chunk.finish_reason is not None:
                 finish = ChatChunkChoice(index=chunk.index, delta=Delta(), finish_reason=chunk.finish_reason)
                 yield event([finish])

@@ -32,9 +32,18 @@ from deployments.schemas import (
     TokenizeRequest,
     TokenLogprob,
     TokensResult,
+    ToolCall,
     Usage,
 )
 from deployments.streams import interleave
+from deployments.tools import (
+    ToolCallParser,
+    ToolFormat,
+    ToolStream,
+    chat_template_inputs,
+    renders_tools,
+    tool_format,
+)
 from nasd_core import logprobs as engine_logprobs
 from nasd_core.config import (
     EMBEDDED_MODEL,
@@ -84,6 +93,9 @@ class ReplicaConfig(BaseModel):
     )
     pool_namespace: str | None = Field(
         None, description="Prefix of the pool namespace, to separate deployments sharing one Redis."
+    )
+    tool_call_parser: ToolCallParser = Field(
+        "auto", description="How the model writes tool calls (auto: as its chat template shows, else hermes)."
     )
 
 
@@ -194,6 +206,8 @@ class NASDServer:
         self.origin = origin
         self.model = None
         self.tokenizer = None
+        self.tool_format: ToolFormat | None = None
+        self.template_renders_tools = False
         self.async_engine: AsyncEngine | None = None
         self.pools: SharedPools | None = None
         self.totals = SpecStats()  # finished requests, merged on the event loop
@@ -217,6 +231,8 @@ class NASDServer:
         # and then run on the engine thread left two OpenMP thread teams fighting over the
         # cores, and every request ran ~5x slower (8.1 s vs 1.5 s for 16 tokens on 2 cores).
         self.model, self.tokenizer = load_model(None, config.model)
+        self.tool_format = tool_format(self.tokenizer.chat_template, config.tool_call_parser)
+        self.template_renders_tools = renders_tools(self.tokenizer.chat_template)
         batch_engine = Engine(self.model, self.tokenizer, config.engine)
         if config.probe_max_rows:
             # On the engine's own runner: the steps it times are the ones it will run (its graphs).
@@ -274,7 +290,8 @@ class NASDServer:
             prompt_ids = self._prompt_ids(parsed)
             params, spec = self._params(parsed, len(prompt_ids))
             echo = self._echo_text(parsed, prompt_ids) if parsed.echo else ""
-            choices = [ChoiceOutput(self.tokenizer, params, echo) for _ in range(parsed.n)]
+            tools = self.tool_format if parsed.parse_tool_calls else None
+            choices = [ChoiceOutput(self.tokenizer, params, echo, tools) for _ in range(parsed.n)]
             stats = SpecStats()
             partition = parsed.pool_partition(self.config.pool.partitions)
             steps = self._choice_steps(prompt_ids, params, spec, parsed, partition)
@@ -411,9 +428,12 @@ class NASDServer:
     def _prompt_ids(self, request: GenerateRequest, add_special_tokens: bool = False) -> list[int]:
         vocab_size = self.model.config.vocab_size
         if request.messages is not None:
+            messages, template_args = chat_template_inputs(
+                request.messages, request.tools, self.tool_format, self.template_renders_tools
+            )
             try:
                 prompt = self.tokenizer.apply_chat_template(
-                    request.messages, add_generation_prompt=True, tokenize=False
+                    messages, add_generation_prompt=True, tokenize=False, **template_args
                 )
             except Exception as exc:  # jinja raises whatever the template author chose
                 raise InvalidRequestError(
@@ -453,6 +473,9 @@ class NASDServer:
         if request.stop is not None:
             sampling["stop"] = request.stop
         grammar = request.grammar()
+        if request.forced_tools:  # tool_choice required or named: the answer is calls
+            source = self.tool_format.grammar(request.forced_tools, request.parallel_tool_calls)
+            grammar = {"kind": "lark", "source": source, "param": "tool_choice"}
         if grammar is not None:
             sampling["grammar"] = build(GrammarSpec, **grammar)
         spec = self.config.engine.spec
@@ -486,21 +509,29 @@ class NASDServer:
 
 
 class ChoiceOutput:
-    """One choice's text and logprobs on their way out: what is pending until the next chunk."""
+    """One choice's text, tool calls and logprobs on their way out: what is pending until the
+    next chunk. With a tool format, the answer's calls are split from its content."""
 
-    def __init__(self, tokenizer, params: SamplingParams, echo: str) -> None:
+    def __init__(self, tokenizer, params: SamplingParams, echo: str, tools: ToolFormat | None = None) -> None:
         self.tokenizer = tokenizer
         self.text = TextStream(tokenizer, params.stop)
+        self.tools = ToolStream(tools) if tools is not None else None
         self.pending = echo  # echo: the prompt leads the answer
+        self.pending_calls: list[ToolCall] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
 
     @property
     def has_pending(self) -> bool:
-        return bool(self.pending or self.logprobs)
+        return bool(self.pending or self.pending_calls or self.logprobs)
 
     def add(self, step: StreamChunk, echoed_prompt: list[int] | None) -> None:
-        self.pending += self.text.push(step.token_ids, step.finish_reason is not None)
+        finished = step.finish_reason is not None
+        text = self.text.push(step.token_ids, finished)
+        if self.tools is not None:
+            text, calls = self.tools.push(text, finished)
+            self.pending_calls += calls
+        self.pending += text
         if self.logprobs is None:
             return
         if echoed_prompt is not None and step.prompt_logprobs is not None:
@@ -510,10 +541,16 @@ class ChoiceOutput:
 
     def chunk(self, index: int, finish_reason: str | None) -> GenerateChunk:
         """The pending text and logprobs as a chunk (the choice's last with ``finish_reason``)."""
+        if finish_reason == "stop" and self.tools is not None and self.tools.calls:
+            finish_reason = "tool_calls"
         chunk = GenerateChunk(
-            index=index, text=self.pending, logprobs=self.logprobs, finish_reason=finish_reason
+            index=index,
+            text=self.pending,
+            tool_calls=self.pending_calls or None,
+            logprobs=self.logprobs,
+            finish_reason=finish_reason,
         )
-        self.pending = ""
+        self.pending, self.pending_calls = "", []
         self.logprobs = [] if self.logprobs is not None else None
         self.finish_reason = finish_reason
         return chunk

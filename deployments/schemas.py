@@ -33,15 +33,15 @@ PARTITION_PREFIX_CHARS = 512
 PARTITION_PREFIX_IDS = 128
 SpeculationMode = Literal["auto", "on", "off"]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+ToolChoiceMode = Literal["none", "auto", "required"]
 
 
 # Known OpenAI request fields that change the output and are not implemented: refused with a
-# 400 naming them when a request uses them (a neutral value such as "tools": [] passes).
+# 400 naming them when a request uses them (a neutral value such as "functions": [] passes).
+# The legacy ``functions`` / ``function_call`` pair is superseded by ``tools`` / ``tool_choice``.
 UNSUPPORTED_FIELDS = {
-    "tools": bool,
     "functions": bool,
-    "tool_choice": lambda value: value not in (None, "none"),
     "function_call": lambda value: value not in (None, "none"),
     "best_of": lambda value: value not in (None, 1),
     "suffix": bool,
@@ -158,9 +158,7 @@ class SamplingFields(_Request):
 
     # Known OpenAI fields this server does not implement: declared so that using one is a 400
     # naming it (validators run only on fields a request sends).
-    tools: Any = Field(None, description="Not supported (refused unless empty).")
-    tool_choice: Any = Field(None, description="Not supported (refused unless 'none').")
-    functions: Any = Field(None, description="Not supported (refused unless empty).")
+    functions: Any = Field(None, description="Not supported (refused unless empty): send tools.")
     function_call: Any = Field(None, description="Not supported (refused unless 'none').")
     best_of: Any = Field(None, description="Only 1 is supported.")
     suffix: Any = Field(None, description="Not supported (refused unless empty).")
@@ -243,6 +241,16 @@ class CompletionRequest(SamplingFields):
         False, description="Answer the prompt followed by the completion; with logprobs, the prompt's too."
     )
 
+    tools: Any = Field(None, description="Not on this route (refused unless empty): chat serves tools.")
+    tool_choice: Any = Field(None, description="Not on this route (refused unless 'none').")
+
+    @field_validator("tools", "tool_choice")
+    @classmethod
+    def _tools_are_chat(cls, value: Any, info: ValidationInfo) -> Any:
+        if value not in (None, [], "none"):
+            raise ValueError(f"{info.field_name} is served on /v1/chat/completions, not on completions")
+        return value
+
     @field_validator("prompt")
     @classmethod
     def _batch_size(cls, value: str | list) -> str | list:
@@ -263,14 +271,64 @@ class TextPart(_Request):
     text: str = Field(description="The text.")
 
 
+class FunctionCall(_Request):
+    name: str = Field(description="The function called.")
+    arguments: str = Field(description="Its arguments: a JSON object, as text.")
+
+
+class ToolCall(_Request):
+    """A call the assistant made (in an answer, or sent back in the conversation)."""
+
+    id: str = Field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}", description="The call's id.")
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    """A streamed call: sent whole, in one chunk, with its position among the choice's calls."""
+
+    index: int = Field(description="The call's position among the choice's calls.")
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="The function's name.")
+    description: str | None = Field(None, description="What it does, for the model.")
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of its arguments.")
+    strict: bool | None = Field(None, description="Arguments always follow the schema here when forced.")
+
+
+class Tool(_Request):
+    type: Literal["function"] = Field(description="Only function tools exist.")
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str = Field(description="The function the answer must call.")
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = Field(description="Only function tools exist.")
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
     role: Role = Field(description="Who wrote the message.")
     content: str | list[TextPart] | None = Field(None, description="Text, or a list of text parts.")
     name: str | None = Field(None, description="Optional author name.")
+    tool_calls: list[ToolCall] | None = Field(None, description="An assistant message's calls.")
+    tool_call_id: str | None = Field(None, description="A tool message's answer to this call.")
 
-    def as_template_input(self) -> dict[str, str]:
-        """What the chat template renders of this message: role, content as text, name if any."""
-        return {"role": self.role, "content": self.text()} | ({"name": self.name} if self.name else {})
+    def as_template_input(self) -> dict[str, Any]:
+        """What the chat template renders of this message: role, content as text, and the name,
+        calls and call id it has."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -294,6 +352,42 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="With logprobs: this many top tokens per position."
     )
+    tools: list[Tool] | None = Field(None, description="Functions the model may call.")
+    tool_choice: ToolChoiceMode | NamedToolChoice | None = Field(
+        None,
+        description="none | auto (the default with tools) | required (one call or more) | "
+        "{'type': 'function', 'function': {'name': ...}}; required and named are enforced by a grammar.",
+    )
+    parallel_tool_calls: bool = Field(True, description="Whether a forced answer may call more than once.")
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_of_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        if choice in (None, "none", "auto"):
+            return choice
+        tools = info.data.get("tools")
+        if not tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in [
+            t.function.name for t in tools
+        ]:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not in tools")
+        return choice
+
+    @model_validator(mode="after")
+    def _forced_calls_alone(self) -> ChatCompletionRequest:
+        if self.forced_tools() and self.constraints():
+            raise ValueError("a forced tool call (tool_choice) cannot also follow another output constraint")
+        return self
+
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The tools an answer must call one of (tool_choice required or named), or None."""
+        if self.tool_choice in (None, "none", "auto") or not self.tools:
+            return None
+        tools = [tool.model_dump(exclude_none=True) for tool in self.tools]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [tool for tool in tools if tool["function"]["name"] == self.tool_choice.function.name]
+        return tools
 
     @field_validator("echo")
     @classmethod
@@ -332,7 +426,15 @@ class GenerateRequest(SamplingFields):
     (role/content dicts the replica renders with its tokenizer's chat template)."""
 
     prompt: str | list[int] | None = Field(None, description="Completion prompt.")
-    messages: list[dict[str, str]] | None = Field(None, description="Chat messages, content as text.")
+    messages: list[dict[str, Any]] | None = Field(None, description="Chat messages, content as text.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Chat: the tools, rendered into the prompt.")
+    parse_tool_calls: bool = Field(
+        False, description="Chat: answer calls as tool_calls (tool_choice not none)."
+    )
+    forced_tools: list[dict[str, Any]] | None = Field(
+        None, description="Chat: the answer is calls of these (tool_choice required or named)."
+    )
+    parallel_tool_calls: bool = Field(True, description="Chat: a forced answer may call more than once.")
     logprobs: int | None = Field(None, description="Top logprobs per token (None: no logprobs).")
     echo: bool = Field(False, description="Send the prompt first (and its logprobs with logprobs).")
     tenant: str | None = Field(
@@ -361,7 +463,17 @@ class GenerateRequest(SamplingFields):
         if request.max_completion_tokens is not None:
             fields["max_tokens"] = request.max_completion_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        return cls(messages=messages, logprobs=logprobs, tenant=tenant, **fields)
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []] or None
+        return cls(
+            messages=messages,
+            logprobs=logprobs,
+            tenant=tenant,
+            tools=tools,
+            parse_tool_calls=tools is not None and request.tool_choice != "none",
+            forced_tools=request.forced_tools(),
+            parallel_tool_calls=request.parallel_tool_calls,
+            **fields,
+        )
 
     def pool_partition(self, partitions: int) -> int:
         """Which of its tenant's ``partitions`` pool partitions this request reads and feeds.
@@ -456,6 +568,9 @@ class GenerateChunk(BaseModel):
 
     index: int = Field(0, description="The choice this chunk belongs to.")
     text: str = Field("", description="New text since the previous chunk.")
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="Tool calls completed since the previous chunk."
+    )
     logprobs: list[TokenLogprob] | None = Field(None, description="Of the tokens since the previous chunk.")
     finish_reason: FinishReason | None = Field(None, description="Set on a choice's last chunk.")
     usage: Usage | None = Field(None, description="Set on the request's last chunk (all choices).")
@@ -482,7 +597,8 @@ class CompletionChoice(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -495,6 +611,7 @@ class ChatChoice(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

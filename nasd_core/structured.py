@@ -97,6 +97,7 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
+        self.eos_ids = frozenset(eos_ids)
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
         # By kind and source: the same schema sent through another field compiles once.
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -124,15 +125,18 @@ class Grammars:
         )
         if matcher.is_error():
             raise InvalidRequestError(f"{spec.param}: {matcher.get_error().splitlines()[0]}", spec.param)
-        return RequestGrammar(matcher, self.vocab_size)
+        return RequestGrammar(matcher, self.vocab_size, self.eos_ids)
 
 
 class RequestGrammar:
     """One request's grammar state: it follows the kept tokens and masks verification logits."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(
+        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: frozenset[int] = frozenset()
+    ) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
 
     def valid_prefix(self, draft: Sequence[int]) -> int:
         """How many of ``draft``'s first tokens the grammar allows after the kept tokens."""
@@ -145,10 +149,17 @@ class RequestGrammar:
         bitmask = llguidance.torch.allocate_token_bitmask(num_positions, self.vocab_size)
         num_consumed = 0
         for position in range(num_positions):
+            if position > num_consumed:  # past a drafted end of sequence: never kept, left unmasked
+                break
             llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, position)
-            # Drafts are cut to what the grammar allows, so this fails only in a failed matcher
+            # An end of sequence stops the matcher, and a stopped matcher cannot roll back. Drafts
+            # are cut to what the grammar allows, so a consume fails only in a failed matcher
             # (its masks then allow only the end of sequence).
-            if position + 1 < num_positions and self.matcher.consume_token(draft[position]):
+            if (
+                position + 1 < num_positions
+                and draft[position] not in self.eos_ids
+                and self.matcher.consume_token(draft[position])
+            ):
                 num_consumed += 1
         if num_consumed:
             self.matcher.rollback(num_consumed)

@@ -9,8 +9,9 @@ import json
 import re
 import socket
 import time
-from typing import Annotated
+from typing import Annotated, Literal
 
+import openai
 import pydantic
 import pytest
 from hypothesis import given, settings
@@ -41,6 +42,38 @@ EXTRA_VARIANTS = [
     {"speculation": "on", "num_draft_tokens": 2},
     {"speculation": "auto", "num_draft_tokens": 4},
 ]
+
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather now in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 20},
+                    "unit": {"enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "The local time in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris and in Rome?"}]
 
 
 @pytest.fixture(scope="module")
@@ -638,11 +671,73 @@ BAD_INPUT = {
         "top_logprobs",
         None,
     ),
-    "tools": (
+    "tools_without_a_function": (
         CHAT_PATH,
-        {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": HI, "tools": [{"type": "function"}]},
         400,
         "tools",
+        None,
+    ),
+    "tools_bad_function_name": (
+        CHAT_PATH,
+        {"messages": HI, "tools": [{"type": "function", "function": {"name": "two words"}}]},
+        400,
+        "tools",
+        None,
+    ),
+    "tools_on_completions": (
+        COMPLETIONS_PATH,
+        {"prompt": "hi", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        400,
+        "tools",
+        None,
+    ),
+    "tool_choice_names_an_unknown_tool": (
+        CHAT_PATH,
+        {
+            "messages": HI,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        400,
+        "tool_choice",
+        None,
+    ),
+    "tool_choice_required_without_tools": (
+        CHAT_PATH,
+        {"messages": HI, "tool_choice": "required"},
+        400,
+        "tool_choice",
+        None,
+    ),
+    "tool_choice_unknown_mode": (
+        CHAT_PATH,
+        {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "always"},
+        400,
+        "tool_choice",
+        None,
+    ),
+    "tool_parameters_bad_schema": (
+        CHAT_PATH,
+        {
+            "messages": HI,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+            "tool_choice": "required",
+        },
+        400,
+        "tool_choice",
+        None,
+    ),
+    "forced_call_and_response_format": (
+        CHAT_PATH,
+        {
+            "messages": HI,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        None,
         None,
     ),
     "response_format_bad_schema": (
@@ -841,7 +936,14 @@ FIELDS = {
     "logprobs": st.one_of(st.booleans(), st.integers(-1, 22), ODD),
     "top_logprobs": st.one_of(st.integers(-1, 22), ODD),
     "echo": st.one_of(st.booleans(), ODD),
-    "tools": st.one_of(st.just([]), st.just([{"type": "function"}]), ODD),
+    "tools": st.one_of(st.just([]), st.just([{"type": "function"}]), st.just(WEATHER_TOOLS), ODD),
+    "tool_choice": st.one_of(
+        st.sampled_from(
+            ["none", "auto", "required", {"type": "function", "function": {"name": "get_weather"}}]
+        ),
+        ODD,
+    ),
+    "parallel_tool_calls": st.one_of(st.booleans(), ODD),
     "response_format": st.one_of(
         st.sampled_from(
             [
@@ -970,3 +1072,101 @@ def test_guided_fields_constrain_completions_and_chat(app):
         response_format={"type": "json_object"},
     )
     assert isinstance(json.loads(record.choices[0].message.content), dict)
+
+
+# ---------------------------------------------------------------------- tools
+
+
+def weather_of(arguments: str) -> str:
+    """The tool the test "executes": a fixed answer for the city it is asked about."""
+    city = json.loads(arguments)["city"]
+    return json.dumps({"city": city, "temperature": 21, "sky": "clear"})
+
+
+def test_a_tool_calling_loop_with_the_openai_sdk_whole_and_streamed(app):
+    """Call (tool_choice required: the grammar makes the answer calls), execute, send each result
+    back as a ``tool`` message with its ``tool_call_id``, get a final answer. Streamed, the SDK's
+    helper assembles the same calls from ``delta.tool_calls`` (greedy: identical arguments)."""
+    client = app.client()
+    first = client.chat.completions.create(
+        model=MODEL, messages=WEATHER_QUESTION, tools=WEATHER_TOOLS, tool_choice="required", temperature=0
+    )
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    assert first.nasd["drafted_by_source"].get("grammar", 0) > 0
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in ("get_weather", "get_time")
+        assert isinstance(json.loads(call.function.arguments)["city"], str)
+    with client.chat.completions.stream(
+        model=MODEL, messages=WEATHER_QUESTION, tools=WEATHER_TOOLS, tool_choice="required", temperature=0
+    ) as stream:
+        events = [event.type for event in stream]
+        streamed = stream.get_final_completion().choices[0]
+    assert "tool_calls.function.arguments.done" in events
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in choice.message.tool_calls
+    ]
+    messages = [
+        *WEATHER_QUESTION,
+        choice.message.model_dump(exclude_none=True),
+        *(
+            {"role": "tool", "tool_call_id": call.id, "content": weather_of(call.function.arguments)}
+            for call in choice.message.tool_calls
+        ),
+    ]
+    final = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=WEATHER_TOOLS, tool_choice="none", temperature=0, max_tokens=32
+    )
+    assert final.choices[0].message.tool_calls is None and final.choices[0].message.content
+    assert final.usage.prompt_tokens > first.usage.prompt_tokens
+
+
+def test_a_named_tool_choice_calls_that_tool_once_without_parallel_calls(app):
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for stream in (False, True):
+        response = app.request(
+            "POST",
+            CHAT_PATH,
+            {
+                "messages": WEATHER_QUESTION,
+                "tools": WEATHER_TOOLS,
+                "tool_choice": named,
+                "parallel_tool_calls": False,
+                "temperature": 1.0,
+                "seed": 5,
+                "stream": stream,
+            },
+        )
+        assert response.status == 200, response.body
+        if stream:
+            chunks = [json.loads(line[6:]) for line in response.body.splitlines() if line[6:].startswith("{")]
+            calls = [
+                call
+                for chunk in chunks
+                for c in chunk["choices"]
+                for call in c["delta"].get("tool_calls") or []
+            ]
+            assert [call["index"] for call in calls] == [0]
+            assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        else:
+            calls = response.body["choices"][0]["message"]["tool_calls"]
+            assert response.body["choices"][0]["message"]["content"] is None
+        assert [call["function"]["name"] for call in calls] == ["get_time"]
+        json.loads(calls[0]["function"]["arguments"])
+
+
+def test_the_sdks_pydantic_function_tool_parses_its_arguments(app):
+    class GetWeather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=20)
+        unit: Literal["celsius", "fahrenheit"]
+
+    completion = app.client().chat.completions.parse(
+        model=MODEL,
+        messages=WEATHER_QUESTION,
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        tool_choice="required",
+        temperature=0,
+    )
+    calls = completion.choices[0].message.tool_calls
+    assert calls and all(isinstance(call.function.parsed_arguments, GetWeather) for call in calls)

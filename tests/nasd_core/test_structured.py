@@ -136,6 +136,22 @@ def test_a_grammar_that_does_not_compile_is_an_error_naming_its_field(engine, sp
     assert not engine.requests, "nothing is queued"
 
 
+def test_masking_a_draft_that_ends_the_answer_leaves_the_grammar_where_it_was(engine):
+    """A draft that runs to the end of sequence (a forced tool call's closing tokens, copied by a
+    drafter) is masked without consuming the end: a stopped matcher cannot roll back, and one
+    rolled back a token too far rejected the very tokens the step then kept."""
+    tokenizer = engine.tokenizer
+    grammar = engine.grammars.matcher(GrammarSpec(kind="regex", source="ab c", param="guided_regex"))
+    eos = next(iter(engine.eos_token_ids))
+    draft = [*tokenizer.encode("ab c", add_special_tokens=False), eos]
+    logits = torch.zeros(len(draft) + 1, engine.vocab_size)
+    grammar.mask(logits, draft)
+    assert grammar.valid_prefix(draft) == len(draft), "the matcher moved"
+    assert logits[len(draft) - 1, eos] == 0 and logits[len(draft) - 1, draft[0]] == float("-inf")
+    grammar.observe(draft)
+    assert grammar.matcher.is_stopped() and not grammar.matcher.is_error()
+
+
 def test_sampled_constrained_rows_keep_the_constrained_plain_distribution(engine):
     """A sampled row under a grammar ("a digit, then a letter"): the first position follows the
     masked distribution, the position after an accepted draft digit the distribution masked by
