@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo serve test lint bench bench-quick image clean
+.PHONY: install demo serve test lint bench bench-quick bench-grammar-engines image clean
 
 install: $(STAMP)
 
@@ -39,7 +39,7 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Every suite (single stream, engine sweep, shared pool, HTTP), then the README's tables and plots.
+# Every suite (single stream, engine sweep, shared pool, HTTP), then docs/results.md, the README headline and plots.
 bench: install
 	$(PY) -m benchmarks
 
@@ -47,10 +47,16 @@ bench: install
 bench-quick: install
 	$(PY) -m benchmarks --quick
 
+# llguidance (the project's grammar engine) against xgrammar, installed beside the venv only for this.
+PEERS := .bench-peers
+bench-grammar-engines: install
+	$(PY) -m pip install -q --no-deps --target $(PEERS) xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
+	PYTHONPATH=$(PEERS) $(PY) -m benchmarks.grammar_engines
+
 # Container image for k8s/ (docker/Dockerfile; CUDA torch by default). Needs Docker, not the venv.
 IMAGE ?= nasd-serve:0.1.0
 image:
 	docker build -f docker/Dockerfile -t $(IMAGE) $(IMAGE_BUILD_ARGS) .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) .pytest_cache .ruff_cache

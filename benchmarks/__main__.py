@@ -1,4 +1,4 @@
-"""Every benchmark suite, one after the other, then the README tables (full) or the
+"""Every benchmark suite, one after the other, then docs/results.md and the README headline (full) or the
 comparison with the full run (quick).
 
     python -m benchmarks              # make bench: full runs (about an hour on 2 cores)

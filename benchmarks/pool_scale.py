@@ -19,7 +19,7 @@ No model runs. Four parts, the first three printed in the first table:
    partitions it follows on a real redis-server, fed at the modelled rate (capped at what this
    machine can publish, shown): measured egress and sync lag p99, and whether it kept up.
 4. **The service** (real, second table): ``SERVICE_REPLICAS`` real ``SharedPools`` with
-   ``pool_partitions`` 0 / 1 / the README's rule / twice it, requests routed as the service
+   ``pool_partitions`` 0 / 1 / the rule in docs/api.md / twice it, requests routed as the service
    routes them (``service_cell``): ingest against unpartitioned, and repeats drafted.
 
 The workload: ``TENANTS`` tenants (applications) with Zipf popularity; a request is a repeat of
@@ -91,7 +91,7 @@ MAX_PUBLISH_TOKENS_PER_S = 400_000
 REDIS_SECONDS = 6.0
 TICK_S = 0.05
 # Part 4, the service's own pool layer and routing at a size this machine holds in one
-# process: 16 replicas, 32 Zipf tenants; partitions by the README's rule (busiest tenant's
+# process: 16 replicas, 32 Zipf tenants; partitions by the rule in docs/api.md (busiest tenant's
 # share x replicas / 2, rounded up: 2).
 SERVICE_REPLICAS = 16
 SERVICE_TENANTS = 32
@@ -242,7 +242,7 @@ def route(shares: list[tuple[int, float]], num_replicas: int, rng: random.Random
 
 def partitions_for(share: float, num_replicas: int) -> int:
     """Sub-partitions that bring a key of ``share`` of the traffic to about ``SPLIT_REPLICAS``
-    replicas' worth each: the README's rule for ``pool_partitions`` with the busiest tenant's."""
+    replicas' worth each: the rule in docs/api.md for ``pool_partitions`` with the busiest tenant's."""
     return max(1, math.ceil(share * num_replicas / SPLIT_REPLICAS))
 
 

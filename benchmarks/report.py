@@ -1,12 +1,14 @@
-"""Benchmark results into the README and plots; a quick run held against the full one.
+"""Benchmark results into docs/results.md, the README's headline and plots; a quick run held
+against the full one.
 
 Each suite (``benchmarks/<suite>.py``) writes ``results/<suite>_float32.json`` and knows how
-to show it (``markdown_table``, ``plot``, ``ratios``). The README's tables sit between
-``<!-- results:<suite> -->`` and ``<!-- /results:<suite> -->`` and are only ever written
-from those files, so a number in the README is always one a committed run produced.
+to show it (``markdown_table``, ``plot``, ``ratios``). Tables sit between
+``<!-- results:<name> -->`` and ``<!-- /results:<name> -->`` in docs/results.md (the README's
+headline block too) and are only ever written from those files, so a number there is always
+one a committed run produced.
 
-    python -m benchmarks.report             # rewrite the README tables and the plots
-    python -m benchmarks.report --check     # exit 1 where the README differs from the results
+    python -m benchmarks.report             # rewrite the tables, the headline and the plots
+    python -m benchmarks.report --check     # exit 1 where a document differs from the results
     python -m benchmarks.report --compare   # each *_quick.json ratio beside its full run's
 """
 
@@ -32,12 +34,15 @@ SUITES = (
     "drafter_ab",
     "pool_scale",
 )
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+RESULTS_DOC = ROOT / "docs" / "results.md"
 # Results that are a table only (no ratios to compare, no plot): README block -> (result file
 # stem, suite, table).
 TABLE_BLOCKS = {
     "auth_cost": ("auth_cost_float32", "auth_cost", "markdown_table"),
     "structured": ("structured_float32", "structured", "markdown_table"),
+    "grammar_engines": ("grammar_engines", "grammar_engines", "markdown_table"),
 }
 # Runs on a lent GPU (benchmarks/gpu_session.sh): README block -> (result file stem, suite, table).
 GPU_BLOCKS = {
@@ -47,6 +52,51 @@ GPU_BLOCKS = {
     # Not a GPU run: a CPU simulation of one (benchmarks/gpu_rates.py), labelled as such.
     "gpu_rates_sim": ("gpu_rates_sim", "gpu_rates", "markdown_table"),
 }
+# The README's headline: (what, result file stem, suite, ratio key, docs/results.md anchor).
+HEADLINE = (
+    (
+        "Through the server (HTTP), repetitive requests, 1 client: `auto` / plain decoding",
+        "http_float32",
+        "http",
+        "1 replica(s)/repetitive/C=1/auto",
+        "through-the-server-http-concurrency-sweep",
+    ),
+    (
+        "Through the server, non-repetitive requests, 1 client",
+        "http_float32",
+        "http",
+        "1 replica(s)/non_repetitive/C=1/auto",
+        "through-the-server-http-concurrency-sweep",
+    ),
+    (
+        "Multi-turn chats, 1 client: tokens/s with the prefix cache / without",
+        "prefix_cache_float32",
+        "prefix_cache",
+        "C1/tokens_per_s",
+        "multi-turn-chats-the-prefix-cache",
+    ),
+    (
+        "Agent tool calls (forced, three turns), 1 client: constrained `auto` / constrained plain",
+        "structured_float32",
+        "structured",
+        "agent tool calls/C=1",
+        "structured-output-and-tools",
+    ),
+    (
+        "Engine, repetitive requests, 1 client: `auto` / plain (no CUDA graphs)",
+        "concurrency_cuda_bfloat16",
+        "concurrency",
+        "repetitive/C=1/auto",
+        "on-a-gpu-one-h100-bfloat16",
+    ),
+    (
+        "Single stream, code edit: `auto` / transformers' `generate` (no CUDA graphs)",
+        "single_stream_cuda_bfloat16",
+        "single_stream",
+        "code_edit/nasd_auto",
+        "on-a-gpu-one-h100-bfloat16",
+    ),
+)
 DTYPE = "float32"
 # A quick run uses fewer prompts and tokens: a ratio within this factor of the full run's is
 # taken as reproduced (cells of the full run alone vary by about ±15% on a 2-core VM).
@@ -96,6 +146,27 @@ def footer(meta: dict, path: Path) -> str:
     )
 
 
+def headline_table() -> str:
+    """The README's headline: the figures of ``HEADLINE``, each with its device, date and the
+    full table it comes from."""
+    lines = ["| measured | ratio | device | date |", "|---|---|---|---|"]
+    for what, stem, suite, key, anchor in HEADLINE:
+        payload = json.loads((RESULTS_DIR / f"{stem}.json").read_text())
+        ratio = suite_module(suite).ratios(payload)[key]
+        meta = payload["meta"]
+        device = (
+            meta["device"] if meta.get("device", "cpu") != "cpu" else f"CPU, {meta['cpu_threads']} threads"
+        )
+        link = f"[{what}](docs/results.md#{anchor})"
+        lines.append(f"| {link} | **{ratio:.2f}x** | {device} | {meta['date_utc'][:10]} |")
+    lines.append("")
+    lines.append(
+        "<sub>Written by `python -m benchmarks.report` from `benchmarks/results/`; each linked table "
+        "names its command.</sub>"
+    )
+    return "\n".join(lines)
+
+
 def readme_tables() -> dict[str, str]:
     tables = {suite: block(suite, payload) for suite in SUITES if (payload := load(suite)) is not None}
     for name, (stem, suite, table) in {**TABLE_BLOCKS, **GPU_BLOCKS}.items():
@@ -104,6 +175,17 @@ def readme_tables() -> dict[str, str]:
             payload = json.loads(path.read_text())
             tables[name] = getattr(suite_module(suite), table)(payload) + footer(payload["meta"], path)
     return tables
+
+
+def rendered_documents() -> dict[Path, tuple[str, str]]:
+    """Each document with its current text and its text rendered from the results."""
+    tables = readme_tables()
+    readme = README.read_text()
+    results = RESULTS_DOC.read_text()
+    return {
+        README: (readme, render_readme(readme, {"headline": headline_table()})),
+        RESULTS_DOC: (results, render_readme(results, tables)),
+    }
 
 
 def compare(full: dict[str, float], quick: dict[str, float]) -> tuple[list[str], int]:
@@ -148,18 +230,19 @@ def main() -> None:
     if args.compare:
         print_comparison()
         return
-    current = README.read_text()
-    updated = render_readme(current, readme_tables())
+    documents = rendered_documents()
+    stale = [path.name for path, (current, updated) in documents.items() if current != updated]
     if args.check:
-        if updated != current:
-            sys.exit("README tables differ from benchmarks/results: run python -m benchmarks.report")
-        print("README tables match benchmarks/results")
+        if stale:
+            sys.exit(f"{', '.join(stale)} differ from benchmarks/results: run python -m benchmarks.report")
+        print("README and docs/results.md match benchmarks/results")
         return
-    README.write_text(updated)
+    for path, (_, updated) in documents.items():
+        path.write_text(updated)
     for suite in SUITES:
         if (payload := load(suite)) is not None:
             print(f"plot: {save_figure(suite_module(suite).plot(payload), result_path(suite).stem)}")
-    print(f"README tables rewritten from {RESULTS_DIR}")
+    print(f"README headline and docs/results.md rewritten from {RESULTS_DIR}")
 
 
 if __name__ == "__main__":

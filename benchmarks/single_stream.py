@@ -219,7 +219,7 @@ def systems_of(payload: dict) -> list[str]:
 
 
 def markdown_table(payload: dict) -> str:
-    """README table: tokens/s ratio to plain greedy by workload and system."""
+    """The results table: tokens/s ratio to plain greedy by workload and system."""
     systems = systems_of(payload)
     header = "| workload | " + " | ".join(systems) + " | nasd_auto tokens/forward | drafting share |"
     lines = [header, "|" + "---|" * (len(systems) + 3)]

@@ -135,7 +135,7 @@ class AppArgs(BaseModel):
         ge=0,
         description="Pool partitions per tenant; 0 = none (every replica tails the whole pool); N >= 1: "
         "requests are routed by tenant and partition and a replica tails only the partitions it serves "
-        "(README: what to set).",
+        "(docs/api.md: what to set).",
     )
     num_replicas: int = Field(DEFAULT_NUM_REPLICAS, ge=1, description="Replicas (ignored with autoscaling).")
     num_cpus_per_replica: float | None = Field(

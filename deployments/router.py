@@ -28,7 +28,7 @@ from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 DEFAULT_LOAD_BOUND = 1.25
 # Ring successors ranked after a key's owner. The bound decides among them; a longer walk costs
 # the ingress a pass over the ring per request (51,200 virtual nodes at 512 replicas), while a
-# partition sized by the README's rule spills over two or three replicas.
+# partition sized by the rule in docs/api.md spills over two or three replicas.
 DEFAULT_FALLBACK_REPLICAS = 8
 ROUTER_CLASS = f"{__name__}.BoundedLoadHashRouter"
 

@@ -33,7 +33,7 @@ DEFAULT_WARM_START_TIMEOUT_S = 5.0
 DEFAULT_MAX_TENANTS = 64
 # Partition streams a replica tails at once (per namespace). Routed by partition, a replica
 # serves ~(tenants x partitions / replicas) keys: ~20-24 in benchmarks/pool_scale.py's 64- and
-# 512-replica cells at the partitions its README table suggests. Each costs a blocking read
+# 512-replica cells at the partitions its docs/results.md table suggests. Each costs a blocking read
 # (one Redis connection; connects and publishes share the replica's command client); a replica
 # that drifts onto more drops the least recently used.
 DEFAULT_MAX_FOLLOWED_PARTITIONS = 32
@@ -87,7 +87,7 @@ class PoolConfig(BaseModel):
         description="Pool partitions per tenant. 0 = none: every replica tails the whole pool. N >= 1: a "
         "tenant's sequences are split over N partitions by a hash of the conversation's opening, requests "
         "are routed by (tenant, partition), and a replica tails only the partitions it serves. About the "
-        "busiest tenant's share of traffic x replicas / 2, at least 1 (README, pool at cluster scale). "
+        "busiest tenant's share of traffic x replicas / 2, at least 1 (docs/results.md, pool at scale). "
         "Replicas sharing a pool must agree on it.",
     )
     max_followed_partitions: int = Field(

@@ -127,15 +127,16 @@ def test_distinct_prompts_never_repeat_and_say_when_they_run_out():
 
 
 def test_readme_results_are_rendered_from_the_committed_result_files():
-    """A table in the README is exactly what benchmarks.report makes of the committed JSON, so
-    no number there can drift from (or be typed without) the run that produced it."""
+    """A table in docs/results.md, and the README's headline, are exactly what benchmarks.report
+    makes of the committed JSON, so no number there can drift from (or be typed without) the
+    run that produced it."""
     from benchmarks import report
 
-    readme = report.README.read_text()
     tables = report.readme_tables()
     expected = set(report.SUITES) | set(report.TABLE_BLOCKS) | set(report.GPU_BLOCKS)
     assert set(tables) == expected, "every suite has committed results"
-    assert report.render_readme(readme, tables) == readme, "run: python -m benchmarks.report"
+    for path, (current, rendered) in report.rendered_documents().items():
+        assert rendered == current, f"{path.name}: run python -m benchmarks.report"
 
 
 def test_render_readme_replaces_only_the_marked_blocks_and_refuses_a_missing_one():
@@ -230,7 +231,7 @@ def test_pool_scale_full_replication_ingests_everyone_else_and_partitions_do_not
 
 def test_pool_scale_service_partitions_cut_ingest_and_keep_repeats_draftable(monkeypatch):
     """The service part runs the real pool layer and routing: unpartitioned, every replica
-    ingests everything and drafts every repeat; partitioned by the README's rule, the busiest
+    ingests everything and drafts every repeat; partitioned by the rule in docs/api.md, the busiest
     replica ingests a fraction of that and still drafts most repeats (counts, not timings)."""
     import asyncio
 

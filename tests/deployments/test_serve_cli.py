@@ -1,5 +1,5 @@
-"""`serve run` of ``deployments.app`` (what `make serve` runs) in a subprocess: it answers the
-OpenAI API with no arguments and stops cleanly on Ctrl-C (SIGINT).
+"""`serve run` of ``deployments.app`` (what `make serve` runs) and the ``nasd-serve`` command, each
+in a subprocess: they answer the OpenAI API and stop cleanly on Ctrl-C (SIGINT).
 
 `serve run IMPORT_PATH` always binds port 8000 (Ray 2.60's CLI has no port option), so the
 test runs the same import path through a Serve config file that only moves the port.
@@ -20,21 +20,16 @@ from pathlib import Path
 
 import pytest
 
-from deployments.builder import ENV_VARS
+from deployments.builder import ENV_VARS, AppArgs
+from deployments.cli import app_args, parser
 from nasd_core.config import EMBEDDED_MODEL, EMBEDDED_MODEL_ALIASES
 from tests.deployments.conftest import ServedApp
 from tests.redis_server import free_port
+from tests.test_readme import readme_python_blocks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
-
-
-def readme_client_example() -> str:
-    """The first Python block of the README's "Serve (OpenAI API)" section."""
-    readme = (REPO_ROOT / "README.md").read_text()
-    section = readme[readme.index("## Serve (OpenAI API)") :]
-    return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 def is_listening(port: int) -> bool:
@@ -42,25 +37,22 @@ def is_listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def test_serve_run_answers_with_defaults_and_stops_on_sigint(tmp_path):
-    port = free_port()
-    config = {
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{"name": "default", "route_prefix": "/", "import_path": "deployments.app"}],
-    }
-    config_path = tmp_path / "serve.yaml"
-    config_path.write_text(json.dumps(config))  # JSON is YAML
-    # A fresh local Ray, and the defaults: no NASD_* setting, no cluster address.
-    env = {
+def clean_env() -> dict[str, str]:
+    """A fresh local Ray, and the defaults: no NASD_* setting, no cluster address."""
+    return {
         key: value
         for key, value in os.environ.items()
         if key != "RAY_ADDRESS" and key not in ENV_VARS.values()
     }
-    log_path = tmp_path / "serve.log"
-    serve_bin = Path(sys.executable).parent / "serve"
+
+
+@contextlib.contextmanager
+def served(command: list[str], port: int, log_path: Path, env: dict[str, str]):
+    """``command`` running until it answers on ``port``; at the end it must stop on SIGINT
+    (exit 0, the port closed)."""
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [str(serve_bin), "run", str(config_path)],
+            command,
             cwd=REPO_ROOT,
             env=env,
             stdout=log,
@@ -76,31 +68,99 @@ def test_serve_run_answers_with_defaults_and_stops_on_sigint(tmp_path):
         while not (is_listening(port) and app.request("GET", "/v1/models").status == 200):
             if process.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(
-                    f"serve run did not come up (exit {process.poll()}):\n{log_path.read_text()[-3000:]}"
+                    f"{command[0]} did not come up (exit {process.poll()}):\n{log_path.read_text()[-3000:]}"
                 )
             time.sleep(1)
+        yield app
+        process.send_signal(signal.SIGINT)
+        try:
+            exit_code = process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log_tail = log_path.read_text()[-3000:]
+            pytest.fail(f"{command[0]} still running {STOP_TIMEOUT_S} s after SIGINT:\n{log_tail}")
+        assert exit_code == 0, log_path.read_text()[-3000:]
+        assert not is_listening(port), "the HTTP proxy outlived the command"
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_serve_run_answers_with_defaults_and_stops_on_sigint(tmp_path):
+    port = free_port()
+    config = {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [{"name": "default", "route_prefix": "/", "import_path": "deployments.app"}],
+    }
+    config_path = tmp_path / "serve.yaml"
+    config_path.write_text(json.dumps(config))  # JSON is YAML
+    serve_bin = Path(sys.executable).parent / "serve"
+    with served([str(serve_bin), "run", str(config_path)], port, tmp_path / "serve.log", clean_env()) as app:
         assert [model["id"] for model in app.request("GET", "/v1/models").body["data"]] == [
             EMBEDDED_MODEL,
             *EMBEDDED_MODEL_ALIASES,
         ]
         completion = app.client().completions.create(model=EMBEDDED_MODEL, prompt="Hello", max_tokens=4)
         assert completion.usage.completion_tokens >= 1
-        # The README's first client example, as a new user runs it against `make serve`.
-        output = io.StringIO()
-        with contextlib.redirect_stdout(output):
-            exec(readme_client_example().replace("http://127.0.0.1:8000/v1", app.api_url), {})
-        answer, tokens_per_step = output.getvalue().rstrip("\n").rsplit(" ", 1)
+        # The README's Python examples in order, as a new user runs them against `make serve`.
+        namespace: dict = {}
+        outputs = []
+        for block in readme_python_blocks():
+            output = io.StringIO()
+            with contextlib.redirect_stdout(output):
+                exec(block.replace("http://127.0.0.1:8000/v1", app.api_url), namespace)
+            outputs.append(output.getvalue())
+        chat, streamed, tools, library = outputs
+        answer, tokens_per_step = chat.rstrip("\n").rsplit(" ", 1)
         assert answer.strip() and float(tokens_per_step) >= 1.0
+        assert streamed.rstrip("\n").endswith(" tokens")
+        name, rest = tools.split(" ", 1)
+        arguments, _ = json.JSONDecoder().raw_decode(rest)
+        assert name == "get_weather" and "city" in arguments
+        assert library.strip() and float(library.rstrip("\n").rsplit(" ", 1)[1]) >= 1.0
 
-        process.send_signal(signal.SIGINT)
-        try:
-            exit_code = process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log_tail = log_path.read_text()[-3000:]
-            pytest.fail(f"serve run still running {STOP_TIMEOUT_S} s after SIGINT:\n{log_tail}")
-        assert exit_code == 0, log_path.read_text()[-3000:]
-        assert not is_listening(port), "the HTTP proxy outlived serve run"
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+
+def test_nasd_serve_help_lists_every_setting_with_its_default_and_variable():
+    text = parser().format_help()
+    for name, variable in ENV_VARS.items():
+        if name != "model":
+            assert f"--{name.replace('_', '-')}" in text, name
+        assert variable in text, variable
+    assert "default: auto" in text and "[NASD_SPECULATION; default: auto]" in " ".join(text.split())
+
+
+def test_nasd_serve_options_win_over_the_environment(monkeypatch):
+    monkeypatch.setenv("NASD_SPECULATION", "off")
+    monkeypatch.setenv("NASD_NUM_REPLICAS", "2")
+    options = parser().parse_args(["my/model", "--speculation", "on", "--redis-url", "redis://h:1"])
+    args = AppArgs.model_validate(app_args(options))
+    assert (args.model, args.speculation, args.num_replicas, args.redis_url) == (
+        "my/model",
+        "on",
+        2,
+        "redis://h:1",
+    )
+
+
+def test_nasd_serve_refuses_an_invalid_setting(capsys):
+    from deployments.cli import main
+
+    assert main(["--speculation", "sometimes"]) == 2
+    assert "speculation" in capsys.readouterr().err
+
+
+def test_nasd_serve_serves_with_its_options_and_stops_on_sigint(tmp_path):
+    port = free_port()
+    command = [
+        str(Path(sys.executable).parent / "nasd-serve"),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--speculation",
+        "off",
+    ]
+    with served(command, port, tmp_path / "nasd-serve.log", clean_env()) as app:
+        assert app.request("GET", "/v1/models").body["data"][0]["id"] == "tiny"
+        completion = app.client().completions.create(model="tiny", prompt="Hello", max_tokens=4)
+        assert completion.usage.completion_tokens >= 1 and completion.nasd["num_drafted"] == 0
