@@ -37,7 +37,7 @@ SUITES = (
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RESULTS_DOC = ROOT / "docs" / "results.md"
-# Results that are a table only (no ratios to compare, no plot): README block -> (result file
+# Results shown as a table (and a plot where the suite has one): block -> (result file
 # stem, suite, table).
 TABLE_BLOCKS = {
     "auth_cost": ("auth_cost_float32", "auth_cost", "markdown_table"),
@@ -242,6 +242,10 @@ def main() -> None:
     for suite in SUITES:
         if (payload := load(suite)) is not None:
             print(f"plot: {save_figure(suite_module(suite).plot(payload), result_path(suite).stem)}")
+    for stem, suite, _ in TABLE_BLOCKS.values():
+        path = RESULTS_DIR / f"{stem}.json"
+        if hasattr(suite_module(suite), "plot") and path.exists():
+            print(f"plot: {save_figure(suite_module(suite).plot(json.loads(path.read_text())), stem)}")
     print(f"README headline and docs/results.md rewritten from {RESULTS_DIR}")
 
 

@@ -28,13 +28,14 @@ import time
 
 import jsonschema
 
-from benchmarks.common import run_metadata, write_result
+from benchmarks.common import grouped_bars, new_figure, run_metadata, write_result
 from benchmarks.workloads import _CITIES, _ITEMS, _NAMES, chat_ids
 from deployments.tools import HERMES, ToolStream, chat_template_inputs
 from nasd_core.config import EngineConfig, GrammarSpec, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.models import load_model
 from nasd_core.speculation.calibration import Calibration, measure_step_times
+from nasd_core.structured import apply_masks, grammar_masks
 
 SCHEMA = {
     "type": "object",
@@ -194,8 +195,9 @@ def run_agent_cell(
 
 
 def mask_cost_ms(engine: Engine, num_rows: int, width: int, repeats: int = 5) -> float:
-    """Milliseconds of one step's grammar masks: ``num_rows`` rows of ``width`` positions, each
-    row's matcher part way through a record (its drafts are the record's next tokens)."""
+    """Milliseconds of one step's grammar masks as verification computes them: ``num_rows``
+    rows of ``width`` positions filled in one call, then applied row by row; each row's matcher
+    part way through a record (its drafts are the record's next tokens)."""
     import torch
 
     record = json.dumps({"customer": "Lena", "city": "Bergen", "item": "kettle", "quantity": 12})
@@ -206,12 +208,15 @@ def mask_cost_ms(engine: Engine, num_rows: int, width: int, repeats: int = 5) ->
         grammar.observe(tokens[:4])
         grammars.append(grammar)
     draft = tokens[4 : 4 + width - 1]
-    logits = torch.zeros(len(draft) + 1, engine.vocab_size)
+    logits = torch.zeros(num_rows * width, engine.vocab_size)
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        for grammar in grammars:
-            grammar.mask(logits, draft)
+        bitmask = grammar_masks(
+            [(grammar, row * width, draft) for row, grammar in enumerate(grammars)], len(logits)
+        )
+        for row in range(num_rows):
+            apply_masks(logits[row * width : (row + 1) * width], bitmask[row * width : (row + 1) * width])
         best = min(best, time.perf_counter() - started)
     return round(1000 * best, 3)
 
@@ -223,6 +228,21 @@ def ratios(payload: dict) -> dict[str, float]:
         for workload, cells in payload["workloads"].items()
         for level, cell in cells.items()
     }
+
+
+def plot(payload: dict):
+    """Constrained off and auto tokens/s by concurrency, a panel per workload."""
+    figure, axes = new_figure(len(WORKLOADS))
+    for axis, workload in zip(axes, WORKLOADS):
+        cells = payload["workloads"][workload]
+        grouped_bars(
+            axis,
+            [f"C={level}" for level in cells],
+            {mode: [cell[mode]["tokens_per_s"] for cell in cells.values()] for mode in ("off", "auto")},
+            "output tokens/s",
+        )
+        axis.set_title(f"{workload}: constrained off / auto")
+    return figure
 
 
 def markdown_table(payload: dict) -> str:

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from nasd_core.config import SamplingParams
-from nasd_core.structured import RequestGrammar
+from nasd_core.structured import RequestGrammar, apply_masks
 
 
 def needs_processing(params: SamplingParams) -> bool:
@@ -83,9 +83,17 @@ class LogitsProcessors:
             index = torch.tensor(list(tokens), dtype=torch.long, device=self.output_counts.device)
             self.output_counts.index_add_(0, index, torch.ones(len(tokens), device=index.device))
 
-    def apply(self, logits: torch.Tensor, draft: Sequence[int], num_output: int) -> torch.Tensor:
+    def apply(
+        self,
+        logits: torch.Tensor,
+        draft: Sequence[int],
+        num_output: int,
+        grammar_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Processed copy of one row's ``[len(draft) + 1, vocab]`` verification logits (float32);
-        position j follows the output (``num_output`` tokens) plus ``draft[:j]``."""
+        position j follows the output (``num_output`` tokens) plus ``draft[:j]``.
+        ``grammar_mask``: the row's grammar bitmasks, computed with the step's other rows
+        (``structured.grammar_masks``); None: computed here."""
         params = self.params
         device = logits.device
         if self.output_counts.device != device:
@@ -94,7 +102,10 @@ class LogitsProcessors:
         logits = logits.float().clone()
         num_positions = logits.shape[0]
         if self.grammar is not None:
-            self.grammar.mask(logits, draft)
+            if grammar_mask is None:
+                self.grammar.mask(logits, draft)
+            else:
+                apply_masks(logits, grammar_mask)
         if len(self.bias_ids):
             logits[:, self.bias_ids.to(device)] += self.bias_values.to(device)
         # Output positions num_output + j below min_tokens may not end the request.

@@ -17,9 +17,10 @@ Jump-forward drafts: where the grammar allows exactly one continuation (a schema
 punctuation), the grammar itself drafts it (source ``GRAMMAR_SOURCE``), and the policy prices it
 like any other source.
 
-Why llguidance: it needs nothing but its wheel (xgrammar pulls torch's Triton) and builds a
-matcher without precompiling the grammar; what its masks cost beside a step is in
-``python -m benchmarks.structured``.
+A step's masks are filled for all its rows in one call (``grammar_masks``), then applied to each
+row's logits. Why llguidance rather than xgrammar: a schema it has not seen is ready in under a
+millisecond, where xgrammar precompiles it (``python -m benchmarks.grammar_engines``), and it
+needs nothing but its wheel.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class Grammars:
     def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_ids = frozenset(eos_ids)
+        # Computes a step's masks for all its rows at once, on its own threads.
+        self.executor = llguidance.LLExecutor()
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
         # By kind and source: the same schema sent through another field compiles once.
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
@@ -125,45 +128,64 @@ class Grammars:
         )
         if matcher.is_error():
             raise InvalidRequestError(f"{spec.param}: {matcher.get_error().splitlines()[0]}", spec.param)
-        return RequestGrammar(matcher, self.vocab_size, self.eos_ids)
+        return RequestGrammar(matcher, self.vocab_size, self.eos_ids, self.executor)
+
+
+def grammar_masks(
+    rows: Sequence[tuple[RequestGrammar, int, Sequence[int]]], num_positions: int
+) -> torch.Tensor:
+    """The token bitmasks of a step's ``num_positions`` verified positions. For each row
+    ``(grammar, first position, draft)``, position ``first + j`` gets the mask of the grammar's
+    state after the kept tokens and ``draft[:j]``; all rows are filled in one call, in parallel.
+    Other positions allow every token."""
+    grammar = rows[0][0]
+    bitmask = llguidance.torch.allocate_token_bitmask(num_positions, grammar.vocab_size)
+    jobs = [(row_grammar.matcher, first, row_grammar.maskable(draft)) for row_grammar, first, draft in rows]
+    with_drafts = [job for job in jobs if job[2]]
+    if with_drafts:
+        llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(grammar.executor, with_drafts, bitmask)
+    if len(with_drafts) < len(jobs):  # llguidance takes rows without drafts apart
+        plain = [(matcher, first) for matcher, first, draft in jobs if not draft]
+        llguidance.torch.fill_next_token_bitmask_par(grammar.executor, plain, bitmask)
+    return bitmask
+
+
+def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, what ``bitmask`` (one row per position of ``logits``) forbids."""
+    llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
 
 
 class RequestGrammar:
     """One request's grammar state: it follows the kept tokens and masks verification logits."""
 
     def __init__(
-        self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: frozenset[int] = frozenset()
+        self,
+        matcher: llguidance.LLMatcher,
+        vocab_size: int,
+        eos_ids: frozenset[int] = frozenset(),
+        executor: llguidance.LLExecutor | None = None,
     ) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
+        self.executor = executor or llguidance.LLExecutor()
 
     def valid_prefix(self, draft: Sequence[int]) -> int:
         """How many of ``draft``'s first tokens the grammar allows after the kept tokens."""
         return self.matcher.validate_tokens(list(draft)) if draft else 0
 
+    def maskable(self, draft: Sequence[int]) -> list[int]:
+        """The drafts whose following positions need a mask: those before the first end of
+        sequence (a position after it is never kept, and a matcher stopped by it cannot roll
+        back)."""
+        end = next((index for index, token in enumerate(draft) if token in self.eos_ids), len(draft))
+        return list(draft[:end])
+
     def mask(self, logits: torch.Tensor, draft: Sequence[int]) -> None:
         """Set to -inf, in place, what the grammar forbids at each of the ``len(draft) + 1``
-        positions of ``logits`` (position j: after the kept tokens and ``draft[:j]``)."""
-        num_positions = logits.shape[0]
-        bitmask = llguidance.torch.allocate_token_bitmask(num_positions, self.vocab_size)
-        num_consumed = 0
-        for position in range(num_positions):
-            if position > num_consumed:  # past a drafted end of sequence: never kept, left unmasked
-                break
-            llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, position)
-            # An end of sequence stops the matcher, and a stopped matcher cannot roll back. Drafts
-            # are cut to what the grammar allows, so a consume fails only in a failed matcher
-            # (its masks then allow only the end of sequence).
-            if (
-                position + 1 < num_positions
-                and draft[position] not in self.eos_ids
-                and self.matcher.consume_token(draft[position])
-            ):
-                num_consumed += 1
-        if num_consumed:
-            self.matcher.rollback(num_consumed)
-        llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+        positions of ``logits`` (position j: after the kept tokens and ``draft[:j]``); a step
+        masks all its rows at once with ``grammar_masks``."""
+        apply_masks(logits, grammar_masks([(self, 0, draft)], logits.shape[0]))
 
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar allows as the only continuation from here (a schema's keys and

@@ -17,6 +17,7 @@ import torch
 from nasd_core.config import SamplingParams
 from nasd_core.processors import LogitsProcessors
 from nasd_core.sampling import TokenDraws, logits_to_probs, sample_tokens
+from nasd_core.structured import grammar_masks
 
 
 class VerifyRow(NamedTuple):
@@ -64,13 +65,20 @@ def verify_rows(
     """
     ends = list(itertools.accumulate(len(draft) + 1 for draft in drafts))
     spans = list(zip([0, *ends[:-1]], ends))
+    grammar_rows = [
+        (row.processors.grammar, start, draft)
+        for (start, _), draft, row in zip(spans, drafts, rows)
+        if row.processors is not None and row.processors.grammar is not None
+    ]
+    masks = grammar_masks(grammar_rows, len(logits)) if grammar_rows else None
     targets = logits.argmax(dim=-1)
     for (start, end), draft, row in zip(spans, drafts, rows):
         if row.processors is None and row.params.is_greedy:
             continue
         row_logits = logits[start:end]
         if row.processors is not None:
-            row_logits = row.processors.apply(row_logits, draft, row.position)
+            row_mask = masks[start:end] if masks is not None and row.processors.grammar is not None else None
+            row_logits = row.processors.apply(row_logits, draft, row.position, row_mask)
         if row.params.is_greedy:
             targets[start:end] = row_logits.argmax(dim=-1)
         else:
