@@ -68,8 +68,15 @@ CONVERSATION = [
     {"role": "tool", "tool_call_id": "call_7", "content": '{"sky": "snow"}'},
 ]
 
-# Chat templates in each family's style, written for these tests.
-HERMES_TEMPLATE = """
+# Chat templates in each family's style, written for these tests; both end as ChatML does.
+CHATML_TURNS_END = """{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+HERMES_TEMPLATE = (
+    """
 {%- if tools %}<|im_start|>system
 {% if messages[0].role == 'system' %}{{ messages[0].content }}
 
@@ -92,13 +99,11 @@ Answer a call as <tool_call>
 <tool_response id="{{ message.tool_call_id }}">
 {{ message.content }}
 </tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-LLAMA3_TEMPLATE = """
+"""
+    + CHATML_TURNS_END
+)
+LLAMA3_TEMPLATE = (
+    """
 {%- for message in messages %}
 {%- set first_user = 1 if messages[0].role == 'system' else 0 %}
 {%- if message.role == 'user' and tools and loop.index0 == first_user %}<|im_start|>user
@@ -110,12 +115,9 @@ Respond with a JSON call {"name": function name, "parameters": arguments} of one
 #}"parameters": {{ call.function.arguments | tojson }}}{% endfor %}<|im_end|>
 {% elif message.role == 'tool' %}<|im_start|>ipython
 {{ message.content }}<|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
+"""
+    + CHATML_TURNS_END
+)
 
 
 # ------------------------------------------------------------------ formats
