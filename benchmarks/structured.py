@@ -275,7 +275,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="16 requests per cell")
+    parser.add_argument("--quick", action="store_true", help="16 extractions and 8 conversations per cell")
     args = parser.parse_args()
     model, tokenizer = load_model()
     calibration = Calibration()

@@ -25,22 +25,26 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from deployments.schemas import FunctionCall, ToolCall
+from nasd_core.structured import JSON_OPTIONS
 
-# JSON inside a forced call is written as json.dumps writes it (see nasd_core/structured.py).
-CANONICAL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ToolCallParser = Literal["auto", "hermes", "llama3_json"]
+
+
+def _as_object(arguments: Any) -> Any:
+    """Arguments written as JSON text (as clients send them, and as some models write them)
+    parsed; anything else, or text that is not JSON, as it is."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
 
 
 def _arguments_text(arguments: Any) -> str | None:
     """A parsed call's arguments as JSON text; None when they are not an object."""
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return json.dumps(arguments, ensure_ascii=False)
+    arguments = _as_object(arguments)
+    return json.dumps(arguments, ensure_ascii=False) if isinstance(arguments, dict) else None
 
 
 def _call_of(obj: Any, arguments_key: str) -> ToolCall | None:
@@ -69,7 +73,8 @@ def _json_rule(tools: Sequence[dict[str, Any]], arguments_key: str) -> str:
     """A Lark rule body (llguidance's ``%json``): one call of any of ``tools``."""
     schemas = [_call_schema(tool, arguments_key) for tool in tools]
     schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return "%json " + json.dumps({**schema, "x-guidance": CANONICAL_JSON})
+    # JSON inside a forced call is written as structured output writes it.
+    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
 
 
 @dataclass(frozen=True)
@@ -111,12 +116,12 @@ class ToolFormat:
                 return length
         return 0
 
-    def parse(self, calls_text: str, finished: bool) -> tuple[list[ToolCall], int, bool]:
-        """Calls complete in ``calls_text`` (the answer from ``start``): the calls, how many
-        characters they span, and whether the text is calls throughout (False: something in it
-        does not parse, and the answer is content after all)."""
+    def parse(self, calls_text: str, finished: bool) -> tuple[list[ToolCall], bool]:
+        """Calls complete in ``calls_text`` (the answer from ``start``), and whether the text is
+        calls throughout (False: something in it does not parse, and the answer is content after
+        all)."""
         if self.call_open:  # one block per call, closed by its tag (or by the answer's end)
-            calls, consumed, position = [], 0, 0
+            calls, position = [], 0
             while True:
                 begin = calls_text.find(self.call_open, position)
                 if begin < 0:
@@ -127,20 +132,20 @@ class ToolFormat:
                 body_end = end if end >= 0 else len(calls_text)
                 call = self._loads(calls_text[begin + len(self.call_open) : body_end])
                 if call is None:
-                    return calls, consumed, False
+                    return calls, False
                 calls.append(call)
-                position = consumed = body_end + len(self.call_close) if end >= 0 else len(calls_text)
-            return calls, consumed, True
+                position = body_end + len(self.call_close) if end >= 0 else len(calls_text)
+            return calls, True
         if not finished:
-            return [], 0, True
+            return [], True
         body = calls_text.strip()
         for marker in self.markers:
             if marker != "{" and body.startswith(marker):
                 body = body[len(marker) :]
         calls = [self._loads(part) for part in _split_objects(body, self.separator.strip())]
         if not calls or any(call is None for call in calls):
-            return [], 0, False
-        return calls, len(calls_text), True
+            return [], False
+        return calls, True
 
     def _loads(self, text: str) -> ToolCall | None:
         try:
@@ -185,11 +190,7 @@ def _split_objects(text: str, separator: str) -> list[str]:
 
 def _arguments_of(call: dict[str, Any]) -> Any:
     """An earlier call's arguments as an object (clients send them as JSON text)."""
-    arguments = call["function"].get("arguments", "{}")
-    try:
-        return json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError:
-        return arguments
+    return _as_object(call["function"].get("arguments", "{}"))
 
 
 HERMES = ToolFormat(
@@ -303,7 +304,7 @@ class ToolStream:
             end = len(self.text) if finished else len(self.text) - self.fmt.may_start(self.text)
             return self._content(end), []
         content = self._content(self.calls_at)
-        calls, _, whole = self.fmt.parse(self.text[self.calls_at :], finished)
+        calls, whole = self.fmt.parse(self.text[self.calls_at :], finished)
         if finished and not self.calls and not (whole and calls):  # not calls after all
             return content + self._content(len(self.text)), []
         new_calls = calls[len(self.calls) :]

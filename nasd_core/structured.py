@@ -162,13 +162,13 @@ class RequestGrammar:
         self,
         matcher: llguidance.LLMatcher,
         vocab_size: int,
-        eos_ids: frozenset[int] = frozenset(),
-        executor: llguidance.LLExecutor | None = None,
+        eos_ids: frozenset[int],
+        executor: llguidance.LLExecutor,
     ) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
-        self.executor = executor or llguidance.LLExecutor()
+        self.executor = executor
 
     def valid_prefix(self, draft: Sequence[int]) -> int:
         """How many of ``draft``'s first tokens the grammar allows after the kept tokens."""
