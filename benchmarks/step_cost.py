@@ -13,7 +13,10 @@ timed and the run also checks the policy's cost model and the attention layout:
   padded into one call per layer (``ModelRunner.batch_attention``), at two context lengths;
 - with ``--step-graphs``, the probe's surface again on fixed-shape steps, replayed from CUDA
   graphs on a GPU (``nasd_core/model/step_graphs.py``), for each ``--graph-attention`` layout
-  (paged through the block tables, the default; gathered per context bucket).
+  (paged through the block tables, the default; gathered per context bucket);
+- beside them, transformers' own decode step (a static cache, one position per row) captured
+  as one CUDA graph, and the time to read the weights once at the device's copy bandwidth:
+  the floor no decode step goes under.
 
 python -m benchmarks.step_cost                      # float32 stock/fast and bfloat16, rows 1..32
 python -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b --rows 1 4 16 64 --step-graphs
@@ -22,6 +25,7 @@ python -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -110,6 +114,77 @@ def attention_layouts(model, rows: list[int], repeats: int) -> dict:
     return result
 
 
+# Cached positions per row of the transformers baseline's decode step (the probe's context).
+BASELINE_CONTEXT = 256
+TIMED_REPLAYS = 10
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def transformers_step_ms(model, rows: int, repeats: int, graph: bool = True) -> float:
+    """Milliseconds of transformers' own decode step over ``rows`` rows of ``BASELINE_CONTEXT``
+    cached positions (its static cache, one position per row), replayed from one CUDA graph
+    (run eagerly where ``graph`` is False: on a CPU)."""
+    from transformers import StaticCache
+
+    device = model.device
+    # The cache's write position lives on the device and every replay advances it: room for all.
+    room = BASELINE_CONTEXT + 4 + repeats * TIMED_REPLAYS
+    cache = StaticCache(config=model.config, max_cache_len=room)
+    prompt = torch.full((rows, BASELINE_CONTEXT), 7, dtype=torch.long, device=device)
+    model(input_ids=prompt, cache=cache, use_cache=True)
+    token = torch.full((rows, 1), 7, dtype=torch.long, device=device)
+    position = torch.full((1, 1), BASELINE_CONTEXT, dtype=torch.long, device=device)
+
+    def step() -> torch.Tensor:
+        return model(input_ids=token, position_ids=position, cache=cache, use_cache=True).logits
+
+    run = step
+    if graph:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            step()
+        run = captured.replay
+    fastest = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        for _ in range(TIMED_REPLAYS):
+            run()
+        synchronize(device)
+        fastest = min(fastest, (time.perf_counter() - started) / TIMED_REPLAYS)
+    return round(1000 * fastest, 3)
+
+
+@torch.inference_mode()
+def weights_read_ms(model, repeats: int) -> float:
+    """Milliseconds to read the model's weights once at the device's copy bandwidth (a 1 GiB
+    copy reads and writes each byte once)."""
+    device = model.device
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    fastest = float("inf")
+    for _ in range(repeats + 1):
+        synchronize(device)
+        started = time.perf_counter()
+        target.copy_(source)
+        synchronize(device)
+        fastest = min(fastest, time.perf_counter() - started)
+    read_bytes_per_s = source.numel() / fastest  # a copy's read half
+    weight_bytes = sum(parameter.numel() * parameter.element_size() for parameter in model.parameters())
+    return round(1000 * weight_bytes / read_bytes_per_s / 2, 3)
+
+
 def device_run(args: argparse.Namespace) -> None:
     """One model on ``args.device``: surface, held-out estimates, attention layouts."""
     if args.arch:
@@ -144,6 +219,11 @@ def device_run(args: argparse.Namespace) -> None:
         "ms_by_rows_and_positions": {args.dtype: {rows: shape_ms(step_time, rows) for rows in args.rows}},
         "held_out": held_out(model, step_time, args.rows, args.repeats),
         "attention_layouts": attention_layouts(model, args.rows, args.repeats),
+        "transformers_one_graph_ms": {
+            rows: transformers_step_ms(model, rows, args.repeats, graph=model.device.type == "cuda")
+            for rows in args.rows
+        },
+        "weights_read_ms": weights_read_ms(model, args.repeats),
     }
     payload.update(graphs_surfaces)
     name = f"step_cost_{args.device.split(':')[0]}_{args.arch or 'embedded'}"
@@ -187,6 +267,14 @@ def markdown_table(payload: dict) -> str:
                 f"| {rows} | " + " | ".join(f"{ms:.1f}" for ms in row.values()) + " |"
                 for rows, row in payload["step_graphs"].items()
             ),
+        ]
+    if "transformers_one_graph_ms" in payload:
+        baseline = payload["transformers_one_graph_ms"]
+        lines += [
+            "",
+            f"| rows | transformers' decode step, one CUDA graph ({dtype}, ms) | weights read once (ms) |",
+            "|---|---|---|",
+            *(f"| {rows} | {ms:.2f} | {payload['weights_read_ms']:.2f} |" for rows, ms in baseline.items()),
         ]
     contexts = list(payload["attention_layouts"])
     header = [f"ctx {context}, {width} per row" for context in contexts for width in LAYOUT_WIDTHS]

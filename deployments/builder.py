@@ -23,6 +23,7 @@ from deployments.replica import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, NASDReplica
 from deployments.router import ROUTER_CLASS
 from deployments.tools import ToolCallParser
 from nasd_core.config import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
     DEFAULT_NUM_DRAFT_TOKENS,
     EMBEDDED_MODEL,
     EMBEDDED_MODEL_ALIASES,
@@ -78,6 +79,7 @@ ENV_VARS = {
     "probe_max_rows": "NASD_PROBE_MAX_ROWS",
     "step_graphs": "NASD_STEP_GRAPHS",
     "graph_attention": "NASD_GRAPH_ATTENTION",
+    "gpu_memory_utilization": "NASD_GPU_MEMORY_UTILIZATION",
     "prefix_cache_tokens": "NASD_PREFIX_CACHE_TOKENS",
     "tool_call_parser": "NASD_TOOL_CALL_PARSER",
     "autoscaling": "NASD_AUTOSCALING",
@@ -183,6 +185,14 @@ class AppArgs(BaseModel):
         description="How graph steps attend (EngineConfig.graph_attention): 'paged' through the block "
         "tables, 'gathered' per context bucket; None: paged where graphs are captured.",
     )
+    gpu_memory_utilization: float = Field(
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        gt=0.0,
+        le=1.0,
+        description="Share of each GPU's memory a replica plans for: weights, activations, step graphs, "
+        "and the KV-cache takes the rest (EngineConfig.gpu_memory_utilization); settings that cannot fit "
+        "are refused at replica start.",
+    )
     autoscaling: dict[str, Any] | None = Field(
         None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas."
     )
@@ -245,6 +255,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         **engine_limits,
         step_graphs=args.step_graphs,
         graph_attention=args.graph_attention,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         prefix_cache_tokens=args.prefix_cache_tokens,
         spec=SpecConfig(
             mode=args.speculation,

@@ -63,6 +63,12 @@ class ReplicaMetrics:
             "p99 of finish-to-local-index lag of sequences from other replicas (ms).",
             tag_keys=(*keys, "namespace"),
         )
+        self.paged_fallback = Gauge(
+            "nasd_paged_attention_fallback",
+            "1 where paged attention failed to compile or capture and graph steps gather keys instead.",
+            tag_keys=keys,
+        )
+        self.kv_positions = Gauge("nasd_kv_cache_positions", "Positions the KV-cache holds.", tag_keys=keys)
         self._widths_seen: dict[str, int] = {}
 
     def record_request(self, finish_reason: str, num_prompt_tokens: int, stats: SpecStats) -> None:
@@ -84,6 +90,10 @@ class ReplicaMetrics:
     def export(self, replica_stats: dict[str, Any]) -> None:
         """Sample the replica's stats (``NASDServer.stats()``) into gauges and counters."""
         self.running.set(replica_stats["num_running"], self.tags)
+        runner = replica_stats["runner"]
+        graphs = runner["step_graphs"]
+        self.paged_fallback.set(1.0 if graphs is not None and graphs["paged_fallback"] else 0.0, self.tags)
+        self.kv_positions.set(runner["kv_cache_positions"], self.tags)
         self.waiting.set(replica_stats["num_waiting"], self.tags)
         for width, count in replica_stats["width_histogram"].items():
             # The engine keeps running totals; a Prometheus counter takes increments.

@@ -365,6 +365,7 @@ class NASDServer:
             "spec": self.totals.to_dict(),
             "width_histogram": {str(width): count for width, count in sorted(widths.items())},
             "pool": self.pools.stats(),
+            "runner": engine.runner.report(),
         }
 
     def tokenize(self, request: dict[str, Any]) -> TokensResult:

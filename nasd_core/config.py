@@ -21,6 +21,7 @@ DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 1
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_GRAPH_WARMUP_BUDGET_S = 120.0
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_INDEX_MAX_ENTRIES = 1_000_000
 DEFAULT_MAX_SUCCESSORS = 4
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
@@ -229,7 +230,16 @@ class EngineConfig(_Config):
         None,
         ge=1,
         description="Positions the paged KV-cache holds over all rows (None: 25% of the machine's memory "
-        "on a CPU, reserved but resident only once written; 60% of the free GPU memory on a GPU).",
+        "on a CPU, reserved but resident only once written; on a GPU what gpu_memory_utilization leaves "
+        "once the weights, the largest step and the step graphs are counted).",
+    )
+    gpu_memory_utilization: float = Field(
+        DEFAULT_GPU_MEMORY_UTILIZATION,
+        gt=0.0,
+        le=1.0,
+        description="Share of a GPU's total memory the engine plans for (weights, activations, step graphs, "
+        "KV-cache: nasd_core/model/memory_plan.py), as vLLM's setting of that name; settings that cannot "
+        "fit are refused at start.",
     )
     kv_block_size: int = Field(32, ge=1, le=4096, description="Positions per KV-cache block.")
     prefix_cache_tokens: int | None = Field(

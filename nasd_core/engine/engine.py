@@ -33,6 +33,7 @@ from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidR
 from nasd_core.inputs import check_context, encode_prompt, eos_ids
 from nasd_core.logprobs import token_logprobs
 from nasd_core.metrics import SpecStats
+from nasd_core.model import native
 from nasd_core.model.model_runner import ModelRunner, StepRow, max_context
 from nasd_core.processors import LogitsProcessors, needs_processing
 from nasd_core.sampling import TokenDraws
@@ -44,21 +45,10 @@ from nasd_core.speculation.verify import verify_rows
 from nasd_core.structured import Grammars
 
 TokenListener = Callable[[Request, list[int]], None]
-# Prompt tokens per step by default. On a CPU a step's cost grows with its tokens from the
-# first ones, so chunks stay short and running rows keep their inter-token latency; on a GPU it
-# hardly grows (a 1.5B model on an H100: 23-28 ms from 1 to 1088 positions,
-# benchmarks/results/step_cost_cuda_qwen2-1.5b.json), so short chunks would only multiply a long
-# prompt's steps: a 1000-token chat takes 4 steps of 256, 1 of 2048.
-CPU_PREFILL_CHUNK_TOKENS = 256
-GPU_PREFILL_CHUNK_TOKENS = 2048
 # Prefix cache kept by default on a CPU, in positions: its blocks stay resident there (the
 # embedded model's keys and values are 46 KB a position: 8192 of them are ~380 MB), a chat's
 # history or two. On a GPU free blocks are memory already taken, so every one may stay cached.
 CPU_PREFIX_CACHE_TOKENS = 8192
-
-
-def default_prefill_chunk(device: torch.device) -> int:
-    return CPU_PREFILL_CHUNK_TOKENS if device.type == "cpu" else GPU_PREFILL_CHUNK_TOKENS
 
 
 def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
@@ -101,6 +91,8 @@ class Engine:
         self.shared = list(shared)
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_ids(model, tokenizer)
+        # Built (or loaded) now, never inside a request: a first build takes seconds.
+        native.drafter()
         if runner is None:
             runner = ModelRunner(
                 model,
@@ -109,6 +101,9 @@ class Engine:
                 self.config.max_batch_rows,
                 step_graphs=self.config.step_graphs,
                 graph_attention=self.config.graph_attention,
+                max_positions=1 + self.config.spec.num_draft_tokens,
+                prefill_chunk_tokens=self.config.prefill_chunk_tokens,
+                gpu_memory_utilization=self.config.gpu_memory_utilization,
             )
             warm_up(runner, self.config)
         self.runner = runner
@@ -118,7 +113,7 @@ class Engine:
             on_cpu = model.device.type == "cpu"
             prefix_tokens = CPU_PREFIX_CACHE_TOKENS if on_cpu else self.cache.capacity_tokens
         self.cache.prefix_cache_blocks = prefix_tokens // self.cache.block_size
-        self.prefill_chunk_tokens = self.config.prefill_chunk_tokens or default_prefill_chunk(model.device)
+        self.prefill_chunk_tokens = self.config.prefill_chunk_tokens or runner.prefill_chunk_tokens
         self.scheduler = Scheduler(
             self.cache, self.config.max_batch_rows, self.prefill_chunk_tokens, on_finish=self._finished
         )

@@ -75,6 +75,10 @@ KERNEL_UNITS_PER_THREAD = 8
 # layer: every verification width the policy drafts (up to 16 drafts + 1), not prompt chunks,
 # whose padding would cost a chunk's width for every row.
 BATCH_MAX_POSITIONS = 32
+# ... and of at most this many keys: the batch pads every row to its longest, so one long row
+# would make every short one gather its length (64 rows at a 32k context gathered 2 GB a layer
+# on a 1.5B model); longer rows attend one by one.
+BATCH_MAX_KEYS = 4096
 
 
 def keys_per_unit(total_keys: int, num_threads: int) -> int:
@@ -123,6 +127,29 @@ class BatchedRows:
     out_index: torch.Tensor | None = None
 
 
+# FlexAttention's tiles (CUDA): tl.dot's smallest is 16; vLLM's FlexAttention backend prefers 64
+# in 16-bit dtypes and 32 in float32 (less shared memory per tile).
+FLEX_MIN_TILE = 16
+FLEX_PREFERRED_TILE = {2: 64, 4: 32}
+
+
+def flex_kernel_options(
+    block_size: int, num_positions: int, dtype: torch.dtype
+) -> dict[str, int | bool] | None:
+    """FlexAttention's kernel options for a paged step of ``num_positions`` queries per row over
+    pages of ``block_size`` positions, or None where no tile fits the page (it must be a
+    multiple of 16). Inductor's default H100 tile (BLOCK_M 128, BLOCK_N 64) does not divide a
+    32-position page, and the lowering refuses a tile that does not divide its blocks; the
+    decode kernel, which inductor picks for short queries, has other rules again, so the main
+    kernel is forced, as vLLM's backend does."""
+    preferred = FLEX_PREFERRED_TILE.get(dtype.itemsize, FLEX_MIN_TILE)
+    tile_n = min(preferred, block_size & -block_size)  # the largest power of two dividing the page
+    if tile_n < FLEX_MIN_TILE:
+        return None
+    tile_m = min(preferred, max(FLEX_MIN_TILE, 1 << (num_positions - 1).bit_length()))
+    return {"FORCE_USE_FLEX_ATTENTION": True, "BLOCK_M": tile_m, "BLOCK_N": tile_n}
+
+
 @dataclass
 class PagedRows:
     """Rows of a fixed-shape step attended straight from the pool: the pool is one long key
@@ -134,6 +161,7 @@ class PagedRows:
     num_rows: int  # rows attended, a few sizes for every step's so that few kernels are compiled
     num_positions: int  # queries per row
     compiled: bool  # a fused kernel (torch.compile); False: the unfused reference, for tests
+    kernel_options: dict[str, int | bool] | None = None  # the compiled kernel's tiles (CUDA)
 
 
 @dataclass
@@ -171,7 +199,7 @@ def plan_step(
     for span in spans:
         if use_kernel and span.num_positions <= KERNEL_MAX_POSITIONS:
             to_kernel.append(span)
-        elif batch_rows and span.num_positions <= BATCH_MAX_POSITIONS:
+        elif batch_rows and span.num_positions <= BATCH_MAX_POSITIONS and span.length <= BATCH_MAX_KEYS:
             to_batch.append(span)
         else:
             to_sdpa.append(span)
@@ -379,7 +407,10 @@ def attend_paged(
     keys = cache.keys[layer].unsqueeze(0).expand(paged.num_rows, -1, -1, -1)
     values = cache.values[layer].unsqueeze(0).expand(paged.num_rows, -1, -1, -1)
     attend = compiled_flex_attention() if paged.compiled else flex_attention
-    out = attend(row_query, keys, values, block_mask=paged.block_mask, scale=scale, enable_gqa=groups > 1)
+    options = {"kernel_options": paged.kernel_options} if paged.kernel_options else {}
+    out = attend(
+        row_query, keys, values, block_mask=paged.block_mask, scale=scale, enable_gqa=groups > 1, **options
+    )
     return out[:num_rows].transpose(1, 2).reshape(num_queries, heads, head_dim)
 
 

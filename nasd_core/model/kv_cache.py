@@ -236,6 +236,12 @@ class PagedKVCache:
         self.rows[row_id] = row
         return row.length
 
+    def reserve_block(self) -> int:
+        """Take one free block out of circulation for good, held by no row (the step graphs'
+        scratch block, which padded positions write and read): its first slot."""
+        (block,) = self.allocator.allocate(1)
+        return block * self.block_size
+
     def free(self, row_id: Hashable) -> None:
         """Give a row's blocks back (finished, cancelled or aborted); unknown rows are ignored.
         Its cached blocks stay for later prompts (up to ``prefix_cache_blocks`` of them); on a

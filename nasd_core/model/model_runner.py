@@ -16,19 +16,55 @@ import logging
 import os
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from nasd_core.model.attention import Segment, kernel_available, no_mask, plan_step, use_paged_attention
+from nasd_core.config import DEFAULT_NUM_DRAFT_TOKENS
+from nasd_core.model.attention import (
+    BATCH_MAX_KEYS,
+    Segment,
+    kernel_available,
+    no_mask,
+    plan_step,
+    use_paged_attention,
+)
 from nasd_core.model.kv_cache import PagedKVCache
-from nasd_core.model.step_graphs import GRAPH_MODEL_TYPES, POSITION_BUCKETS, RowInput, StepGraphs, StepShape
+from nasd_core.model.memory_plan import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    MemoryPlan,
+    ModelShape,
+    StepLimits,
+    device_memory,
+    fit_prefill_chunk,
+    plan_memory,
+)
+from nasd_core.model.step_graphs import (
+    GRAPH_MODEL_TYPES,
+    POSITION_BUCKETS,
+    ROW_BUCKETS,
+    RowInput,
+    StepGraphs,
+    StepShape,
+    bucket,
+)
 
 logger = logging.getLogger(__name__)
 
 # On a CPU the pool is reserved, not resident (untouched pages cost nothing), so the default
-# budget can be generous; on a GPU it is real memory taken from what the model left free.
+# budget can be generous; on a GPU the memory plan sizes it (``nasd_core/model/memory_plan.py``).
 DEFAULT_CPU_KV_FRACTION = 0.25
-DEFAULT_GPU_KV_FRACTION = 0.6
+# Prompt tokens per step by default. On a CPU a step's cost grows with its tokens from the
+# first ones, so chunks stay short and running rows keep their inter-token latency; on a GPU it
+# hardly grows (a 1.5B model on an H100: 23-28 ms from 1 to 1088 positions,
+# benchmarks/results/step_cost_cuda_qwen2-1.5b.json), so short chunks would only multiply a long
+# prompt's steps: a 1000-token chat takes 4 steps of 256, 1 of 2048.
+CPU_PREFILL_CHUNK_TOKENS = 256
+GPU_PREFILL_CHUNK_TOKENS = 2048
+
+
+def default_prefill_chunk(device: torch.device) -> int:
+    return CPU_PREFILL_CHUNK_TOKENS if device.type == "cpu" else GPU_PREFILL_CHUNK_TOKENS
 
 
 @dataclass
@@ -50,19 +86,58 @@ def attention_shape(model) -> tuple[int, int, int, int]:
     return config.num_hidden_layers, heads, kv_heads, head_dim
 
 
-def default_kv_tokens(model, max_rows: int) -> int:
-    """Positions of KV-cache a default budget holds: a share of the device's memory, no more
-    than ``max_rows`` rows of the model's full context could use."""
-    num_layers, _, kv_heads, head_dim = attention_shape(model)
-    bytes_per_token = 2 * num_layers * kv_heads * head_dim * model.dtype.itemsize
-    device = model.device
-    if device.type == "cuda":
-        free_bytes, _ = torch.cuda.mem_get_info(device)
-        budget = DEFAULT_GPU_KV_FRACTION * free_bytes
-    else:
-        budget = DEFAULT_CPU_KV_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def default_cpu_kv_tokens(model, max_rows: int) -> int:
+    """Positions of KV-cache a CPU's default budget holds: a share of the machine's memory, no
+    more than ``max_rows`` rows of the model's full context could use."""
+    budget = DEFAULT_CPU_KV_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     context = getattr(model.config, "max_position_embeddings", None) or 8192
-    return int(min(budget // bytes_per_token, max_rows * context))
+    return int(min(budget // ModelShape.from_model(model).kv_bytes_per_token, max_rows * context))
+
+
+def step_limits(
+    model, max_rows: int, max_positions: int, prefill_chunk: int, block_size: int, graphs: bool
+) -> StepLimits:
+    """The widest steps a runner of ``model`` takes (what its memory plan sizes)."""
+    return StepLimits(
+        max_rows=max_rows,
+        max_positions=max_positions,
+        prefill_chunk=prefill_chunk,
+        max_context=getattr(model.config, "max_position_embeddings", None) or 8192,
+        graph_positions=POSITION_BUCKETS[-1] if graphs else 0,
+        graph_rows=bucket(min(max_rows, ROW_BUCKETS[-1]), ROW_BUCKETS) or ROW_BUCKETS[-1],
+        batched_max_keys=BATCH_MAX_KEYS,
+        block_size=block_size,
+    )
+
+
+@torch.inference_mode()
+def profile_step_peak(runner: ModelRunner, limits: StepLimits) -> int:
+    """Bytes a CUDA device's largest eager step takes beyond what is allocated before it: a
+    prompt chunk at the end of the longest context, with the logits of a full batch's
+    verification and their float32 softmax, on a KV-cache made for it and freed after."""
+    model = runner.model
+    chunk = min(limits.prefill_chunk, limits.max_context)
+    num_layers, _, kv_heads, head_dim = attention_shape(model)
+    num_blocks = -(-limits.max_context // limits.block_size)
+    runner.cache = cache = PagedKVCache(
+        num_layers, kv_heads, head_dim, num_blocks, limits.block_size, model.dtype, model.device
+    )
+    try:
+        for pool in (*cache.keys, *cache.values):
+            pool.zero_()
+        cache.allocate("profile", limits.max_context)
+        cache.set_length("profile", limits.max_context - chunk)
+        torch.cuda.synchronize(model.device)
+        torch.cuda.reset_peak_memory_stats(model.device)
+        before = torch.cuda.memory_allocated(model.device)
+        num_logits = min(chunk, limits.max_rows * limits.max_positions)
+        tokens = [(7 * index) % model.config.vocab_size for index in range(chunk)]
+        logits = runner._packed_forward([StepRow("profile", tokens, num_logits)])
+        torch.softmax(logits.float(), dim=-1)
+        torch.cuda.synchronize(model.device)
+        return torch.cuda.max_memory_allocated(model.device) - before
+    finally:
+        del runner.cache, cache
 
 
 def max_context(model, cache: PagedKVCache) -> int:
@@ -74,17 +149,27 @@ def max_context(model, cache: PagedKVCache) -> int:
 class ModelRunner:
     """Runs steps of packed rows through ``model`` over a paged KV-cache it allocates once.
 
+    On a CUDA device the KV-cache is sized by a memory plan (``nasd_core/model/memory_plan.py``):
+    what is left of ``gpu_memory_utilization`` of the device once the weights, the largest
+    step's activations (profiled) and the step graphs are counted; a setting that cannot fit is
+    refused here, at start.
+
     Args:
         model: a transformers causal LM whose attention goes through the attention interface.
-        kv_cache_tokens: positions the pool holds (None: ``default_kv_tokens``).
+        kv_cache_tokens: positions the pool holds (None: the memory plan's on a GPU,
+            ``default_cpu_kv_tokens`` on a CPU).
         block_size: positions per block.
-        max_rows: rows the default budget is sized for.
+        max_rows: most rows per step (what the default budget and the graphs are sized for).
         batch_attention: attend short rows in one padded call per layer (None: off the CPU).
         step_graphs: run decode and verification steps in fixed shapes (``nasd_core/model/step_graphs.py``),
             replayed from CUDA graphs on a GPU; needs a model type ``StepGraphs.supports``.
             None: on wherever the model is on CUDA and its type is supported.
         graph_attention: how fixed-shape steps attend, "paged" or "gathered" (``StepGraphs``);
             None: paged where graphs are captured, gathered otherwise.
+        max_positions: widest verification per row (1 + the draft cap), for the memory plan.
+        prefill_chunk_tokens: prompt tokens per step (None: ``default_prefill_chunk``, shortened
+            where a GPU's plan needs it: ``self.prefill_chunk_tokens`` says what was chosen).
+        gpu_memory_utilization: share of a CUDA device's memory the runner may plan for.
     """
 
     def __init__(
@@ -96,15 +181,14 @@ class ModelRunner:
         batch_attention: bool | None = None,
         step_graphs: bool | None = None,
         graph_attention: str | None = None,
+        max_positions: int = 1 + DEFAULT_NUM_DRAFT_TOKENS,
+        prefill_chunk_tokens: int | None = None,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     ):
         self.model = model
         use_paged_attention(model)
         num_layers, heads, kv_heads, head_dim = attention_shape(model)
         self.groups = heads // kv_heads
-        tokens = kv_cache_tokens if kv_cache_tokens is not None else default_kv_tokens(model, max_rows)
-        self.cache = PagedKVCache(
-            num_layers, kv_heads, head_dim, -(-tokens // block_size), block_size, model.dtype, model.device
-        )
         self.device = model.device
         self.use_kernel = kernel_available(model.device, model.dtype)
         # Off the CPU, short rows share one attention call per layer (see nasd_core/model/attention.py).
@@ -117,6 +201,26 @@ class ModelRunner:
                 f"step graphs serve model types {sorted(GRAPH_MODEL_TYPES)}, not {model.config.model_type!r}"
             )
         capture = self.device.type == "cuda"
+        self.prefill_chunk_tokens = prefill_chunk_tokens or default_prefill_chunk(model.device)
+        self.memory_plan: MemoryPlan | None = None
+        if capture:
+            self.memory_plan = self._plan_memory(
+                step_limits(
+                    model, max_rows, max_positions, self.prefill_chunk_tokens, block_size, step_graphs
+                ),
+                gpu_memory_utilization,
+                kv_cache_tokens,
+                chunk_is_default=prefill_chunk_tokens is None,
+            )
+            self.prefill_chunk_tokens = self.memory_plan.prefill_chunk
+            tokens = self.memory_plan.kv_tokens
+        elif kv_cache_tokens is not None:
+            tokens = kv_cache_tokens
+        else:
+            tokens = default_cpu_kv_tokens(model, max_rows)
+        self.cache = PagedKVCache(
+            num_layers, kv_heads, head_dim, -(-tokens // block_size), block_size, model.dtype, model.device
+        )
         self.graphs = (
             StepGraphs(
                 model,
@@ -141,6 +245,42 @@ class ModelRunner:
         # path), and whether that shape was captured by this very step.
         self.last_graph_shape: StepShape | None = None
         self.last_captured = False
+
+    def _plan_memory(
+        self, limits: StepLimits, utilization: float, kv_cache_tokens: int | None, chunk_is_default: bool
+    ) -> MemoryPlan:
+        """The CUDA device's memory plan: a default prompt chunk shortened until the estimate
+        fits, then the plan with that chunk's profiled peak."""
+        shape = ModelShape.from_model(self.model)
+        if chunk_is_default:
+            total, in_use = device_memory(self.device)
+            limits = fit_prefill_chunk(shape, limits, total, in_use, utilization, kv_cache_tokens)
+        measured = profile_step_peak(self, limits)
+        total, in_use = device_memory(self.device)
+        plan = plan_memory(shape, limits, total, in_use, utilization, kv_cache_tokens, measured)
+        logger.info(plan.describe())
+        return plan
+
+    def report(self) -> dict[str, Any]:
+        """JSON-able state for the stats endpoint: the KV-cache, the step graphs (their attention,
+        and why paged attention fell back, if it did) and the device's memory plan."""
+        graphs = self.graphs
+        return {
+            "device": str(self.device),
+            "kv_cache_positions": self.cache.capacity_tokens,
+            "kv_block_size": self.cache.block_size,
+            "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "step_graphs": None
+            if graphs is None
+            else {
+                "attention": "paged" if graphs.paged else "gathered",
+                "paged_fallback": graphs.fallback,
+                "shapes": len(graphs.steps),
+                "captured_while_serving": graphs.num_captured_serving,
+                "failed": graphs.failed,
+            },
+            "memory_plan": None if self.memory_plan is None else self.memory_plan.to_dict(),
+        }
 
     @property
     def graph_widths(self) -> tuple[int, ...] | None:

@@ -56,6 +56,7 @@ from nasd_core.model.attention import (
     BatchedRows,
     PagedRows,
     StepLayout,
+    flex_kernel_options,
     no_mask,
     padded_key_slots,
     padded_queries,
@@ -69,6 +70,9 @@ ROW_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 # 17: one position and 16 drafts, the widest verification the policy plans by default.
 POSITION_BUCKETS = (1, 2, 4, 8, 17, 32)
 MIN_KEY_BUCKET = 128
+# Longest context a gathered step serves (the fallback where paged steps fail): each key bucket
+# is a grid of its own, and its gathered keys grow with it; longer rows run packed.
+GATHERED_MAX_KEYS = 2048
 # Queries per FlexAttention query block: more than a row ever has, so each row is one block.
 FLEX_QUERY_BLOCK = 128
 # Rows a paged step's attention runs over (its rows, then idle ones): a kernel is compiled per
@@ -82,7 +86,6 @@ WARMUP_RUNS = 2
 # Model types whose logits are their decoder's last hidden state through ``lm_head`` and
 # nothing else (no logit scaling or soft-capping), so the projection can run outside the graph.
 GRAPH_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-SCRATCH_ROW = "nasd-step-graphs-scratch"
 
 
 def bucket(value: int, buckets: Sequence[int]) -> int | None:
@@ -175,9 +178,34 @@ class PagedTables:
         )
 
 
+class StepBuffers:
+    """The one set of static buffers every fixed-shape step reads and writes, sized for the
+    largest shape: each step's inputs are a prefix of ``inputs`` and its hidden states a prefix
+    of ``hidden``, so the grid's graphs hold no buffers of their own (vLLM's runner does the
+    same). Allocated outside the graph pool; one step runs at a time.
+
+    Args:
+        max_rows: rows of the largest shape.
+        max_positions: positions per row of the widest shape.
+        max_keys: per row, the most block-table entries (plus two counts) of a paged step or
+            the most key slots of a gathered one.
+    """
+
+    def __init__(
+        self, max_rows: int, max_positions: int, max_keys: int, hidden_size: int, dtype, device
+    ) -> None:
+        self.inputs = torch.zeros(max_rows * (4 * max_positions + max_keys), dtype=torch.long, device=device)
+        self.hidden = torch.zeros(max_rows * max_positions, hidden_size, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.inputs.nbytes + self.hidden.nbytes
+
+
 class FixedStep:
-    """One shape's input buffers, layout and, on a GPU, captured graph. ``tables``: the paged
-    step's block tables (None: the step gathers its keys, ``shape.num_keys`` per row)."""
+    """One shape's slices of the static buffers, its layout and, on a GPU, captured graph.
+    ``tables``: the paged step's block tables (None: the step gathers its keys,
+    ``shape.num_keys`` per row)."""
 
     def __init__(
         self,
@@ -186,6 +214,7 @@ class FixedStep:
         groups: int,
         shape: StepShape,
         scratch_slot: int,
+        buffers: StepBuffers,
         tables: PagedTables | None = None,
         compiled: bool = False,
     ) -> None:
@@ -206,7 +235,9 @@ class FixedStep:
             (tables.max_row_blocks, 1, 1) if tables is not None else (shape.num_keys,)
         )
         self.sizes = tuple(rows * size for rows, size in zip(self.part_rows, row_sizes, strict=True))
-        self.buffer = torch.zeros(sum(self.sizes), dtype=torch.long, device=cache.device)
+        if sum(self.sizes) > buffers.inputs.numel():
+            raise ValueError(f"{shape} is larger than the static buffers were sized for")
+        self.buffer = buffers.inputs[: sum(self.sizes)]
         self.token_ids, self.positions, self.write_slots, self.last_key, *self.key_inputs = self.buffer.split(
             self.sizes
         )
@@ -216,7 +247,13 @@ class FixedStep:
             else BatchedRows(self.key_inputs[0], None, shape.num_positions, shape.num_keys)
         )
         self.layout = StepLayout(cache, [], self.write_slots, groups, batched_rows=batched_rows)
-        self.hidden: torch.Tensor | None = None
+        self.hidden = buffers.hidden[: num_rows * shape.num_positions]
+        on_cuda = cache.device.type == "cuda"
+        self.kernel_options = (
+            flex_kernel_options(cache.block_size, shape.num_positions, model.dtype)
+            if tables is not None and compiled and on_cuda
+            else None
+        )
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def capture(self, pool) -> None:
@@ -250,7 +287,7 @@ class FixedStep:
                 self.cache.block_size,
             )
             self.layout.paged_rows = PagedRows(
-                block_mask, self.attention_rows, shape.num_positions, self.compiled
+                block_mask, self.attention_rows, shape.num_positions, self.compiled, self.kernel_options
             )
         else:
             assert self.layout.batched_rows is not None
@@ -262,7 +299,9 @@ class FixedStep:
             use_cache=False,
             nasd_step=self.layout,
         )
-        self.hidden = output.last_hidden_state[0]
+        # Into the static output: the graph's own output is then an intermediate the next
+        # capture reuses, not memory each graph keeps.
+        self.hidden.copy_(output.last_hidden_state[0])
 
     def replay(self) -> torch.Tensor:
         """Run the step on the buffers' inputs; ``[rows x positions, hidden]`` states."""
@@ -270,7 +309,6 @@ class FixedStep:
             self.graph.replay()
         else:
             self.run()
-        assert self.hidden is not None
         return self.hidden
 
     def idle_inputs(self) -> np.ndarray:
@@ -367,19 +405,21 @@ def grid_shapes(
 ) -> list[StepShape]:
     """Every fixed shape a runner of ``max_rows`` rows, verification steps of up to
     ``max_positions`` positions per row and contexts of up to ``max_keys`` keys can meet, in the
-    order a start-up captures them: short contexts first (most rows), then by rows and
-    positions. Paged steps have one shape per rows x positions, whatever the context."""
+    order a start-up captures them: the largest first, so that the smaller ones reuse the graph
+    pool's memory (vLLM captures in the same order). Paged steps have one shape per rows x
+    positions, whatever the context; gathered steps a grid per key bucket, short contexts first
+    (they serve most steps if the start-up budget runs out), up to ``GATHERED_MAX_KEYS``."""
     row_top = bucket(min(max_rows, ROW_BUCKETS[-1]), ROW_BUCKETS)
     position_top = bucket(min(max_positions, POSITION_BUCKETS[-1]), POSITION_BUCKETS)
     key_buckets = [0] if paged else [MIN_KEY_BUCKET]
-    while not paged and key_buckets[-1] < max_keys:
+    while not paged and key_buckets[-1] < min(max_keys, GATHERED_MAX_KEYS):
         key_buckets.append(2 * key_buckets[-1])
     shapes = [
         StepShape(num_rows, num_positions, num_keys)
         for num_keys in key_buckets
-        for num_rows in ROW_BUCKETS
+        for num_rows in reversed(ROW_BUCKETS)
         if num_rows <= row_top
-        for num_positions in POSITION_BUCKETS
+        for num_positions in reversed(POSITION_BUCKETS)
         if num_positions <= position_top
     ]
     return [shape for shape in shapes if fits(shape, groups)]
@@ -390,7 +430,10 @@ class StepGraphs:
 
     ``warm_up`` captures the whole grid of shapes before serving; from then on a shape left out
     (past the start-up budget) takes the packed path rather than a capture mid-serving. Without
-    a warm-up, shapes are captured when first met (at most ``MAX_GRAPHS``).
+    a warm-up, shapes are captured when first met (at most ``MAX_GRAPHS``). Every step reads and
+    writes slices of one set of static buffers (``StepBuffers``) and records into one graph
+    pool; building and capturing run under ``torch.inference_mode`` (FlexAttention compiled
+    with autograd on asks for the backward's block indices, which a paged step never builds).
 
     Args:
         model: the runner's model (its type must be in ``GRAPH_MODEL_TYPES``: see ``supports``).
@@ -399,7 +442,7 @@ class StepGraphs:
         capture: record graphs (a GPU); False runs the same fixed-shape steps eagerly.
         paged: attention reads the block tables (see the module's docstring); else keys are
             gathered per context bucket.
-        max_rows: most rows a paged step may have.
+        max_rows: most rows a step may have.
         max_context: longest row a paged step may read.
         compiled: paged attention as a compiled kernel (default: when capturing).
     """
@@ -420,22 +463,36 @@ class StepGraphs:
         self.groups = groups
         self.capture = capture
         self.compiled = capture if compiled is None else compiled
-        cache.allocate(SCRATCH_ROW, 1)
-        self.scratch_slot = int(cache.slots(SCRATCH_ROW, 0, 1)[0])
+        self.scratch_slot = cache.reserve_block()
+        # Why paged steps gave way to gathered ones (None: they did not), shown in the stats.
+        self.fallback: str | None = None
+        on_cuda = cache.device.type == "cuda"
+        if (
+            paged
+            and self.compiled
+            and on_cuda
+            and flex_kernel_options(cache.block_size, 1, model.dtype) is None
+        ):
+            self._fall_back(f"kv_block_size {cache.block_size} is not a multiple of FlexAttention's 16")
+            paged = False
+        row_top = bucket(min(max_rows, ROW_BUCKETS[-1]), ROW_BUCKETS) or ROW_BUCKETS[-1]
+        max_row_blocks = min(cache.blocks_for(max_context), cache.allocator.num_blocks)
         self.tables: PagedTables | None = None
         if paged:
             # A paged step reads whole blocks, masked keys included: every slot must be finite.
             for pool in (*cache.keys, *cache.values):
                 pool.zero_()
-            max_row_blocks = min(cache.blocks_for(max_context), cache.allocator.num_blocks)
-            self.tables = PagedTables(
-                bucket(min(max_rows, ROW_BUCKETS[-1]), ROW_BUCKETS) or ROW_BUCKETS[-1],
-                cache.allocator.num_blocks,
-                max_row_blocks,
-                cache.device,
-            )
+            self.tables = PagedTables(row_top, cache.allocator.num_blocks, max_row_blocks, cache.device)
         for pool in (*cache.keys, *cache.values):
             pool[:, self.scratch_slot] = 0  # read by padded rows: must be finite
+        self.buffers = StepBuffers(
+            row_top,
+            POSITION_BUCKETS[-1],
+            max(max_row_blocks + 2, GATHERED_MAX_KEYS),
+            model.config.hidden_size,
+            model.dtype,
+            cache.device,
+        )
         self.steps: dict[StepShape, FixedStep] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.failed = False
@@ -452,6 +509,7 @@ class StepGraphs:
     def supports(model) -> bool:
         return getattr(model.config, "model_type", None) in GRAPH_MODEL_TYPES and hasattr(model, "lm_head")
 
+    @torch.inference_mode()
     def warm_up(self, max_rows: int, max_positions: int, max_keys: int, budget_s: float) -> int:
         """Build (and on a GPU capture) every shape of the grid (``grid_shapes``) within
         ``budget_s`` seconds; returns how many shapes are ready. Only a capturing runner (a
@@ -465,7 +523,7 @@ class StepGraphs:
         for shape in grid_shapes(max_rows, max_positions, max_keys, self.groups, paged):
             if self.failed or time.perf_counter() - started > budget_s:
                 break
-            if shape not in self.steps and self._build(shape) is None and paged and not self.paged:
+            if shape not in self.steps and self.build(shape) is None and paged and not self.paged:
                 # Paged steps failed and gave way to gathered ones: warm those up instead.
                 remaining = budget_s - (time.perf_counter() - started)
                 return self.warm_up(max_rows, max_positions, max_keys, remaining)
@@ -484,7 +542,7 @@ class StepGraphs:
         if self.failed:
             return None
         shape = fixed_shape(rows, self.groups, self.paged)
-        if shape is None:
+        if shape is None or shape.num_keys > GATHERED_MAX_KEYS:
             return None
         if self.tables is not None and (
             shape.num_rows > self.tables.max_rows
@@ -502,7 +560,7 @@ class StepGraphs:
         step = self.steps.get(shape)
         self.last_captured = step is None
         if step is None:
-            step = self._build(shape)
+            step = self.build(shape)
             if step is None:
                 return None
             self.num_captured_serving += 1
@@ -510,23 +568,43 @@ class StepGraphs:
         hidden = step.replay().index_select(0, torch.from_numpy(real).to(self.cache.device))
         return self.model.lm_head(hidden)
 
-    def _build(self, shape: StepShape) -> FixedStep | None:
-        """The step of ``shape``, captured on a GPU; None where that failed: paged steps then
-        give way to gathered ones, gathered steps to the packed path."""
+    @torch.inference_mode()
+    def build(self, shape: StepShape) -> FixedStep | None:
+        """The step of ``shape``, run once on idle inputs (which compiles its kernels) and
+        captured on a GPU; None where that failed: paged steps then give way to gathered ones,
+        gathered steps to the packed path."""
         step = FixedStep(
-            self.model, self.cache, self.groups, shape, self.scratch_slot, self.tables, self.compiled
+            self.model,
+            self.cache,
+            self.groups,
+            shape,
+            self.scratch_slot,
+            self.buffers,
+            self.tables,
+            self.compiled,
         )
-        if self.capture:
-            try:
+        try:
+            if self.capture:
                 step.capture(self.pool)
-            except Exception as exc:  # an op a graph cannot record, a kernel that does not compile
-                if self.paged:
-                    logger.warning("paged attention failed in a CUDA graph, gathering keys instead: %s", exc)
-                    self.tables = None
-                    self.steps.clear()
-                else:
-                    logger.warning("CUDA graph capture failed, steps run without graphs: %s", exc)
-                    self.failed = True
-                return None
+            else:
+                step.buffer.copy_(torch.from_numpy(step.idle_inputs()))
+                step.run()
+        except Exception as exc:  # an op a graph cannot record, a kernel that does not compile
+            if self.paged:
+                self._fall_back(f"{type(exc).__name__}: {exc}")
+                self.tables = None
+                self.steps.clear()
+            elif self.capture:
+                logger.warning("CUDA graph capture failed, steps run without graphs: %s", exc)
+                self.failed = True
+            else:
+                raise
+            return None
         self.steps[shape] = step
         return step
+
+    def _fall_back(self, reason: str) -> None:
+        self.fallback = reason
+        logger.warning(
+            "paged attention is off, steps gather keys instead (slower; /v1/nasd/stats): %s", reason
+        )

@@ -522,6 +522,8 @@ def test_speculation_is_used_and_reported(app):
     assert stats["total"]["tokens_per_step"] > 1.0
     assert replica["pool"]["backend"] == "memory"
     assert replica["pool"]["namespaces"][0]["state"] == "connected"
+    runner = replica["runner"]
+    assert runner["device"] == "cpu" and runner["kv_cache_positions"] > 0 and runner["memory_plan"] is None
 
 
 # ---------------------------------------------------------------------- bad input
@@ -879,13 +881,16 @@ METRICS_WAIT_S = 45
 def test_prometheus_metrics_match_the_stats_endpoint(app):
     # Last in the module: no request runs while the exporter catches up with the stats.
     app.client().completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0)
-    total = app.request("GET", "/v1/nasd/stats").body["total"]
+    stats = app.request("GET", "/v1/nasd/stats").body
+    total, replica_runner = stats["total"], stats["replicas"][0]["runner"]
     expected = {
         "ray_nasd_generated_tokens_total": total["num_emitted"],
         "ray_nasd_target_forwards_total": total["num_steps"],
         "ray_nasd_requests_total": total["num_requests"],
         "ray_nasd_accepted_tokens_total": total["num_accepted"],
         "ray_nasd_pool_connected": 1.0,
+        "ray_nasd_paged_attention_fallback": 0.0,
+        "ray_nasd_kv_cache_positions": replica_runner["kv_cache_positions"],
         **{f"ray_nasd_policy_rows_total[width={w}]": count for w, count in total["width_histogram"].items()},
     }
     samples = wait_for_samples(app.metrics_url, expected, ("width",), METRICS_WAIT_S)

@@ -14,6 +14,8 @@ batched and a single run must be such a near-tie of the plain forward
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -33,11 +35,18 @@ pytestmark = [
 ]
 
 
+# Tests that start an engine as a server does, with its whole start-up grid.
+STARTUP_TESTS = (
+    "test_an_engine_captures_its_grid_at_start_and_nothing_while_serving",
+    "test_the_default_engine_at_the_k8s_settings_plans_memory_warms_up_and_answers",
+)
+
+
 @pytest.fixture(autouse=True)
 def lazy_graph_capture(request, monkeypatch):
-    """Engines here capture each shape when first met: a whole start-up grid (contexts up to 8192
-    keys) is ~20 s per engine. The start-up capture has its own test, which keeps it."""
-    if request.node.name != "test_an_engine_captures_its_grid_at_start_and_nothing_while_serving":
+    """Engines here capture each shape when first met: a whole start-up grid is ~60 paged
+    shapes per engine. The start-up tests keep it."""
+    if request.node.name not in STARTUP_TESTS:
         monkeypatch.setattr(engine_module, "warm_up", lambda runner, config: None)
 
 
@@ -51,6 +60,11 @@ BFLOAT16_TIE = 0.5
 def cuda_model():
     torch.manual_seed(0)
     return load_model(config=ModelConfig(device="cuda"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cuda_model):
+    return cuda_model[1]
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +168,44 @@ def test_an_engine_captures_its_grid_at_start_and_nothing_while_serving(cuda_mod
     outputs = test_engine.run_staggered(engine, test_engine.PROMPTS, test_engine.MAX_TOKENS, spec)
     assert [outputs[index] for index in range(len(test_engine.PROMPTS))] == references
     assert graphs.num_captured_serving == 0
+
+
+def test_the_default_engine_at_the_k8s_settings_plans_memory_warms_up_and_answers(tokenizer):
+    """k8s/ serves Qwen2.5-1.5B (a 32k context) in bfloat16 with 64 rows per replica: the default
+    engine there plans its memory within gpu_memory_utilization, captures its paged grid within
+    the start-up budget, and answers. Random weights of that shape: no hub here."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM._from_config(config, torch_dtype=torch.bfloat16).eval()
+    torch.cuda.reset_peak_memory_stats()
+    engine_config = EngineConfig(max_batch_rows=64)
+    started = time.perf_counter()
+    engine = Engine(model, tokenizer, engine_config)
+    start_s = time.perf_counter() - started
+    plan = engine.runner.memory_plan
+    graphs = engine.runner.graphs
+    assert plan is not None and plan.kv_tokens >= 32768 and plan.planned <= plan.budget
+    assert graphs is not None and graphs.is_warm and graphs.paged, graphs.fallback
+    assert start_s <= engine_config.graph_warmup_budget_s + 60, f"start took {start_s:.0f} s"
+    request_id = engine.add_request(test_engine.PROMPTS[0], SamplingParams(max_tokens=24, ignore_eos=True))
+    while not engine.is_finished():
+        engine.step()
+    assert len(engine.pop_result(request_id).token_ids) == 24
+    assert graphs.num_captured_serving == 0
+    # Nothing was allocated beyond the plan: it held.
+    assert torch.cuda.max_memory_reserved() <= plan.budget
 
 
 def test_single_sequence_greedy_equals_transformers_greedy_on_the_device(cuda_model):
