@@ -8,18 +8,25 @@ namespace, its prefix-cache salt and the replica's index it drafts from (with
 it is, an end-user label, never a boundary. Without keys the server is open and a request's
 tenant is its ``user`` field, which any caller may write: that is not isolation.
 
-The key file holds one key per line, ``<key> <tenant> [max_in_flight=N] [tokens_per_minute=N]``
-(blank lines and ``#`` comments skipped), and is re-read when it changes (its modification time,
-size or inode), so a key is added, rotated or revoked without a restart; a file that fails to
-parse keeps the keys read before it, with a warning naming the line, never the key.
+The key file holds one key per line,
+``<key> <tenant> [max_in_flight=N] [tokens_per_minute=N] [admin]`` (blank lines and ``#``
+comments skipped), and is re-read when it changes (its modification time, size or inode), so a
+key is added, rotated or revoked without a restart. A change is read once the file has been
+left alone for ``RELOAD_SETTLE_S`` (an editor's truncate-then-write must not revoke every key
+for a moment); a file that fails to parse keeps the keys read before it, with a warning naming
+the line, never the key. An ``admin`` key sees every tenant's counters in the stats; others
+see their own tenant's.
 
 Keys are kept as SHA-256 digests. A presented key is hashed and its digest compared with every
 valid key's (``hmac.compare_digest``, no early exit), so the time a check takes says nothing about
 any key's characters. Nothing logged holds a key; stats and metrics name a key by its tenant.
 
-Limits are counted by this ingress (the application runs one ingress replica): requests in
-flight per key, and tokens (prompt and completion) per key over the last 60 seconds. A request
-over a limit is answered 429 with ``Retry-After``.
+Limits are counted by this ingress (the application runs one ingress replica): rows in flight
+per key (a request of 4 prompts x n=2 is 8), and tokens (prompt and completion) per key over the
+last 60 seconds. Admission reserves each row's ``max_tokens`` (or the model's context) against
+the key's tokens per minute, and the tokens a request used replace its reservation when it ends,
+however it ends: a stream the client drops or an answer cut by an error counts what it produced.
+A request over a limit is answered 429 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,9 @@ DEFAULT_TENANT = "default"
 # How often, at most, the key file's metadata is read (a stat per request is cheap, but a
 # request burst need not stat it thousands of times a second).
 RELOAD_CHECK_INTERVAL_S = 0.5
+# A changed key file is read once it has not changed for this long.
+RELOAD_SETTLE_S = 1.0
+POSITIVE_INTEGER = re.compile(r"[0-9]+")  # ASCII digits only: "²".isdigit() is true
 
 
 class KeyFileError(ValueError):
@@ -68,6 +78,7 @@ class ApiKey:
     tenant: str
     limits: KeyLimits
     key_id: str  # the first hex digits of the key's digest: tells keys of one tenant apart
+    admin: bool = False  # sees every tenant's counters
 
 
 def digest(key: str) -> bytes:
@@ -83,21 +94,25 @@ def parse_keys(text: str, defaults: KeyLimits) -> dict[bytes, ApiKey]:
             continue
         if len(fields) < 2:
             raise KeyFileError(
-                f"line {number}: expected '<key> <tenant> [max_in_flight=N] [tokens_per_minute=N]'"
+                f"line {number}: expected '<key> <tenant> [max_in_flight=N] [tokens_per_minute=N] [admin]'"
             )
         key, tenant, options = fields[0], fields[1], fields[2:]
         if not TENANT_PATTERN.match(tenant):
             raise KeyFileError(f"line {number}: a tenant is 1-128 of A-Z a-z 0-9 _ . : @ -")
         limits = {"max_in_flight": defaults.max_in_flight, "tokens_per_minute": defaults.tokens_per_minute}
+        admin = False
         for option in options:
+            if option == "admin":
+                admin = True
+                continue
             name, _, value = option.partition("=")
-            if name not in limits or not value.isdigit() or int(value) < 1:
+            if name not in limits or not POSITIVE_INTEGER.fullmatch(value) or int(value) < 1:
                 raise KeyFileError(f"line {number}: unknown option or not a positive integer: {name!r}")
             limits[name] = int(value)
         key_digest = digest(key)
         if key_digest in keys:
             raise KeyFileError(f"line {number}: the same key appears twice")
-        keys[key_digest] = ApiKey(tenant, KeyLimits(**limits), key_digest.hex()[:8])
+        keys[key_digest] = ApiKey(tenant, KeyLimits(**limits), key_digest.hex()[:8], admin)
     return keys
 
 
@@ -117,13 +132,19 @@ class ApiKeys:
         self._single: dict[bytes, ApiKey] = {}
         if api_key:
             single_digest = digest(api_key)
-            self._single[single_digest] = ApiKey(DEFAULT_TENANT, self.defaults, single_digest.hex()[:8])
+            # The one key is the operator's: it sees everything.
+            self._single[single_digest] = ApiKey(
+                DEFAULT_TENANT, self.defaults, single_digest.hex()[:8], admin=True
+            )
         self._from_file: dict[bytes, ApiKey] = {}
         self._all = list(self._single.items())
         self._file_stamp: tuple[int, int, int] | None = None
+        self._failed_stamp: tuple[int, int, int] | None = None
         self._checked_at = 0.0
         self._lock = threading.Lock()
         self.num_reloads = 0
+        self.num_reload_errors = 0
+        self.last_error: str | None = None  # why the last read failed (None: it did not)
         if self.keys_file is not None:
             if not self.keys_file.is_file():
                 raise FileNotFoundError(f"API key file {self.keys_file} does not exist")
@@ -163,16 +184,23 @@ class ApiKeys:
             stamp = (status.st_mtime_ns, status.st_size, status.st_ino)
             if stamp == self._file_stamp:
                 return
+            if not force and time.time() - status.st_mtime_ns / 1e9 < RELOAD_SETTLE_S:
+                return  # still being written: read it once it settles
             try:
                 self._from_file = parse_keys(self.keys_file.read_text(), self.defaults)
             except (OSError, UnicodeDecodeError, KeyFileError) as exc:
                 if force:
                     raise
-                logger.warning("API key file %s not reloaded: %s", self.keys_file, exc)
+                if stamp != self._failed_stamp:  # once per version of the file
+                    self._failed_stamp = stamp
+                    self.num_reload_errors += 1
+                    self.last_error = str(exc)
+                    logger.warning("API key file %s not reloaded: %s", self.keys_file, exc)
                 return
             self._all = [*self._single.items(), *self._from_file.items()]
             self._file_stamp = stamp
             self.num_reloads += 1
+            self.last_error = None
             logger.info("API key file %s read: %d keys", self.keys_file, len(self._from_file))
 
 
@@ -197,52 +225,77 @@ class TenantCounters:
     completion_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What a request of a key holds while it runs: rows in flight and tokens reserved."""
+
+    key: ApiKey
+    rows: int
+    reserved_tokens: int
+
+
 @dataclass
 class KeyLimiter:
-    """Requests in flight and tokens over the last minute, per key; counters per tenant."""
+    """Rows in flight and tokens over the last minute (used, and reserved by requests running),
+    per key; counters per tenant."""
 
     in_flight: dict[str, int] = field(default_factory=dict)
+    reserved: dict[str, int] = field(default_factory=dict)
     token_log: dict[str, collections.deque] = field(default_factory=dict)
     tenants: dict[str, TenantCounters] = field(default_factory=dict)
     num_unauthorized: int = 0
 
-    def admit(self, key: ApiKey, now: float | None = None) -> Rejection | None:
-        """Take a slot for a request of ``key``; a ``Rejection`` (no slot taken) if over a limit."""
+    def admit(
+        self, key: ApiKey, rows: int = 1, reserve_tokens: int = 0, now: float | None = None
+    ) -> Admission | Rejection:
+        """Take ``rows`` slots and reserve ``reserve_tokens`` for a request of ``key``; a
+        ``Rejection`` (nothing taken) if that would go over a limit."""
         now = time.monotonic() if now is None else now
         counters = self.tenants.setdefault(key.tenant, TenantCounters())
         limits = key.limits
-        if limits.max_in_flight is not None and self.in_flight.get(key.key_id, 0) >= limits.max_in_flight:
+        running = self.in_flight.get(key.key_id, 0)
+        if limits.max_in_flight is not None and running + rows > limits.max_in_flight:
             counters.rejected_requests += 1
             return Rejection(
-                f"Rate limit reached: {limits.max_in_flight} requests in flight for this API key",
+                f"Rate limit reached: this request's {rows} rows and the {running} in flight are over the "
+                f"{limits.max_in_flight} rows this API key may have in flight",
                 1,
                 "requests",
             )
         if limits.tokens_per_minute is not None:
             used, retry_after = self._tokens_used(key.key_id, limits.tokens_per_minute, now)
-            if used >= limits.tokens_per_minute:
+            reserved = self.reserved.get(key.key_id, 0)
+            if used + reserved + reserve_tokens > limits.tokens_per_minute:
                 counters.rejected_tokens += 1
                 return Rejection(
-                    f"Rate limit reached: {used} of {limits.tokens_per_minute} tokens per minute used "
-                    "by this API key",
+                    f"Rate limit reached: {used} tokens used and {reserved} reserved in the last minute, "
+                    f"this request reserves {reserve_tokens} (its rows' max_tokens), and this API key "
+                    f"has {limits.tokens_per_minute} per minute",
                     retry_after,
                     "tokens",
                 )
-        self.in_flight[key.key_id] = self.in_flight.get(key.key_id, 0) + 1
+            self.reserved[key.key_id] = reserved + reserve_tokens
+        self.in_flight[key.key_id] = running + rows
         counters.requests += 1
-        counters.in_flight += 1
-        return None
+        counters.in_flight += rows
+        return Admission(key, rows, reserve_tokens if limits.tokens_per_minute is not None else 0)
 
-    def release(self, key: ApiKey) -> None:
-        """Give back the slot ``admit`` took."""
-        self.in_flight[key.key_id] = max(0, self.in_flight.get(key.key_id, 0) - 1)
+    def finish(
+        self, admission: Admission, prompt_tokens: int, completion_tokens: int, now: float | None = None
+    ) -> None:
+        """A request ended (answered, dropped or failed): give back its rows, and count the
+        tokens it used in place of what it reserved."""
+        key = admission.key
+        self.in_flight[key.key_id] = max(0, self.in_flight.get(key.key_id, 0) - admission.rows)
+        self.reserved[key.key_id] = max(0, self.reserved.get(key.key_id, 0) - admission.reserved_tokens)
         counters = self.tenants[key.tenant]
-        counters.in_flight = max(0, counters.in_flight - 1)
+        counters.in_flight = max(0, counters.in_flight - admission.rows)
+        self.record_tokens(key, prompt_tokens, completion_tokens, now)
 
     def record_tokens(
         self, key: ApiKey, prompt_tokens: int, completion_tokens: int, now: float | None = None
     ) -> None:
-        """Count a finished request's tokens against its key and tenant."""
+        """Count tokens against a key and its tenant."""
         now = time.monotonic() if now is None else now
         counters = self.tenants.setdefault(key.tenant, TenantCounters())
         counters.prompt_tokens += prompt_tokens
@@ -257,7 +310,7 @@ class KeyLimiter:
         of them leave it for the key to be under ``limit``."""
         log = self.token_log.get(key_id)
         if not log:
-            return 0, 0
+            return 0, 1
         while log and log[0][0] <= now - TOKEN_WINDOW_S:
             log.popleft()
         used = sum(tokens for _, tokens in log)
@@ -269,11 +322,15 @@ class KeyLimiter:
             retry_after = stamp + TOKEN_WINDOW_S - now
         return used, max(1, math.ceil(retry_after))
 
-    def snapshot(self) -> dict[str, object]:
-        """JSON-able counters: per tenant, and the requests refused for a missing or wrong key."""
+    def snapshot(self, tenant: str | None = None) -> dict[str, object]:
+        """JSON-able counters: per tenant, and the requests refused for a missing or wrong key;
+        with ``tenant``, that tenant's counters alone (what a key that is not an admin's sees)."""
+        if tenant is not None:
+            counters = self.tenants.get(tenant, TenantCounters())
+            return {"tenants": {tenant: vars(counters).copy()}}
         return {
             "unauthorized": self.num_unauthorized,
-            "tenants": {tenant: vars(counters).copy() for tenant, counters in sorted(self.tenants.items())},
+            "tenants": {name: vars(counters).copy() for name, counters in sorted(self.tenants.items())},
         }
 
 
@@ -290,6 +347,7 @@ class TenantMetricsSink(Protocol):
     def record_outcome(self, tenant: str, outcome: str) -> None: ...
     def record_tokens(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None: ...
     def record_unauthorized(self) -> None: ...
+    def record_key_file(self, reloads: int, errors: int, ok: bool) -> None: ...
 
 
 class Gate:
@@ -307,14 +365,36 @@ class Gate:
         self.keys = ApiKeys(settings.api_key, settings.keys_file, settings.limits)
         self.limiter = KeyLimiter()
         self.metrics = new_metrics() if self.keys.enabled and new_metrics is not None else None
+        self._exported_key_file: tuple[int, int, bool] | None = None
 
-    def record_usage(self, key: ApiKey | None, usage: Any) -> None:
-        """Count a finished request's tokens (``usage``: OpenAI's Usage) against its key and tenant."""
-        if key is None or usage is None:
-            return
-        self.limiter.record_tokens(key, usage.prompt_tokens, usage.completion_tokens)
+    def admit(self, key: ApiKey, rows: int, reserve_tokens: int) -> Admission | Rejection:
+        admission = self.limiter.admit(key, rows, reserve_tokens)
         if self.metrics is not None:
-            self.metrics.record_tokens(key.tenant, usage.prompt_tokens, usage.completion_tokens)
+            outcome = "admitted" if isinstance(admission, Admission) else f"rejected_{admission.kind}"
+            self.metrics.record_outcome(key.tenant, outcome)
+        return admission
+
+    def finish(self, admission: Admission, prompt_tokens: int, completion_tokens: int) -> None:
+        """A request ended: its rows back, its tokens counted against its key and tenant."""
+        self.limiter.finish(admission, prompt_tokens, completion_tokens)
+        if self.metrics is not None:
+            self.metrics.record_tokens(admission.key.tenant, prompt_tokens, completion_tokens)
+
+    def export_key_file(self) -> None:
+        """Put the key file's reload counters into the metrics when they changed."""
+        state = (self.keys.num_reloads, self.keys.num_reload_errors, self.keys.last_error is None)
+        if self.metrics is not None and state != self._exported_key_file:
+            self._exported_key_file = state
+            self.metrics.record_key_file(*state)
+
+    def key_file_state(self) -> dict[str, object] | None:
+        if self.keys.keys_file is None:
+            return None
+        return {
+            "reloads": self.keys.num_reloads,
+            "errors": self.keys.num_reload_errors,
+            "last_error": self.keys.last_error,
+        }
 
 
 @dataclass

@@ -8,6 +8,7 @@ the same settings from ``NASD_*`` environment variables for ``serve run deployme
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import Any, Literal
 
@@ -33,6 +34,8 @@ from nasd_core.config import (
 )
 from pool_service import PoolConfig
 from pool_service.config import pool_index
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_REPLICAS = 1
 # Serve gives every replica one CPU unless told otherwise; a replica's torch threads follow it.
@@ -108,11 +111,12 @@ class AppArgs(BaseModel):
         description="How the model writes tool calls (vLLM's --tool-call-parser): hermes (Hermes, Qwen) or "
         "llama3_json (Llama 3.x); auto reads it from the chat template, else hermes.",
     )
-    tenant_isolation: bool = Field(
-        False,
+    tenant_isolation: bool | None = Field(
+        None,
         description="Each tenant drafts only from its own pool namespace and reuses only its own cached "
         "prefixes. The tenant is the API key's (api_key / api_keys_file); without keys, the request's "
-        "`user` field, which any caller may write.",
+        "`user` field, which any caller may write. None: on with keys (false with keys then opts out, "
+        "with a warning: tenants could read each other's texts off cached_tokens and drafts), off without.",
     )
     api_key: SecretStr | None = Field(
         None,
@@ -121,8 +125,8 @@ class AppArgs(BaseModel):
     )
     api_keys_file: str | None = Field(
         None,
-        description="A file of '<key> <tenant> [max_in_flight=N] [tokens_per_minute=N]' lines, re-read "
-        "when it changes (in k8s, mounted from a Secret).",
+        description="A file of '<key> <tenant> [max_in_flight=N] [tokens_per_minute=N] [admin]' lines, "
+        "re-read when it changes (in k8s, mounted from a Secret).",
     )
     key_max_in_flight: int | None = Field(
         None, ge=1, description="Generation requests in flight per key (429 beyond); None: unlimited."
@@ -226,6 +230,21 @@ def visible_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def tenant_isolation(args: AppArgs) -> bool:
+    """Whether tenants are isolated: as set, else exactly when API keys are on. Keys with isolation
+    turned off is an operator's explicit choice, and it is logged: a response's cached_tokens and
+    drafts then tell one tenant what another sent."""
+    keys = args.api_key is not None or args.api_keys_file is not None
+    if args.tenant_isolation is None:
+        return keys
+    if keys and not args.tenant_isolation:
+        logger.warning(
+            "tenant_isolation is off with API keys: tenants share the prefix cache and the draft pool, "
+            "so one tenant can tell from cached_tokens and drafts whether another sent a text"
+        )
+    return args.tenant_isolation
+
+
 def args_from_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The application arguments set through ``NASD_*`` environment variables."""
     environ = os.environ if environ is None else environ
@@ -276,7 +295,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         engine=engine,
         pool=PoolConfig(
             redis_url=args.redis_url,
-            tenant_isolation=args.tenant_isolation,
+            tenant_isolation=tenant_isolation(args),
             partitions=args.pool_partitions,
             index=pool_index(args.drafter),
         ),

@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from deployments.auth import ApiKey, AuthSettings, Gate, install_gate, installed_gate
+from deployments.auth import ApiKey, AuthSettings, Gate, Rejection, install_gate, installed_gate
 from deployments.metrics import TenantMetrics
 from deployments.schemas import (
     AssistantMessage,
@@ -92,10 +92,6 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(exc.status_code, ErrorInfo(message=str(exc.detail), type=kind))
 
 
-# Routes that generate: they count against a key's limits.
-GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-
-
 def _route_path(request: Request) -> str:
     """The request's path inside the application (without the route prefix Serve mounts it at)."""
     path, root = request.scope["path"], request.scope.get("root_path", "")
@@ -115,7 +111,7 @@ def _unauthorized(has_header: bool) -> JSONResponse:
     return response
 
 
-async def _released(body: AsyncIterator[bytes], release: Callable[[], None]) -> AsyncIterator[bytes]:
+async def _released(body: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
     """``body``, then ``release`` once it is sent or abandoned (the client went away)."""
     try:
         async for part in body:
@@ -127,8 +123,8 @@ async def _released(body: AsyncIterator[bytes], release: Callable[[], None]) -> 
 @app.middleware("http")
 async def _authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
     """Without keys, nothing. With keys: the bearer key's ``ApiKey`` in ``request.state.api_key``
-    (401 without a valid one, except on /health), and on generation routes a slot of its limits
-    for as long as the answer streams (429 over them)."""
+    (401 without a valid one, except on /health); the generation routes admit it against its
+    limits once they know the request's rows (``OpenAIIngress._answer``)."""
     gate = installed_gate()
     path = _route_path(request)
     if gate is None or not gate.keys.enabled or path == "/health":
@@ -143,25 +139,31 @@ async def _authenticate(request: Request, call_next: Callable[[Request], Awaitab
             gate.metrics.record_unauthorized()
         return _unauthorized(bool(header))
     request.state.api_key = key
-    if request.method != "POST" or path not in GENERATION_PATHS:
-        return await call_next(request)
-    rejection = gate.limiter.admit(key)
-    if gate.metrics is not None:
-        gate.metrics.record_outcome(
-            key.tenant, "admitted" if rejection is None else f"rejected_{rejection.kind}"
-        )
-    if rejection is not None:
-        info = ErrorInfo(message=rejection.message, type=rejection.kind, code="rate_limit_exceeded")
-        response = error_response(429, info)
-        response.headers["Retry-After"] = str(rejection.retry_after_s)
-        return response
-    try:
-        response = await call_next(request)
-    except BaseException:
-        gate.limiter.release(key)
-        raise
-    response.body_iterator = _released(response.body_iterator, lambda: gate.limiter.release(key))
-    return response
+    gate.export_key_file()
+    return await call_next(request)
+
+
+class TokenTally:
+    """The tokens a request's prompts used so far, from their chunks: the usage of each prompt's
+    last chunk, or, for a stream dropped or cut by an error before it, its prompt's tokens and
+    every token its chunks carried."""
+
+    def __init__(self, num_prompts: int) -> None:
+        self.prompt = [0] * num_prompts
+        self.completion = [0] * num_prompts
+
+    async def counted(self, index: int, chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+        async for chunk in chunks:
+            if chunk.usage is not None:
+                self.prompt[index] = chunk.usage.prompt_tokens
+                self.completion[index] = chunk.usage.completion_tokens
+            else:
+                self.prompt[index] = max(self.prompt[index], chunk.prompt_tokens)
+                self.completion[index] += chunk.tokens
+            yield chunk
+
+    def totals(self) -> tuple[int, int]:
+        return sum(self.prompt), sum(self.completion)
 
 
 def completion_logprobs(entries: list[TokenLogprob], text_offset: int = 0) -> CompletionLogprobs:
@@ -419,8 +421,9 @@ class OpenAIIngress:
             return error_response(failure.status_code, failure.error)
 
     @app.get("/v1/nasd/stats")
-    async def nasd_stats(self) -> dict[str, Any]:
-        """Speculation counters per replica (the latest each one reported) and summed."""
+    async def nasd_stats(self, raw: Request) -> dict[str, Any]:
+        """Speculation counters per replica (the latest each one reported) and summed; with API
+        keys, the tenants' counters: every tenant's for an admin key, the key's own otherwise."""
         try:
             self._remember(await self.replica.stats.remote())
         except Exception as exc:  # still show what earlier requests reported
@@ -432,8 +435,11 @@ class OpenAIIngress:
             "total": _total(replicas),
             "replicas": replicas,
         }
-        if self.gate.keys.enabled:
-            stats["auth"] = self.gate.limiter.snapshot()
+        key: ApiKey | None = raw.state.api_key
+        if key is not None:
+            stats["auth"] = self.gate.limiter.snapshot(None if key.admin else key.tenant)
+            if key.admin:
+                stats["auth"]["key_file"] = self.gate.key_file_state()
         return stats
 
     # ----------------------------------------------------------------- helpers
@@ -457,31 +463,54 @@ class OpenAIIngress:
         response; errors as JSON. The tokens are counted against ``key`` (None: no keys)."""
         if (error := self._check_model(model)) is not None:
             return error
-        started = await asyncio.gather(*(self._start(request) for request in requests))
+        admission = None
+        if key is not None:
+            admission = self.gate.admit(key, sum(r.n for r in requests), await self._reserve(requests))
+            if isinstance(admission, Rejection):
+                info = ErrorInfo(message=admission.message, type=admission.kind, code="rate_limit_exceeded")
+                response = error_response(429, info)
+                response.headers["Retry-After"] = str(admission.retry_after_s)
+                return response
+        tally = TokenTally(len(requests))
+
+        def finish() -> None:
+            if admission is not None:
+                self.gate.finish(admission, *tally.totals())
+
+        try:
+            started = await asyncio.gather(*(self._start(request) for request in requests))
+        except BaseException:
+            finish()
+            raise
         failed = [first for _, first in started if first.error is not None]
         if failed:  # none of the batch is answered: cancel the prompts that did start
             for chunks, first in started:
                 if chunks is not None and first.error is None:
                     chunks.cancel()
+            finish()
             return error_response(failed[0].status_code, failed[0].error)
-        streams = [self._chunks(first, chunks) for chunks, first in started]
+        streams = [
+            tally.counted(index, self._chunks(first, chunks)) for index, (chunks, first) in enumerate(started)
+        ]
         merged = streams[0] if len(streams) == 1 else _merged(streams, requests[0].n)
-        merged = self._counted(merged, key)
         if stream:
-            return self._stream(events(merged))
-        last, choices = await _collect(merged)
+            return self._stream(_released(events(merged), finish))
+        try:
+            last, choices = await _collect(merged)
+        finally:
+            finish()
         if last.error is not None:
             return error_response(last.status_code, last.error)
         return JSONResponse(whole(choices, last).model_dump())
 
-    async def _counted(
-        self, chunks: AsyncIterator[GenerateChunk], key: ApiKey | None
-    ) -> AsyncIterator[GenerateChunk]:
-        """``chunks``, the last one's usage counted against ``key``."""
-        async for chunk in chunks:
-            if chunk.usage is not None:
-                self.gate.record_usage(key, chunk.usage)
-            yield chunk
+    async def _reserve(self, requests: list[GenerateRequest]) -> int:
+        """Tokens a request reserves against its key's minute: each row's ``max_tokens``, or the
+        model's context where it sets none."""
+        context = None
+        if any(request.max_tokens is None for request in requests):
+            await self._model_card(self.served_model_name)
+            context = (self.model_info or {}).get("max_model_len") or 0
+        return sum(request.n * (request.max_tokens or context or 0) for request in requests)
 
     async def _tokens_call(self, model: str | None, method, body: BaseModel) -> TokensResult | Response:
         """A tokenize / detokenize call on a replica; an error as an OpenAI error response."""

@@ -129,6 +129,17 @@ class TenantMetrics:
             "Requests refused for a missing or wrong API key.",
             tag_keys=("model",),
         )
+        self.key_file_reloads = Gauge(
+            "nasd_key_file_reloads", "Times the API key file was read.", tag_keys=("model",)
+        )
+        self.key_file_errors = Gauge(
+            "nasd_key_file_errors",
+            "Versions of the API key file that failed to parse (the last keys were kept).",
+            tag_keys=("model",),
+        )
+        self.key_file_ok = Gauge(
+            "nasd_key_file_ok", "1 if the key file's last version parsed, else 0.", tag_keys=("model",)
+        )
 
     def record_outcome(self, tenant: str, outcome: str) -> None:
         self.requests.inc(1, {**self.tags, "tenant": tenant, "outcome": outcome})
@@ -140,3 +151,8 @@ class TenantMetrics:
 
     def record_unauthorized(self) -> None:
         self.unauthorized.inc(1, self.tags)
+
+    def record_key_file(self, reloads: int, errors: int, ok: bool) -> None:
+        self.key_file_reloads.set(reloads, self.tags)
+        self.key_file_errors.set(errors, self.tags)
+        self.key_file_ok.set(1.0 if ok else 0.0, self.tags)

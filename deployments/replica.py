@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -290,8 +291,10 @@ class NASDServer:
             prompt_ids = self._prompt_ids(parsed)
             params, spec = self._params(parsed, len(prompt_ids))
             echo = self._echo_text(parsed, prompt_ids) if parsed.echo else ""
-            tools = self.tool_format if parsed.parse_tool_calls else None
-            choices = [ChoiceOutput(self.tokenizer, params, echo, tools) for _ in range(parsed.n)]
+            tools = ToolParsing(self.tool_format, parsed.tool_names()) if parsed.parse_tool_calls else None
+            choices = [
+                ChoiceOutput(self.tokenizer, params, echo, tools, len(prompt_ids)) for _ in range(parsed.n)
+            ]
             stats = SpecStats()
             partition = parsed.pool_partition(self.config.pool.partitions)
             steps = self._choice_steps(prompt_ids, params, spec, parsed, partition)
@@ -509,14 +512,31 @@ class NASDServer:
         return last.model_copy(update={"usage": usage, "nasd": stats.to_dict(), "replica": self.stats()})
 
 
+@dataclass(frozen=True)
+class ToolParsing:
+    """How a request's answer is read for tool calls: the model's format, the declared tools."""
+
+    format: ToolFormat
+    names: frozenset[str]
+
+
 class ChoiceOutput:
     """One choice's text, tool calls and logprobs on their way out: what is pending until the
     next chunk. With a tool format, the answer's calls are split from its content."""
 
-    def __init__(self, tokenizer, params: SamplingParams, echo: str, tools: ToolFormat | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        params: SamplingParams,
+        echo: str,
+        tools: ToolParsing | None = None,
+        num_prompt_tokens: int = 0,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.num_prompt_tokens = num_prompt_tokens
+        self.pending_tokens = 0  # generated since the last chunk
         self.text = TextStream(tokenizer, params.stop)
-        self.tools = ToolStream(tools) if tools is not None else None
+        self.tools = ToolStream(tools.format, tools.names) if tools is not None else None
         self.pending = echo  # echo: the prompt leads the answer
         self.pending_calls: list[ToolCall] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
@@ -528,6 +548,7 @@ class ChoiceOutput:
 
     def add(self, step: StreamChunk, echoed_prompt: list[int] | None) -> None:
         finished = step.finish_reason is not None
+        self.pending_tokens += len(step.token_ids)
         text = self.text.push(step.token_ids, finished)
         if self.tools is not None:
             text, calls = self.tools.push(text, finished)
@@ -550,8 +571,10 @@ class ChoiceOutput:
             tool_calls=self.pending_calls or None,
             logprobs=self.logprobs,
             finish_reason=finish_reason,
+            prompt_tokens=self.num_prompt_tokens,
+            tokens=self.pending_tokens,
         )
-        self.pending, self.pending_calls = "", []
+        self.pending, self.pending_calls, self.pending_tokens = "", [], 0
         self.logprobs = [] if self.logprobs is not None else None
         self.finish_reason = finish_reason
         return chunk

@@ -149,6 +149,17 @@ class SamplingFields(_Request):
         None, description="Extra field: draft length cap of this request (default: the server's)."
     )
 
+    @field_validator("user")
+    @classmethod
+    def _user_is_text(cls, value: str | None) -> str | None:
+        # JSON can carry a lone surrogate ("\ud800"); the user names a pool namespace and a route.
+        if value is not None:
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"not valid Unicode text: {exc.reason} at character {exc.start}") from None
+        return value
+
     @field_validator("n")
     @classmethod
     def _choices_in_range(cls, value: int) -> int:
@@ -475,6 +486,10 @@ class GenerateRequest(SamplingFields):
             **fields,
         )
 
+    def tool_names(self) -> frozenset[str]:
+        """The names of the functions the request declares (its answer may call only these)."""
+        return frozenset(tool["function"]["name"] for tool in self.tools or ())
+
     def pool_partition(self, partitions: int) -> int:
         """Which of its tenant's ``partitions`` pool partitions this request reads and feeds.
 
@@ -492,7 +507,9 @@ class GenerateRequest(SamplingFields):
             opening = self.prompt[:PARTITION_PREFIX_CHARS]
         else:
             opening = json.dumps((self.prompt or [])[:PARTITION_PREFIX_IDS])
-        digest = hashlib.sha256(f"{self.tenant or ''}\0{opening}".encode()).digest()
+        # surrogatepass: a lone surrogate (valid JSON, not UTF-8) is a 400 from the replica's
+        # prompt check, never a crash here.
+        digest = hashlib.sha256(f"{self.tenant or ''}\0{opening}".encode("utf-8", "surrogatepass")).digest()
         return int.from_bytes(digest[:8], "big") % partitions
 
     def routing_key(self, partitions: int) -> str | None:
@@ -578,6 +595,8 @@ class GenerateChunk(BaseModel):
     replica: dict[str, Any] | None = Field(None, description="The replica's stats after it (last chunk).")
     error: ErrorInfo | None = Field(None, description="Set when the request failed.")
     status_code: int = Field(200, description="HTTP status of the error.")
+    prompt_tokens: int = Field(0, description="The request's prompt tokens (counted against its key).")
+    tokens: int = Field(0, description="Tokens generated for this choice since its previous chunk.")
 
 
 def _now() -> int:

@@ -42,15 +42,31 @@ def _as_object(arguments: Any) -> Any:
 
 
 def _arguments_text(arguments: Any) -> str | None:
-    """A parsed call's arguments as JSON text; None when they are not an object."""
+    """A parsed call's arguments as JSON text; None when they are not an object. A model may
+    write a lone surrogate escape ("\\ud800") in a string: it stays escaped, so the text is
+    valid UTF-8 and the answer valid JSON."""
     arguments = _as_object(arguments)
-    return json.dumps(arguments, ensure_ascii=False) if isinstance(arguments, dict) else None
+    if not isinstance(arguments, dict):
+        return None
+    text = json.dumps(arguments, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(arguments)
+    return text
 
 
-def _call_of(obj: Any, arguments_key: str) -> ToolCall | None:
+def _call_of(obj: Any, arguments_key: str, names: frozenset[str] | None) -> ToolCall | None:
+    """The call ``obj`` writes: a declared tool's name (any name where ``names`` is None) and an
+    arguments object under ``arguments_key`` (or "arguments"); None for anything else, such as
+    plain JSON that happens to hold a "name"."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    arguments = _arguments_text(obj.get(arguments_key, obj.get("arguments", {})))
+    if names is not None and obj["name"] not in names:
+        return None
+    if arguments_key not in obj and "arguments" not in obj:
+        return None
+    arguments = _arguments_text(obj.get(arguments_key, obj.get("arguments")))
     if arguments is None:
         return None
     return ToolCall(function=FunctionCall(name=obj["name"], arguments=arguments))
@@ -116,41 +132,49 @@ class ToolFormat:
                 return length
         return 0
 
-    def parse(self, calls_text: str, finished: bool) -> tuple[list[ToolCall], bool]:
-        """Calls complete in ``calls_text`` (the answer from ``start``), and whether the text is
-        calls throughout (False: something in it does not parse, and the answer is content after
-        all)."""
+    def parse(
+        self, calls_text: str, finished: bool, names: frozenset[str] | None = None
+    ) -> tuple[list[ToolCall], int | None]:
+        """The calls complete in ``calls_text`` (the answer from ``start``) up to the first part
+        that is no call of ``names``, and where that part begins (None: none so far). From there
+        on the answer is content: calls already made stay made (a stream sent them), so the
+        answer depends on its text alone, never on how its tokens were grouped into steps.
+
+        Blocks are read between the tags without their newlines, as vLLM's hermes parser reads
+        them; formats without tags are read whole, once the answer is finished."""
         if self.call_open:  # one block per call, closed by its tag (or by the answer's end)
+            open_tag, close_tag = self.call_open.strip(), self.call_close.strip()
             calls, position = [], 0
             while True:
-                begin = calls_text.find(self.call_open, position)
+                begin = calls_text.find(open_tag, position)
                 if begin < 0:
-                    break
-                end = calls_text.find(self.call_close, begin)
+                    if finished and calls_text[position:].strip():
+                        return calls, position  # text after the calls that is no call
+                    return calls, None
+                end = calls_text.find(close_tag, begin)
                 if end < 0 and not finished:
-                    break
+                    return calls, None
                 body_end = end if end >= 0 else len(calls_text)
-                call = self._loads(calls_text[begin + len(self.call_open) : body_end])
+                call = self._loads(calls_text[begin + len(open_tag) : body_end], names)
                 if call is None:
-                    return calls, False
+                    return calls, begin
                 calls.append(call)
-                position = body_end + len(self.call_close) if end >= 0 else len(calls_text)
-            return calls, True
+                position = body_end + len(close_tag) if end >= 0 else len(calls_text)
         if not finished:
-            return [], True
+            return [], None
         body = calls_text.strip()
         for marker in self.markers:
             if marker != "{" and body.startswith(marker):
                 body = body[len(marker) :]
-        calls = [self._loads(part) for part in _split_objects(body, self.separator.strip())]
+        calls = [self._loads(part, names) for part in _split_objects(body, self.separator.strip())]
         if not calls or any(call is None for call in calls):
-            return [], False
-        return calls, True
+            return [], 0
+        return calls, None
 
-    def _loads(self, text: str) -> ToolCall | None:
+    def _loads(self, text: str, names: frozenset[str] | None) -> ToolCall | None:
         try:
-            return _call_of(json.loads(text), self.arguments_key)
-        except json.JSONDecodeError:
+            return _call_of(json.loads(text), self.arguments_key, names)
+        except (json.JSONDecodeError, RecursionError):
             return None
 
     def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
@@ -285,15 +309,22 @@ def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class ToolStream:
     """Splits a streamed answer into content and tool calls: content streams as it comes (less
-    a tail that may open a call), the calls are held until each one is whole.
+    a tail that may open a call), the calls are held until each one is whole. Where the calls
+    stop parsing (a broken block, text that is no call), the rest of the answer is content.
 
     ``push`` takes new answer text and returns (content to send, calls to send).
+
+    Attributes:
+        fmt: how the model writes calls.
+        names: the request's declared tools (None: any name is a call).
     """
 
     fmt: ToolFormat
+    names: frozenset[str] | None = None
     text: str = ""
     num_sent: int = 0  # characters of ``text`` sent as content
     calls_at: int | None = None  # where the calls begin
+    content_again_at: int | None = None  # where the calls stopped parsing
     calls: list[ToolCall] = field(default_factory=list)
 
     def push(self, delta: str, finished: bool) -> tuple[str, list[ToolCall]]:
@@ -303,12 +334,17 @@ class ToolStream:
         if self.calls_at is None:
             end = len(self.text) if finished else len(self.text) - self.fmt.may_start(self.text)
             return self._content(end), []
+        new_calls: list[ToolCall] = []
+        if self.content_again_at is None:
+            calls, stopped = self.fmt.parse(self.text[self.calls_at :], finished, self.names)
+            new_calls = calls[len(self.calls) :]
+            self.calls.extend(new_calls)
+            if stopped is not None:
+                self.content_again_at = self.calls_at + stopped
         content = self._content(self.calls_at)
-        calls, whole = self.fmt.parse(self.text[self.calls_at :], finished)
-        if finished and not self.calls and not (whole and calls):  # not calls after all
-            return content + self._content(len(self.text)), []
-        new_calls = calls[len(self.calls) :]
-        self.calls.extend(new_calls)
+        if self.content_again_at is not None:
+            self.num_sent = max(self.num_sent, self.content_again_at)
+            content += self._content(len(self.text))
         return content, new_calls
 
     def _content(self, end: int) -> str:

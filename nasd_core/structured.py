@@ -27,12 +27,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
+import numpy as np
 import torch
 
 from nasd_core.config import GrammarSpec
@@ -40,8 +42,10 @@ from nasd_core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
-# Compiled grammars kept per engine (by spec), least recently used dropped first.
+# Compiled grammars kept per engine (by spec), least recently used dropped first, by count and by
+# the characters of their sources and grammars (a client may send large schemas).
 MAX_CACHED_GRAMMARS = 256
+MAX_CACHED_GRAMMAR_CHARS = 32 << 20
 # JSON is written as json.dumps writes it: ", " and ": ", no other whitespace. Free whitespace
 # lets a small model pad an answer with newlines, and a canonical form leaves the grammar whole
 # runs of forced tokens to draft (after a name's value: ', "age":').
@@ -57,8 +61,26 @@ def parser_limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(step_lexer_fuel=2_000_000, step_max_items=500_000, verbose_errors=False)
 
 
+# Characters of a grammar builder's message an error keeps (it may quote the schema).
+MAX_ERROR_CHARS = 200
+
+
 def grammar_text(spec: GrammarSpec) -> str:
-    """llguidance's grammar for ``spec`` (not yet checked)."""
+    """llguidance's grammar for ``spec`` (not yet checked); raises ``InvalidRequestError``
+    naming ``spec.param`` for a source the builders refuse (a 400-digit integer in a schema, a
+    schema nested past the parser's depth), never anything else."""
+    try:
+        return _grammar_text(spec)
+    except (ValueError, TypeError, RecursionError) as exc:
+        if isinstance(exc, InvalidRequestError):
+            raise
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[:MAX_ERROR_CHARS] + "..."
+        raise InvalidRequestError(f"{spec.param}: {message}", spec.param) from None
+
+
+def _grammar_text(spec: GrammarSpec) -> str:
     if spec.kind == "json_schema":
         try:
             schema = json.loads(spec.source)
@@ -87,6 +109,10 @@ def grammar_text(spec: GrammarSpec) -> str:
     return llguidance.LLMatcher.grammar_from_lark(spec.source)
 
 
+def _chars(key: tuple[str, str], grammar: str) -> int:
+    return len(key[1]) + len(grammar)
+
+
 class Grammars:
     """The engine's grammar compiler: one llguidance tokenizer, grammars cached by spec.
 
@@ -102,24 +128,37 @@ class Grammars:
         # Computes a step's masks for all its rows at once, on its own threads.
         self.executor = llguidance.LLExecutor()
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
-        # By kind and source: the same schema sent through another field compiles once.
+        # By kind and source: the same schema sent through another field compiles once. Requests'
+        # grammars are compiled on worker threads (``AsyncEngine``), the engine's matchers read them.
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._cached_chars = 0
+        self._lock = threading.Lock()
 
     def compile(self, spec: GrammarSpec) -> str:
-        """``spec``'s grammar, checked; raises ``InvalidRequestError`` naming ``spec.param``."""
+        """``spec``'s grammar, checked; raises ``InvalidRequestError`` naming ``spec.param``.
+        Thread-safe: a server compiles off the thread that runs steps."""
         key = (spec.kind, spec.source)
-        grammar = self._grammars.get(key)
-        if grammar is not None:
-            self._grammars.move_to_end(key)
-            return grammar
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                self._grammars.move_to_end(key)
+                return grammar
         grammar = grammar_text(spec)
         error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=parser_limits())
         if error and not error.startswith("WARNING"):
             raise InvalidRequestError(f"{spec.param}: {error.splitlines()[0]}", spec.param)
-        self._grammars[key] = grammar
-        if len(self._grammars) > MAX_CACHED_GRAMMARS:
-            self._grammars.popitem(last=False)
+        with self._lock:
+            if key not in self._grammars:
+                self._grammars[key] = grammar
+                self._cached_chars += _chars(key, grammar)
+            while len(self._grammars) > MAX_CACHED_GRAMMARS or self._cached_chars > MAX_CACHED_GRAMMAR_CHARS:
+                dropped_key, dropped = self._grammars.popitem(last=False)
+                self._cached_chars -= _chars(dropped_key, dropped)
         return grammar
+
+    @property
+    def cached_chars(self) -> int:
+        return self._cached_chars
 
     def matcher(self, spec: GrammarSpec) -> RequestGrammar:
         """A new request's matcher for ``spec``."""
@@ -147,6 +186,11 @@ def grammar_masks(
     if len(with_drafts) < len(jobs):  # llguidance takes rows without drafts apart
         plain = [(matcher, first) for matcher, first, draft in jobs if not draft]
         llguidance.torch.fill_next_token_bitmask_par(grammar.executor, plain, bitmask)
+    for (row_grammar, first, draft), (_, _, maskable) in zip(rows, jobs, strict=True):
+        if len(maskable) < len(draft):
+            # After a drafted end of sequence the grammar is done and allows only the end again
+            # (what ignore_eos keeps): masked so, or such a row could emit what it forbids.
+            bitmask[first + len(maskable) + 1 : first + len(draft) + 1] = row_grammar.end_only_mask()
     return bitmask
 
 
@@ -174,10 +218,18 @@ class RequestGrammar:
         """How many of ``draft``'s first tokens the grammar allows after the kept tokens."""
         return self.matcher.validate_tokens(list(draft)) if draft else 0
 
+    def end_only_mask(self) -> torch.Tensor:
+        """The bitmask row (llguidance's: bit t of 32-bit word t // 32) that allows only the
+        end-of-sequence tokens."""
+        words = np.zeros(-(-self.vocab_size // 32), dtype=np.uint32)
+        for token in self.eos_ids:
+            words[token // 32] |= np.uint32(1 << (token % 32))
+        return torch.from_numpy(words.view(np.int32))
+
     def maskable(self, draft: Sequence[int]) -> list[int]:
-        """The drafts whose following positions need a mask: those before the first end of
-        sequence (a position after it is never kept, and a matcher stopped by it cannot roll
-        back)."""
+        """The drafts whose following positions the grammar's state masks: those before the first
+        end of sequence (a matcher stopped by it cannot roll back; the positions after it are
+        masked to the end alone, ``grammar_masks``)."""
         end = next((index for index, token in enumerate(draft) if token in self.eos_ids), len(draft))
         return list(draft[:end])
 

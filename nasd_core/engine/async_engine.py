@@ -127,6 +127,10 @@ class AsyncEngine:
             # few ms for a long prompt, which the engine thread would otherwise spend between
             # two steps of every running request.
             prompt_ids = encode_prompt(self.engine.tokenizer, prompt, self.engine.vocab_size)
+            if params is not None and params.grammar is not None:
+                # A large schema takes long to compile: here it holds up no other request's step
+                # (the engine's matcher then finds it compiled).
+                self.engine.grammars.compile(params.grammar)
             seed = params.seed if params is not None else None
             return prompt_ids, self.engine.new_drafter(prompt_ids, spec, seed, shared)
 

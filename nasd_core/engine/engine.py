@@ -16,8 +16,8 @@ streams it; the scheduler retires finished rows.
 
 from __future__ import annotations
 
-import functools
 import itertools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -123,6 +123,8 @@ class Engine:
         self.stats = SpecStats()
         self._ids = itertools.count()
         self._detached: set[str] = set()
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
 
     # The scheduler's queues and the speculator's state, read by callers and tests.
     @property
@@ -330,10 +332,14 @@ class Engine:
             self.step()
         return [self.pop_result(request_id) for request_id in ids]
 
-    @functools.cached_property
+    @property
     def grammars(self) -> Grammars:
-        """The compiler of requests' grammars (structured output), made at the first one."""
-        return Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        """The compiler of requests' grammars (structured output), made at the first one (on
+        whichever thread asks first: building llguidance's tokenizer takes a while)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            return self._grammars
 
     # ---------------------------------------------------------------- step
     @torch.inference_mode()

@@ -1,10 +1,12 @@
 """API keys and tenants (``deployments/auth.py``): the key file and limits on their own, then
 through the real service with the openai client: 401s, the key's tenant as the isolation
-boundary whatever ``user`` a request sends, 429s with Retry-After, and a key rotated in the
-file taking effect without a restart."""
+boundary whatever ``user`` a request sends (keys imply isolation), each tenant seeing its own
+counters, 429s with Retry-After, rows and reserved tokens that hold under concurrency, dropped
+streams counted, and a key rotated in the file taking effect without a restart."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -13,7 +15,18 @@ from pathlib import Path
 import openai
 import pytest
 
-from deployments.auth import ApiKeys, KeyFileError, KeyLimiter, KeyLimits, parse_keys
+from deployments.auth import (
+    RELOAD_CHECK_INTERVAL_S,
+    RELOAD_SETTLE_S,
+    Admission,
+    ApiKeys,
+    KeyFileError,
+    KeyLimiter,
+    KeyLimits,
+    Rejection,
+    parse_keys,
+)
+from deployments.builder import AppArgs, tenant_isolation
 from nasd_core.config import EMBEDDED_MODEL
 from tests.deployments.conftest import serve_apps, wait_for_samples
 
@@ -22,8 +35,14 @@ KEYS = {
     "bob": "sk-test-bob-9876543210",
     "one": "sk-test-one-in-flight",
     "tpm": "sk-test-tokens-per-minute",
+    "two": "sk-test-two-rows-in-flight",
+    "budget": "sk-test-token-budget",
+    "ops": "sk-test-operator-admin",
 }
 TOKENS_PER_MINUTE = 60
+BUDGET_TOKENS = 100
+# Past the reload check interval and the settle time of a changed key file.
+RELOAD_WAIT_S = RELOAD_CHECK_INTERVAL_S + RELOAD_SETTLE_S + 0.2
 QUESTION = [{"role": "user", "content": "List the first eight planets of the solar system, in order."}]
 
 
@@ -34,6 +53,9 @@ def key_file_text(keys: dict[str, str]) -> str:
         f"{keys['bob']} bob   # a comment\n"
         f"{keys['one']} one max_in_flight=1\n"
         f"\n{keys['tpm']} tpm tokens_per_minute={TOKENS_PER_MINUTE}\n"
+        f"{keys['two']} two max_in_flight=2\n"
+        f"{keys['budget']} budget tokens_per_minute={BUDGET_TOKENS}\n"
+        f"{keys['ops']} ops admin\n"
     )
 
 
@@ -47,7 +69,8 @@ def write_atomically(path, text: str) -> None:
 def test_key_file_lines_give_tenants_and_limits():
     keys = parse_keys(key_file_text(KEYS), KeyLimits(max_in_flight=5))
     by_tenant = {key.tenant: key for key in keys.values()}
-    assert set(by_tenant) == {"alice", "bob", "one", "tpm"}
+    assert set(by_tenant) == {"alice", "bob", "one", "tpm", "two", "budget", "ops"}
+    assert by_tenant["ops"].admin and not by_tenant["alice"].admin
     assert by_tenant["alice"].limits == KeyLimits(max_in_flight=5)  # the defaults
     assert by_tenant["one"].limits.max_in_flight == 1
     assert by_tenant["tpm"].limits == KeyLimits(5, TOKENS_PER_MINUTE)
@@ -55,7 +78,16 @@ def test_key_file_lines_give_tenants_and_limits():
 
 @pytest.mark.parametrize(
     "line",
-    ["sk-only-a-key", "sk-x bad/tenant", "sk-x t max_in_flight=0", "sk-x t speed=3", "sk-x t\nsk-x u"],
+    [
+        "sk-only-a-key",
+        "sk-x bad/tenant",
+        "sk-x t max_in_flight=0",
+        "sk-x t speed=3",
+        "sk-x t\nsk-x u",
+        # "²".isdigit() is true and int("²") raises: a parse error, not a crash of every reload.
+        "sk-x t max_in_flight=\u00b2",
+        "sk-x t tokens_per_minute=\u0663",
+    ],
 )
 def test_a_bad_key_file_line_is_named_by_number_never_by_key(line):
     with pytest.raises(KeyFileError) as error:
@@ -71,11 +103,31 @@ def test_keys_are_found_by_value_and_a_changed_file_is_read_again(tmp_path):
     assert keys.find(KEYS["bob"]).tenant == "bob"
     assert keys.find("sk-test-bob") is None and keys.find("") is None
     write_atomically(path, "sk-rotated bob\n")
-    time.sleep(0.6)  # past the reload check interval
+    time.sleep(RELOAD_WAIT_S)
     assert keys.find(KEYS["bob"]) is None and keys.find("sk-rotated").tenant == "bob"
-    write_atomically(path, "not a valid file\n")
-    time.sleep(0.6)
+    write_atomically(path, f"not a valid file\n{KEYS['alice']} alice max_in_flight=\u00b2\n")
+    time.sleep(RELOAD_WAIT_S)
     assert keys.find("sk-rotated").tenant == "bob", "a bad file must keep the keys read before"
+    assert keys.num_reload_errors == 1 and "line 1" in keys.last_error and keys.num_reloads == 2
+
+
+def test_a_key_file_edited_in_place_never_revokes_its_keys_while_it_is_written(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(key_file_text(KEYS))
+    keys = ApiKeys(None, str(path))
+    time.sleep(RELOAD_CHECK_INTERVAL_S + 0.1)
+    # An editor's save: truncate, then write the new text in pieces.
+    text = key_file_text({**KEYS, "bob": "sk-test-bob-new"})
+    with open(path, "w") as file:
+        file.flush()
+        for start in range(0, len(text), 40):
+            time.sleep(RELOAD_CHECK_INTERVAL_S / 2)
+            assert keys.find(KEYS["alice"]) is not None, "a key was revoked mid-write"
+            file.write(text[start : start + 40])
+            file.flush()
+    assert keys.find(KEYS["bob"]) is not None  # the edit is not read before it settles
+    time.sleep(RELOAD_WAIT_S)
+    assert keys.find(KEYS["bob"]) is None and keys.find("sk-test-bob-new").tenant == "bob"
 
 
 def test_a_missing_key_file_refuses_to_start_an_open_server(tmp_path):
@@ -83,24 +135,47 @@ def test_a_missing_key_file_refuses_to_start_an_open_server(tmp_path):
         ApiKeys(None, str(tmp_path / "absent"))
 
 
-def test_limits_count_requests_in_flight_and_tokens_per_minute():
+def test_limits_count_rows_in_flight_and_tokens_used_or_reserved_per_minute():
     keys = parse_keys(key_file_text(KEYS), KeyLimits())
-    one, tpm = (next(key for key in keys.values() if key.tenant == tenant) for tenant in ("one", "tpm"))
+    one, tpm, two = (
+        next(key for key in keys.values() if key.tenant == name) for name in ("one", "tpm", "two")
+    )
     limiter = KeyLimiter()
-    assert limiter.admit(one, now=0.0) is None
+    first = limiter.admit(one, now=0.0)
+    assert isinstance(first, Admission)
     rejection = limiter.admit(one, now=0.0)
-    assert rejection is not None and rejection.kind == "requests" and rejection.retry_after_s >= 1
-    limiter.release(one)
-    assert limiter.admit(one, now=0.0) is None
-    assert limiter.admit(tpm, now=0.0) is None
-    limiter.release(tpm)
-    limiter.record_tokens(tpm, 40, 25, now=10.0)  # 65 of 60 in the window
+    assert isinstance(rejection, Rejection) and rejection.kind == "requests" and rejection.retry_after_s >= 1
+    limiter.finish(first, 0, 0)
+    assert isinstance(limiter.admit(one, now=0.0), Admission)
+    # Rows, not requests: 3 rows never fit 2, 2 do, and then not one more.
+    assert isinstance(limiter.admit(two, rows=3, now=0.0), Rejection)
+    pair = limiter.admit(two, rows=2, now=0.0)
+    assert isinstance(pair, Admission) and isinstance(limiter.admit(two, now=0.0), Rejection)
+    limiter.finish(pair, 0, 0)
+    # Reserved tokens count before they are used; what was not used is given back.
+    held = limiter.admit(tpm, reserve_tokens=50, now=0.0)
+    assert isinstance(held, Admission)
+    assert isinstance(limiter.admit(tpm, reserve_tokens=20, now=0.0), Rejection)
+    limiter.finish(held, 20, 10, now=5.0)  # used 30 of the 50 it reserved
+    assert isinstance(limiter.admit(tpm, reserve_tokens=30, now=6.0), Admission)
+    assert limiter.reserved[tpm.key_id] == 30
+    limiter.record_tokens(tpm, 40, 25, now=10.0)  # 30 + 65 used, 30 reserved, of 60
     rejection = limiter.admit(tpm, now=20.0)
-    assert rejection is not None and rejection.kind == "tokens" and rejection.retry_after_s == 50
-    assert limiter.admit(tpm, now=70.5) is None  # the tokens left the window
+    assert isinstance(rejection, Rejection) and rejection.kind == "tokens" and rejection.retry_after_s == 50
     counters = limiter.snapshot()["tenants"]
-    assert counters["one"]["rejected_requests"] == 1 and counters["tpm"]["rejected_tokens"] == 1
-    assert counters["tpm"]["prompt_tokens"] == 40 and counters["tpm"]["completion_tokens"] == 25
+    assert counters["one"]["rejected_requests"] == 1 and counters["tpm"]["rejected_tokens"] == 2
+    assert counters["tpm"]["prompt_tokens"] == 60 and counters["tpm"]["completion_tokens"] == 35
+    assert set(limiter.snapshot("tpm")["tenants"]) == {"tpm"} and "unauthorized" not in limiter.snapshot(
+        "tpm"
+    )
+
+
+def test_keys_imply_tenant_isolation_and_an_explicit_opt_out_is_logged(caplog):
+    assert tenant_isolation(AppArgs(api_key="sk-x")) and tenant_isolation(AppArgs(api_keys_file="keys"))
+    assert not tenant_isolation(AppArgs()) and tenant_isolation(AppArgs(tenant_isolation=True))
+    with caplog.at_level(logging.WARNING):
+        assert not tenant_isolation(AppArgs(api_key="sk-x", tenant_isolation=False))
+    assert "tenant_isolation is off with API keys" in caplog.text
 
 
 # ------------------------------------------------------------------ through the service
@@ -108,7 +183,8 @@ def test_limits_count_requests_in_flight_and_tokens_per_minute():
 def keyed(tmp_path_factory):
     path = tmp_path_factory.mktemp("keys") / "keys"
     path.write_text(key_file_text(KEYS))
-    args = {"num_cpus_per_replica": 2, "api_keys_file": str(path), "tenant_isolation": True}
+    # No tenant_isolation: keys imply it.
+    args = {"num_cpus_per_replica": 2, "api_keys_file": str(path)}
     with serve_apps({"keyed": args}, num_cpus=2) as apps:
         yield apps["keyed"], path
 
@@ -196,6 +272,12 @@ def test_limits_answer_429_with_retry_after_and_nothing_else_breaks(keyed):
     pieces.extend(stream)
     assert "".join(piece.choices[0].delta.content or "" for piece in pieces if piece.choices)
     assert ask(one, max_tokens=4).choices  # the slot came back when the stream ended
+    # A completion of 3 prompts is 3 rows: over a key allowed 2 in flight, whatever else runs.
+    rows = served.client(KEYS["two"]).completions
+    with pytest.raises(openai.RateLimitError) as error:
+        rows.create(model=EMBEDDED_MODEL, prompt=["a", "b", "c"], max_tokens=2)
+    assert error.value.body["type"] == "requests"
+    assert len(rows.create(model=EMBEDDED_MODEL, prompt=["a", "b"], max_tokens=2).choices) == 2
 
     tpm = served.client(KEYS["tpm"])
     ask(tpm, max_tokens=48)  # the question's prompt and answer exceed the minute's tokens
@@ -203,16 +285,64 @@ def test_limits_answer_429_with_retry_after_and_nothing_else_breaks(keyed):
         ask(tpm, max_tokens=4)
     assert error.value.body["type"] == "tokens"
     assert 1 <= int(error.value.response.headers["retry-after"]) <= 60
-    stats = served.request("GET", "/v1/nasd/stats", headers={"Authorization": f"Bearer {KEYS['bob']}"}).body
+    stats = served.request("GET", "/v1/nasd/stats", headers={"Authorization": f"Bearer {KEYS['ops']}"}).body
     tenants = stats["auth"]["tenants"]
     assert tenants["one"]["rejected_requests"] == 1 and tenants["one"]["in_flight"] == 0
     assert tenants["tpm"]["rejected_tokens"] == 1 and tenants["tpm"]["prompt_tokens"] > 0
     assert stats["auth"]["unauthorized"] > 0
 
 
+def test_a_tenant_sees_its_own_counters_and_an_admin_every_tenants(keyed):
+    served, _ = keyed
+    ask(served.client(KEYS["bob"]), max_tokens=2)
+    ask(served.client(KEYS["alice"]), max_tokens=2)
+    own = served.request("GET", "/v1/nasd/stats", headers={"Authorization": f"Bearer {KEYS['bob']}"}).body
+    assert set(own["auth"]["tenants"]) == {"bob"} and own["auth"]["tenants"]["bob"]["requests"] >= 1
+    assert "unauthorized" not in own["auth"] and "key_file" not in own["auth"]
+    every = served.request("GET", "/v1/nasd/stats", headers={"Authorization": f"Bearer {KEYS['ops']}"}).body
+    assert {"alice", "bob"} <= set(every["auth"]["tenants"]) and "unauthorized" in every["auth"]
+    assert every["auth"]["key_file"]["reloads"] >= 1
+
+
+def test_a_dropped_stream_counts_the_tokens_it_was_sent(keyed):
+    served, _ = keyed
+
+    def completion_tokens() -> int:
+        stats = served.request(
+            "GET", "/v1/nasd/stats", headers={"Authorization": f"Bearer {KEYS['alice']}"}
+        ).body
+        return stats["auth"]["tenants"]["alice"]["completion_tokens"]
+
+    before = completion_tokens()
+    stream = served.client(KEYS["alice"]).chat.completions.create(
+        model=EMBEDDED_MODEL,
+        messages=QUESTION,
+        max_tokens=300,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "speculation": "off"},
+    )
+    received = [chunk for _, chunk in zip(range(30), stream)]
+    stream.close()  # the client goes away mid-answer: no usage chunk ever comes
+    assert len(received) == 30
+    deadline = time.monotonic() + 10
+    while completion_tokens() - before < 25:
+        assert time.monotonic() < deadline, (
+            f"{completion_tokens() - before} tokens counted for the dropped stream"
+        )
+        time.sleep(0.2)
+
+
+def test_concurrent_requests_reserve_their_max_tokens_against_the_token_budget(keyed):
+    served, _ = keyed
+    statuses = parallel_statuses(served, KEYS["budget"], 20, max_tokens=16)
+    # Each reserves 16 of the 100: exactly 6 get in (none ends before all 20 are answered).
+    assert statuses.count(200) == BUDGET_TOKENS // 16 and statuses.count(429) == 20 - BUDGET_TOKENS // 16
+
+
 def test_prometheus_counts_match_the_stats_endpoint_per_tenant(keyed):
     served, _ = keyed
-    stats = served.request("GET", "/v1/nasd/stats", headers={"Authorization": f"Bearer {KEYS['bob']}"}).body
+    stats = served.request("GET", "/v1/nasd/stats", headers={"Authorization": f"Bearer {KEYS['ops']}"}).body
     tenants = stats["auth"]["tenants"]
     expected = {
         "ray_nasd_tenant_requests_total[outcome=rejected_requests][tenant=one]": tenants["one"][
@@ -229,25 +359,34 @@ def test_prometheus_counts_match_the_stats_endpoint_per_tenant(keyed):
     wait_for_samples(served.metrics_url, expected, ("outcome", "kind", "tenant"))
 
 
-def test_concurrent_requests_of_one_key_never_exceed_its_limit(keyed):
-    served, _ = keyed
+def parallel_statuses(served, key: str, count: int, max_tokens: int) -> list[int]:
+    """The statuses of ``count`` chat requests of ``key`` sent at once."""
     statuses: list[int] = []
+    ready = threading.Barrier(count)
 
     def call() -> None:
+        ready.wait()
         response = served.request(
             "POST",
             "/v1/chat/completions",
-            {"model": EMBEDDED_MODEL, "messages": QUESTION, "max_tokens": 16, "temperature": 0},
-            {"Authorization": f"Bearer {KEYS['one']}"},
+            {"model": EMBEDDED_MODEL, "messages": QUESTION, "max_tokens": max_tokens, "temperature": 0},
+            {"Authorization": f"Bearer {key}"},
         )
         statuses.append(response.status)
 
-    threads = [threading.Thread(target=call) for _ in range(4)]
+    threads = [threading.Thread(target=call) for _ in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert set(statuses) <= {200, 429} and 200 in statuses and 429 in statuses
+    return statuses
+
+
+def test_concurrent_requests_of_one_key_never_exceed_its_limit(keyed):
+    served, _ = keyed
+    # The 2 admitted take seconds; the others are refused at once: exactly 2 get in.
+    statuses = parallel_statuses(served, KEYS["two"], 8, max_tokens=48)
+    assert sorted(statuses) == [200] * 2 + [429] * 6
 
 
 def test_a_key_rotated_in_the_file_takes_effect_without_a_restart(keyed):
@@ -255,17 +394,18 @@ def test_a_key_rotated_in_the_file_takes_effect_without_a_restart(keyed):
     rotated = {**KEYS, "alice": "sk-test-alice-rotated"}
     write_atomically(path, key_file_text(rotated))
     try:
-        time.sleep(0.6)  # past the reload check interval
+        time.sleep(RELOAD_WAIT_S)
         with pytest.raises(openai.AuthenticationError):
             ask(served.client(KEYS["alice"]), max_tokens=2)
         assert ask(served.client(rotated["alice"]), max_tokens=2).choices
     finally:
         write_atomically(path, key_file_text(KEYS))
+        time.sleep(RELOAD_WAIT_S)
 
 
 def test_no_log_holds_a_key(keyed):
     """Every key this module sent, valid or not, is absent from every log Ray and Serve wrote."""
-    sent = [*KEYS.values(), KEYS["alice"] + "x", "sk-test-alice-rotated"]
+    sent = [*KEYS.values(), KEYS["alice"] + "x", "sk-test-alice-rotated", "sk-test-bob-new"]
     logs = Path("/tmp/ray/session_latest/logs")
     assert logs.is_dir(), "no Ray session logs to search"
     files = [path for path in logs.rglob("*") if path.is_file()]

@@ -529,6 +529,11 @@ def test_speculation_is_used_and_reported(app):
 # ---------------------------------------------------------------------- bad input
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]
+# A 400-digit bound: valid JSON, which the grammar builder cannot write back.
+BIG_INTEGER_SCHEMA = {
+    "type": "json_schema",
+    "json_schema": {"name": "n", "schema": {"type": "integer", "maximum": 10**400}},
+}
 BAD_INPUT = {
     # id: (path, body, status, param, code)
     "invalid_json": (COMPLETIONS_PATH, b'{"prompt": "hi", ', 400, None, None),
@@ -562,6 +567,15 @@ BAD_INPUT = {
         None,
     ),
     "max_tokens_zero": (COMPLETIONS_PATH, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    "user_lone_surrogate": (COMPLETIONS_PATH, {"prompt": "hi", "user": "\ud800"}, 400, "user", None),
+    "prompt_lone_surrogate": (COMPLETIONS_PATH, {"prompt": "a\ud800"}, 400, "prompt", None),
+    "schema_integer_past_the_builder": (
+        CHAT_PATH,
+        {"messages": HI, "response_format": BIG_INTEGER_SCHEMA},
+        400,
+        "response_format",
+        None,
+    ),
     "max_tokens_negative": (CHAT_PATH, {"messages": HI, "max_tokens": -3}, 400, "max_tokens", None),
     "max_tokens_beyond_context": (
         COMPLETIONS_PATH,
@@ -955,6 +969,7 @@ FIELDS = {
                 {"type": "text"},
                 {"type": "json_object"},
                 {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}}},
+                BIG_INTEGER_SCHEMA,
             ]
         ),
         ODD,

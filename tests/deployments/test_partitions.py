@@ -82,3 +82,15 @@ def test_requests_meet_their_partition_on_one_replica(app):
     client_redis = redis.Redis.from_url(MACHINE_REDIS_URL)
     assert sum(client_redis.xlen(pool_keys(name)["seqs"]) for name in expected) >= len(QUESTIONS)
     assert client_redis.xlen(pool_keys(model_namespace)["seqs"]) == 0
+
+
+def test_a_lone_surrogate_in_a_prompt_or_user_is_a_400_not_a_crash_of_the_partition_hash(app):
+    """Partitions hash the prompt's opening and the user: text JSON allows and UTF-8 does not."""
+    served, _ = app
+    for body, param in (
+        ({"model": EMBEDDED_MODEL, "prompt": "\ud800 hello", "max_tokens": 2}, "prompt"),
+        ({"model": EMBEDDED_MODEL, "prompt": "hello", "user": "\udfff", "max_tokens": 2}, "user"),
+    ):
+        response = served.request("POST", "/v1/completions", body)
+        assert response.status == 400 and response.body["error"]["param"] == param, response.body
+    assert served.client().completions.create(model=EMBEDDED_MODEL, prompt="hello", max_tokens=2).choices

@@ -176,6 +176,88 @@ def test_llama3_json_calls_joined_by_semicolons_with_or_without_the_python_tag()
         assert json.loads(calls[0].function.arguments) == {"city": "Oslo", "unit": "f"}
 
 
+def final_answer(fmt, pieces: list[str], names: frozenset[str] | None = None) -> tuple[str, list]:
+    """The content and calls of an answer streamed in ``pieces`` (the last push finishes it)."""
+    stream = ToolStream(fmt, names)
+    content, calls = "", []
+    for index, piece in enumerate(pieces):
+        delta, new_calls = stream.push(piece, index == len(pieces) - 1)
+        content, calls = content + delta, calls + new_calls
+    return content, [(call.function.name, call.function.arguments) for call in calls]
+
+
+def splits(text: str) -> Iterator[list[str]]:
+    """``text`` whole, in every 2-piece split (an empty last piece included), and per character."""
+    yield [text]
+    for cut in range(len(text) + 1):
+        yield [text[:cut], text[cut:]]
+    yield list(text)
+
+
+GOOD_CALL = '<tool_call>\n{"name": "ping", "arguments": {"host": "a"}}\n</tool_call>'
+ANSWERS = {
+    "good_then_broken": (HERMES, "Checking.\n" + GOOD_CALL + '\n<tool_call>\n{"name": "ping", "argu'),
+    "good_then_text": (HERMES, GOOD_CALL + "\nDone, that was all."),
+    "broken_first": (HERMES, 'Sure. <tool_call>\n{"name": ping}\n</tool_call>' + GOOD_CALL),
+    "two_good": (HERMES, GOOD_CALL + "\n" + GOOD_CALL.replace('"a"', '"b"')),
+    "no_newlines": (HERMES, '<tool_call>{"name": "ping", "arguments": {}}</tool_call>'),
+    "llama3_good_then_broken": (LLAMA3_JSON, '{"name": "ping", "parameters": {}}; {"name": "pi'),
+    "llama3_two": (
+        LLAMA3_JSON,
+        '<|python_tag|>{"name": "ping", "parameters": {}}; {"name": "ping", "parameters": {"x": 1}}',
+    ),
+}
+
+
+@pytest.mark.parametrize("answer", list(ANSWERS))
+def test_an_answer_is_the_same_whatever_pieces_its_text_came_in(answer):
+    """Speculation groups tokens into steps differently from plain decoding: the API's answer
+    (content and calls) must depend on the text alone."""
+    fmt, text = ANSWERS[answer]
+    whole = final_answer(fmt, [text])
+    for pieces in splits(text):
+        assert final_answer(fmt, pieces) == whole, pieces
+    assert whole[0] or whole[1]  # something came out
+
+
+def test_a_good_call_then_a_broken_one_keeps_the_call_and_returns_the_rest_as_content():
+    content, calls = final_answer(HERMES, [ANSWERS["good_then_broken"][1]])
+    assert calls == [("ping", '{"host": "a"}')]
+    assert content == 'Checking.\n<tool_call>\n{"name": "ping", "argu'
+    content, calls = final_answer(HERMES, [ANSWERS["broken_first"][1]])
+    assert calls == [] and content == ANSWERS["broken_first"][1]
+
+
+def test_hermes_blocks_without_newlines_inside_the_tags_are_calls():
+    assert final_answer(HERMES, [ANSWERS["no_newlines"][1]]) == ("", [("ping", "{}")])
+
+
+def test_plain_json_with_a_name_is_no_call_of_an_undeclared_function():
+    text = '{"name": "Bob", "age": 3}'
+    assert final_answer(LLAMA3_JSON, [text]) == (text, [])  # no parameters: no call
+    call = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert final_answer(LLAMA3_JSON, [call], frozenset({"ping"})) == (call, [])  # not declared
+    assert final_answer(LLAMA3_JSON, [call], frozenset({"get_weather"}))[1] == [
+        ("get_weather", '{"city": "Oslo"}')
+    ]
+
+
+def test_a_lone_surrogate_escape_in_arguments_stays_escaped_in_valid_utf8():
+    content, calls = final_answer(
+        HERMES, ['<tool_call>\n{"name": "ping", "arguments": {"s": "\\ud800x"}}\n</tool_call>']
+    )
+    ((_, arguments),) = calls
+    arguments.encode("utf-8")  # would raise on a lone surrogate
+    assert json.loads(arguments) == {"s": "\ud800x"}
+    chunk = GenerateChunk(
+        text=content,
+        tool_calls=ToolStream(HERMES).push(
+            '<tool_call>\n{"name": "ping", "arguments": {"s": "\\udfff"}}\n</tool_call>', True
+        )[1],
+    )
+    json.loads(chunk.model_dump_json())
+
+
 def test_arguments_written_as_a_json_string_are_read_as_the_object():
     _, calls = streamed(HERMES, '<tool_call>\n{"name": "ping", "arguments": "{\\"a\\": 1}"}\n</tool_call>')
     assert json.loads(calls[0].function.arguments) == {"a": 1}

@@ -209,3 +209,89 @@ def test_sampled_constrained_rows_keep_the_constrained_plain_distribution(engine
     assert not set(lossy_second) <= set(torch.nonzero(plain[1]).flatten().tolist()), (
         "the lossy rule went unnoticed"
     )
+
+
+def test_a_grammar_answer_past_its_end_with_ignore_eos_is_the_same_whatever_the_drafts(engine):
+    """Past a grammar's end, ignore_eos keeps ends of sequence, and the drafters copy them: the
+    positions after a drafted end are masked to the end too, or a row emits what the grammar
+    forbids there (the correction after a rejected end)."""
+    spec = GrammarSpec(kind="choice", source=json.dumps(["yes"]), param="guided_choice")
+    params = SamplingParams(max_tokens=12, ignore_eos=True, grammar=spec)
+    # An earlier turn answered "yes": the drafters copy it with its end of sequence and what
+    # followed, so a step verifies past a drafted end.
+    turns = [
+        {"role": "user", "content": "Is water wet? Answer yes or no."},
+        {"role": "assistant", "content": "yes"},
+        {"role": "user", "content": "Is ice cold? Answer yes or no."},
+    ]
+    prompt = engine.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    outputs = {
+        mode: engine.generate([prompt], params, SpecConfig(mode=mode))[0] for mode in ("off", "on", "auto")
+    }
+    assert outputs["on"].stats.num_accepted > 0, "no draft was verified"
+    tokens = {mode: result.token_ids for mode, result in outputs.items()}
+    assert tokens["on"] == tokens["auto"] == tokens["off"]
+    assert len(tokens["off"]) == 12
+    text_ids = [token for token in tokens["off"] if token not in engine.eos_token_ids]
+    assert engine.tokenizer.decode(text_ids) == "yes"  # the choice, then ends of sequence only
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        '{"type": "integer", "maximum": 1' + "0" * 400 + "}",  # past what the builder can write
+        '{"type": "integer", "maximum": ' + "9" * 5000 + "}",  # past Python's digit limit
+        '{"type": "object"' + ', "properties": {"a": {"type": "object"' * 200 + "}}" * 200 + "}",
+    ],
+)
+def test_a_schema_the_grammar_builder_refuses_is_an_invalid_request_naming_its_field(engine, schema):
+    spec = GrammarSpec(kind="json_schema", source=schema, param="response_format")
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.grammars.compile(spec)
+    assert refused.value.param == "response_format" and len(str(refused.value)) < 300
+
+
+def test_a_servers_grammars_compile_off_the_thread_that_runs_steps(model, tokenizer, monkeypatch):
+    import asyncio
+    import threading
+
+    from nasd_core.engine.async_engine import AsyncEngine
+    from nasd_core.structured import Grammars
+
+    threads: list[str] = []
+    compile_grammar = Grammars.compile
+
+    def spying(self, spec):
+        threads.append(threading.current_thread().name)
+        return compile_grammar(self, spec)
+
+    monkeypatch.setattr(Grammars, "compile", spying)
+    server = AsyncEngine(Engine(model, tokenizer))
+    server.start()
+
+    async def answer() -> list[int]:
+        params = SamplingParams(max_tokens=8, grammar=JSON_SPEC)
+        return [
+            token
+            for chunk in [c async for c in server.generate(PROMPTS[1], params)]
+            for token in chunk.token_ids
+        ]
+
+    try:
+        assert asyncio.run(answer())
+    finally:
+        server.shutdown()
+    assert threads and threads[0] != "nasd-engine", threads  # compiled first on a worker thread
+
+
+def test_the_grammar_cache_is_bounded_in_characters(engine, monkeypatch):
+    from nasd_core import structured
+
+    grammars = structured.Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+    monkeypatch.setattr(structured, "MAX_CACHED_GRAMMAR_CHARS", 4000)
+    for index in range(20):
+        properties = {f"field_{index}_{k}": {"type": "integer"} for k in range(10)}
+        schema = json.dumps({"type": "object", "properties": properties})
+        grammars.compile(GrammarSpec(kind="json_schema", source=schema))
+        assert grammars.cached_chars <= 4000
+    assert 0 < len(grammars._grammars) < 20
