@@ -25,6 +25,7 @@ from deployments.router import ROUTER_CLASS
 from deployments.tools import ToolCallParser
 from nasd_core.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_GRAPH_WARMUP_BUDGET_S,
     DEFAULT_NUM_DRAFT_TOKENS,
     EMBEDDED_MODEL,
     EMBEDDED_MODEL_ALIASES,
@@ -83,6 +84,7 @@ ENV_VARS = {
     "step_graphs": "NASD_STEP_GRAPHS",
     "graph_attention": "NASD_GRAPH_ATTENTION",
     "gpu_memory_utilization": "NASD_GPU_MEMORY_UTILIZATION",
+    "graph_warmup_budget_s": "NASD_GRAPH_WARMUP_BUDGET_S",
     "prefix_cache_tokens": "NASD_PREFIX_CACHE_TOKENS",
     "tool_call_parser": "NASD_TOOL_CALL_PARSER",
     "autoscaling": "NASD_AUTOSCALING",
@@ -197,6 +199,12 @@ class AppArgs(BaseModel):
         "and the KV-cache takes the rest (EngineConfig.gpu_memory_utilization); settings that cannot fit "
         "are refused at replica start.",
     )
+    graph_warmup_budget_s: float = Field(
+        DEFAULT_GRAPH_WARMUP_BUDGET_S,
+        ge=0,
+        description="Seconds a GPU replica's start may spend capturing its CUDA-graph steps "
+        "(EngineConfig.graph_warmup_budget_s); shapes left out run without graphs.",
+    )
     autoscaling: dict[str, Any] | None = Field(
         None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas."
     )
@@ -275,6 +283,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         step_graphs=args.step_graphs,
         graph_attention=args.graph_attention,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        graph_warmup_budget_s=args.graph_warmup_budget_s,
         prefix_cache_tokens=args.prefix_cache_tokens,
         spec=SpecConfig(
             mode=args.speculation,

@@ -92,6 +92,10 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return error_response(exc.status_code, ErrorInfo(message=str(exc.detail), type=kind))
 
 
+# Times a generation call that failed before its first chunk is sent again (a replica died).
+REPLICA_RETRIES = 1
+
+
 def _route_path(request: Request) -> str:
     """The request's path inside the application (without the route prefix Serve mounts it at)."""
     path, root = request.scope["path"], request.scope.get("root_path", "")
@@ -549,17 +553,23 @@ class OpenAIIngress:
         self, request: GenerateRequest
     ) -> tuple[DeploymentResponseGenerator | None, GenerateChunk]:
         """Send the request to a replica and wait for its first chunk (which may be an error),
-        so the HTTP status is known before any byte of the answer is sent."""
+        so the HTTP status is known before any byte of the answer is sent. A call that fails
+        before its first chunk (the replica died) is sent again, once: nothing of it reached the
+        client (a whole answer's first chunk is its last), and Serve routes it to a live replica."""
         session_id = request.routing_key(self.pool_partitions)
         handle = self.replica.options(stream=True, **({"session_id": session_id} if session_id else {}))
-        chunks = handle.generate.remote(request.model_dump())
-        try:
-            first = await chunks.__anext__()
-        except Exception as exc:
-            chunks.cancel()
-            return None, _replica_failure(exc)
-        self._remember(first.replica)
-        return chunks, first
+        for attempt in range(1 + REPLICA_RETRIES):
+            chunks = handle.generate.remote(request.model_dump())
+            try:
+                first = await chunks.__anext__()
+            except Exception as exc:
+                chunks.cancel()
+                if attempt < REPLICA_RETRIES:
+                    logger.warning("replica call failed before its first chunk (%s); sending it again", exc)
+                    continue
+                return None, _replica_failure(exc)
+            self._remember(first.replica)
+            return chunks, first
 
     async def _next(self, chunks: DeploymentResponseGenerator) -> GenerateChunk | None:
         """The next chunk, None at the end; a failed call becomes an error chunk."""

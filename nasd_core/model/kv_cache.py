@@ -158,6 +158,7 @@ class PagedKVCache:
             for _ in range(num_layers)
         ]
         self.allocator = BlockAllocator(num_blocks)
+        self.num_reserved = 0  # blocks taken out of circulation (held by no row)
         self.rows: dict[Hashable, RowBlocks] = {}
         self.bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * self.keys[0].element_size()
         # Prefix cache. A block's key is (the block before it, that block's generation, the salt,
@@ -172,15 +173,21 @@ class PagedKVCache:
 
     # ------------------------------------------------------------ capacity
     @property
+    def num_row_blocks(self) -> int:
+        """Blocks rows may hold: the pool's, less those reserved (``reserve_block``)."""
+        return self.allocator.num_blocks - self.num_reserved
+
+    @property
     def capacity_tokens(self) -> int:
-        return self.allocator.num_blocks * self.block_size
+        """Positions rows may hold."""
+        return self.num_row_blocks * self.block_size
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a row of ``num_tokens`` fits the whole pool (else it must be refused)."""
-        return self.blocks_for(num_tokens) <= self.allocator.num_blocks
+        return self.blocks_for(num_tokens) <= self.num_row_blocks
 
     def can_allocate(self, num_tokens: int) -> bool:
         """Whether a row of ``num_tokens`` fits in the blocks free now (cached ones no row holds
@@ -240,6 +247,7 @@ class PagedKVCache:
         """Take one free block out of circulation for good, held by no row (the step graphs'
         scratch block, which padded positions write and read): its first slot."""
         (block,) = self.allocator.allocate(1)
+        self.num_reserved += 1
         return block * self.block_size
 
     def free(self, row_id: Hashable) -> None:
@@ -389,7 +397,7 @@ class PagedKVCache:
         reserved = sum(row.capacity(self.block_size) for row in self.rows.values())
         live = sum(row.length for row in self.rows.values())
         return {
-            "kv_bytes_pool": self.capacity_tokens * self.bytes_per_token,
+            "kv_bytes_pool": self.allocator.num_blocks * self.block_size * self.bytes_per_token,
             "kv_bytes_reserved": reserved * self.bytes_per_token,
             "kv_bytes_live": live * self.bytes_per_token,
             "kv_bytes_cached": len(self._unused) * self.block_size * self.bytes_per_token,

@@ -23,6 +23,7 @@ plans every device x model x rows cell of the deployments this project ships.
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -124,6 +125,7 @@ class StepLimits:
     max_context: int  # longest row
     graph_positions: int  # positions per row of the widest fixed-shape step (0: no graphs)
     graph_rows: int  # rows of the largest fixed-shape step
+    graph_keys: int  # keys per row of the largest gathered step (the fallback's)
     batched_max_keys: int  # keys per row of a padded batch of short rows (the packed path)
     block_size: int
 
@@ -162,9 +164,17 @@ def graph_bytes(model: ModelShape, limits: StepLimits) -> int:
     max_row_blocks = -(-limits.max_context // limits.block_size)
     inputs = 8 * limits.graph_rows * (4 * limits.graph_positions + max_row_blocks + 2)
     outputs = tokens * model.hidden_size * model.dtype_bytes
-    # The largest shape's decoder pass, its attention's float32 accumulators and row masks.
-    intermediates = model.layer_bytes(tokens) + 4 * tokens * model.num_heads * (model.head_dim + 2)
-    return inputs + outputs + intermediates
+    # The largest shape's decoder pass, its attention's float32 accumulators and row masks; or,
+    # where steps gather keys instead (the fallback), the gathered keys, values, mask and scores.
+    paged = model.layer_bytes(tokens) + 4 * tokens * model.num_heads * (model.head_dim + 2)
+    keys = limits.graph_rows * limits.graph_keys
+    gathered = (
+        model.layer_bytes(tokens)
+        + 2 * keys * model.num_kv_heads * model.head_dim * model.dtype_bytes
+        + keys * model.groups * limits.graph_positions * (1 + model.dtype_bytes)
+        + 4 * tokens * model.num_heads * limits.graph_keys
+    )
+    return inputs + outputs + max(paged, gathered)
 
 
 def table_bytes_per_token(limits: StepLimits) -> float:
@@ -241,9 +251,17 @@ def plan_memory(
     left = budget - in_use - activation - graphs
     block = limits.block_size
     fitting_tokens = max(0, int(left // per_token) // block * block)
-    one_row = -(-limits.max_context // block) * block
+    # One row of the longest context, and the step graphs' scratch block beside it.
+    one_row = (-(-limits.max_context // block) + bool(limits.graph_positions)) * block
     needed = in_use + activation + graphs + one_row * per_token
     if kv_tokens is None and fitting_tokens < one_row:
+        # Rounded up: the share named must be enough.
+        share = math.ceil(100 * needed / total) / 100
+        remedy = (
+            f"Raise gpu_memory_utilization to {share:.2f}, or lower"
+            if share <= 1.0
+            else "No share of this device is enough: lower"
+        )
         raise MemoryPlanError(
             f"the model does not fit this device with room for one {limits.max_context}-token row: "
             f"{needed / GIB:.2f} GiB needed (in use at start {in_use / GIB:.2f} of which weights "
@@ -251,8 +269,7 @@ def plan_memory(
             f"and {limits.prefill_chunk}-token prompt chunks, step graphs {graphs / GIB:.2f}, one row's "
             f"KV-cache {one_row * per_token / GIB:.2f}), and gpu_memory_utilization {utilization} of "
             f"{total / GIB:.2f} GiB allows {budget / GIB:.2f}; the KV-cache left holds {fitting_tokens} "
-            f"positions. Raise gpu_memory_utilization to {min(1.0, needed / total):.2f}, lower "
-            f"max_batch_rows or prefill_chunk_tokens, or use a device with more memory"
+            f"positions. {remedy} max_batch_rows or prefill_chunk_tokens, or use a device with more memory"
         )
     if kv_tokens is not None:
         kv_tokens = -(-kv_tokens // block) * block

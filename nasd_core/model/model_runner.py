@@ -15,7 +15,7 @@ import inspect
 import logging
 import os
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,7 +32,9 @@ from nasd_core.model.attention import (
 from nasd_core.model.kv_cache import PagedKVCache
 from nasd_core.model.memory_plan import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
+    MIN_DEFAULT_PREFILL_CHUNK,
     MemoryPlan,
+    MemoryPlanError,
     ModelShape,
     StepLimits,
     device_memory,
@@ -40,6 +42,7 @@ from nasd_core.model.memory_plan import (
     plan_memory,
 )
 from nasd_core.model.step_graphs import (
+    GATHERED_MAX_KEYS,
     GRAPH_MODEL_TYPES,
     POSITION_BUCKETS,
     ROW_BUCKETS,
@@ -91,7 +94,9 @@ def default_cpu_kv_tokens(model, max_rows: int) -> int:
     more than ``max_rows`` rows of the model's full context could use."""
     budget = DEFAULT_CPU_KV_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     context = getattr(model.config, "max_position_embeddings", None) or 8192
-    return int(min(budget // ModelShape.from_model(model).kv_bytes_per_token, max_rows * context))
+    num_layers, _, kv_heads, head_dim = attention_shape(model)
+    bytes_per_token = 2 * num_layers * kv_heads * head_dim * model.dtype.itemsize
+    return int(min(budget // bytes_per_token, max_rows * context))
 
 
 def step_limits(
@@ -105,6 +110,7 @@ def step_limits(
         max_context=getattr(model.config, "max_position_embeddings", None) or 8192,
         graph_positions=POSITION_BUCKETS[-1] if graphs else 0,
         graph_rows=bucket(min(max_rows, ROW_BUCKETS[-1]), ROW_BUCKETS) or ROW_BUCKETS[-1],
+        graph_keys=GATHERED_MAX_KEYS,
         batched_max_keys=BATCH_MAX_KEYS,
         block_size=block_size,
     )
@@ -250,14 +256,31 @@ class ModelRunner:
         self, limits: StepLimits, utilization: float, kv_cache_tokens: int | None, chunk_is_default: bool
     ) -> MemoryPlan:
         """The CUDA device's memory plan: a default prompt chunk shortened until the estimate
-        fits, then the plan with that chunk's profiled peak."""
+        fits, then the plan with that chunk's profiled peak, shortened further while the
+        measured peak does not fit (a chunk set by hand is refused instead)."""
         shape = ModelShape.from_model(self.model)
         if chunk_is_default:
             total, in_use = device_memory(self.device)
             limits = fit_prefill_chunk(shape, limits, total, in_use, utilization, kv_cache_tokens)
-        measured = profile_step_peak(self, limits)
-        total, in_use = device_memory(self.device)
-        plan = plan_memory(shape, limits, total, in_use, utilization, kv_cache_tokens, measured)
+        while True:
+            try:
+                measured = profile_step_peak(self, limits)
+            except torch.OutOfMemoryError:
+                measured = None  # not even the profile step fits
+            total, in_use = device_memory(self.device)
+            try:
+                if measured is None:
+                    raise MemoryPlanError(
+                        f"the largest step (a {limits.prefill_chunk}-token prompt chunk at the end of "
+                        f"a {limits.max_context}-token context) ran out of memory when profiled; lower "
+                        "prefill_chunk_tokens or max_batch_rows, or use a device with more memory"
+                    )
+                plan = plan_memory(shape, limits, total, in_use, utilization, kv_cache_tokens, measured)
+                break
+            except MemoryPlanError:
+                if not chunk_is_default or limits.prefill_chunk // 2 < MIN_DEFAULT_PREFILL_CHUNK:
+                    raise
+                limits = replace(limits, prefill_chunk=limits.prefill_chunk // 2)
         logger.info(plan.describe())
         return plan
 

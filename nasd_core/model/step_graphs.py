@@ -72,7 +72,7 @@ POSITION_BUCKETS = (1, 2, 4, 8, 17, 32)
 MIN_KEY_BUCKET = 128
 # Longest context a gathered step serves (the fallback where paged steps fail): each key bucket
 # is a grid of its own, and its gathered keys grow with it; longer rows run packed.
-GATHERED_MAX_KEYS = 2048
+GATHERED_MAX_KEYS = 1024
 # Queries per FlexAttention query block: more than a row ever has, so each row is one block.
 FLEX_QUERY_BLOCK = 128
 # Rows a paged step's attention runs over (its rows, then idle ones): a kernel is compiled per
@@ -485,6 +485,7 @@ class StepGraphs:
             self.tables = PagedTables(row_top, cache.allocator.num_blocks, max_row_blocks, cache.device)
         for pool in (*cache.keys, *cache.values):
             pool[:, self.scratch_slot] = 0  # read by padded rows: must be finite
+        self.max_rows = row_top  # the most rows a step may have (its buffers' and tables')
         self.buffers = StepBuffers(
             row_top,
             POSITION_BUCKETS[-1],
@@ -542,7 +543,7 @@ class StepGraphs:
         if self.failed:
             return None
         shape = fixed_shape(rows, self.groups, self.paged)
-        if shape is None or shape.num_keys > GATHERED_MAX_KEYS:
+        if shape is None or shape.num_keys > GATHERED_MAX_KEYS or shape.num_rows > self.max_rows:
             return None
         if self.tables is not None and (
             shape.num_rows > self.tables.max_rows

@@ -81,7 +81,10 @@ def test_what_replica_a_finished_replica_b_drafts_from_the_pool(apps):
     assert stats["spec"]["accepted_by_source"]["pool"] >= on_b["nasd"]["accepted_by_source"]["pool"]
 
 
-def test_killed_replica_is_replaced_and_later_requests_succeed(apps):
+def test_a_killed_replicas_unanswered_requests_are_retried_and_it_is_replaced_warm(apps):
+    """SIGKILL the replica under a whole answer and a stream: the whole one, of which the client
+    had nothing, is sent again and answered by the replacement; the stream, which had sent
+    tokens, ends with an error event and [DONE], never a hang."""
     a = apps["a"]
     old_id = replica_stats(a)["replica_id"]
     # Serve names a replica's actor after its app, deployment and replica id.
@@ -90,20 +93,24 @@ def test_killed_replica_is_replaced_and_later_requests_succeed(apps):
         for actor in ray.util.list_named_actors(all_namespaces=True)
         if actor["name"].endswith(old_id) and f"{REPLICA_DEPLOYMENT}" in actor["name"]
     ]
-    in_flight: dict = {}
+    responses: dict = {}
+    body = {"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "temperature": 0}
 
-    def long_request() -> None:
-        in_flight["response"] = a.request(
-            "POST", "/v1/completions", {"prompt": "Count: 1, 2, 3,", "max_tokens": 400}
-        )
+    def call(kind: str, stream: bool) -> None:
+        responses[kind] = a.request("POST", "/v1/completions", {**body, "stream": stream})
 
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    wait_for(lambda: replica_stats(a)["num_running"] == 1, 30, "the long request to run")
+    threads = [threading.Thread(target=call, args=args) for args in (("whole", False), ("stream", True))]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: replica_stats(a)["num_running"] == 2, 30, "both requests to run")
     ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-    thread.join(60)
-    failed = in_flight["response"]
-    assert failed.status == 503 and failed.body["error"]["type"] == "server_error", failed.body
+    for thread in threads:
+        thread.join(REPLACE_WAIT_S)
+    whole, stream = responses["whole"], responses["stream"]
+    assert whole.status == 200 and whole.body["choices"][0]["text"], whole.body
+    events = stream.body
+    assert stream.status == 200 and '"server_error"' in events and events.rstrip().endswith("data: [DONE]")
+    assert events.count("data: ") > 2, "the stream had sent tokens before the kill"
 
     def replaced_and_serving() -> bool:
         status = serve.status().applications["a"].deployments[REPLICA_DEPLOYMENT].status

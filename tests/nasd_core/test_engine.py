@@ -75,7 +75,7 @@ def test_batched_greedy_equals_single_sequence_runs(model, tokenizer, single_run
     assert engine.stats.num_accepted > 0, "speculation was not exercised"
     assert max(engine.width_histogram) > 0
     assert not engine.cache.rows and not engine.requests
-    assert engine.cache.num_available == engine.cache.allocator.num_blocks
+    assert engine.cache.num_available == engine.cache.num_row_blocks
 
 
 def test_prefill_budget_is_shared_by_the_requests_of_a_step(model, tokenizer, single_runs):

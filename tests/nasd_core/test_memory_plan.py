@@ -95,6 +95,7 @@ def limits_for(shape: ModelShape, rows: int, chunk: int = GPU_PREFILL_CHUNK_TOKE
         max_context=shape.context,
         graph_positions=POSITION_BUCKETS[-1],
         graph_rows=rows,
+        graph_keys=GATHERED_MAX_KEYS,
         batched_max_keys=BATCH_MAX_KEYS,
         block_size=32,
     )
@@ -126,12 +127,17 @@ def test_a_small_device_shortens_the_default_prompt_chunk_before_it_refuses():
 
 def test_a_setting_that_cannot_fit_is_refused_naming_it_and_what_would_fit():
     shape = ModelShape.from_config(SimpleNamespace(**MODELS["Qwen2-7B"]), torch.bfloat16)
-    total = 16 * GIB
+    total = DEVICES["24GB (L4/A10)"]
     in_use = shape.weight_bytes + CONTEXT_BYTES
-    limits = fit_prefill_chunk(shape, limits_for(shape, 64), total, in_use)
-    with pytest.raises(MemoryPlanError, match="gpu_memory_utilization") as refused:
-        plan_memory(shape, limits, total, in_use)
+    limits = fit_prefill_chunk(shape, limits_for(shape, 64), total, in_use, utilization=0.8)
+    with pytest.raises(MemoryPlanError, match="gpu_memory_utilization 0.8") as refused:
+        plan_memory(shape, limits, total, in_use, utilization=0.8)
     assert "32768-token row" in str(refused.value) and "positions" in str(refused.value)
+    # The share it names is enough (rounded up); where none is, it says so.
+    share = float(str(refused.value).split("Raise gpu_memory_utilization to ")[1][:4])
+    assert plan_memory(shape, limits, total, in_use, utilization=share).kv_tokens >= shape.context
+    with pytest.raises(MemoryPlanError, match="No share of this device is enough"):
+        plan_memory(shape, limits, 16 * GIB, in_use)
     roomy = DEVICES["80GB (H100)"]
     fits = plan_memory(shape, limits_for(shape, 64), roomy, in_use).kv_tokens
     with pytest.raises(MemoryPlanError, match=f"kv_cache_tokens={fits + 32} .* at most {fits} positions fit"):

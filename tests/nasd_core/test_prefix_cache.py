@@ -134,7 +134,7 @@ def run_turns(model, tokenizer, prefix_cache_tokens: int) -> tuple[list[list[int
         result = engine.pop_result(request_id)
         outputs.append(result.token_ids)
         cached.append(result.stats.num_cached_prompt_tokens)
-    assert not engine.cache.rows and engine.cache.num_available == engine.cache.allocator.num_blocks
+    assert not engine.cache.rows and engine.cache.num_available == engine.cache.num_row_blocks
     return outputs, cached
 
 

@@ -29,17 +29,21 @@ def test_buckets_hold_the_step():
     assert key_bucket(1) == 128 and key_bucket(129) == 256 and key_bucket(1024) == 1024
 
 
+PAGE = 16
+
+
 def fragmented_runner(
     model, prompts: list[list[int]], step_graphs: bool, graph_attention: str | None = None
 ) -> ModelRunner:
     """A runner whose rows hold ``prompts`` with 8 spare positions each, row 1 fragmented
     around a hole left by a freed row."""
     # Exactly the rows' blocks (and the scratch block): row 1, allocated last, must take the hole.
-    num_blocks = sum(-(-(len(prompt) + 8) // 8) for prompt in prompts) + step_graphs
+    # Pages of 16: the smallest FlexAttention's CUDA tiles divide (a GPU runs this too).
+    num_blocks = sum(-(-(len(prompt) + 8) // PAGE) for prompt in prompts) + step_graphs
     runner = ModelRunner(
         model,
-        kv_cache_tokens=num_blocks * 8,
-        block_size=8,
+        kv_cache_tokens=num_blocks * PAGE,
+        block_size=PAGE,
         step_graphs=step_graphs,
         graph_attention=graph_attention,
     )
