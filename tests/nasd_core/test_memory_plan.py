@@ -130,7 +130,7 @@ def test_a_setting_that_cannot_fit_is_refused_naming_it_and_what_would_fit():
     total = DEVICES["24GB (L4/A10)"]
     in_use = shape.weight_bytes + CONTEXT_BYTES
     limits = fit_prefill_chunk(shape, limits_for(shape, 64), total, in_use, utilization=0.8)
-    with pytest.raises(MemoryPlanError, match="gpu_memory_utilization 0.8") as refused:
+    with pytest.raises(MemoryPlanError, match=r"gpu_memory_utilization 0\.8") as refused:
         plan_memory(shape, limits, total, in_use, utilization=0.8)
     assert "32768-token row" in str(refused.value) and "positions" in str(refused.value)
     # The share it names is enough (rounded up); where none is, it says so.
