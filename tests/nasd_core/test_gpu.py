@@ -170,21 +170,9 @@ def test_the_default_engine_at_the_k8s_settings_plans_memory_warms_up_and_answer
     engine there plans its memory within gpu_memory_utilization, captures its paged grid within
     the start-up budget, and answers. Random weights of that shape (no hub here), and token ids
     for a prompt (no tokenizer either: this runs before the embedded model is on the machine)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from benchmarks.step_cost import random_model
 
-    config = Qwen2Config(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM._from_config(config, torch_dtype=torch.bfloat16).eval()
+    model = random_model("qwen2-1.5b", "bfloat16", "cuda")
     torch.cuda.reset_peak_memory_stats()
     engine_config = EngineConfig(max_batch_rows=64)
     started = time.perf_counter()

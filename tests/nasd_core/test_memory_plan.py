@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from benchmarks.step_cost import ARCHITECTURES
 from nasd_core.config import DEFAULT_NUM_DRAFT_TOKENS, EngineConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.model import native
@@ -62,17 +63,7 @@ MODELS = {
         tie_word_embeddings=True,
         attention_bias=False,
     ),
-    "Qwen2-1.5B": dict(
-        model_type="qwen2",
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-        tie_word_embeddings=True,
-    ),
+    "Qwen2-1.5B": ARCHITECTURES["qwen2-1.5b"],  # what k8s/ serves (Qwen2.5-1.5B: the same shape)
     "Qwen2-7B": dict(
         model_type="qwen2",
         hidden_size=3584,
