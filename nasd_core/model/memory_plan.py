@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -297,28 +298,32 @@ def plan_memory(
     )
 
 
-def fit_prefill_chunk(
+def plan_shrinking_chunk(
     model: ModelShape,
     limits: StepLimits,
-    total: int,
-    in_use: int,
+    device: Callable[[], tuple[int, int]],
     utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     kv_tokens: int | None = None,
-) -> StepLimits:
-    """``limits`` with the longest prompt chunk, halving from its own down to
-    ``MIN_DEFAULT_PREFILL_CHUNK``, whose plan fits by estimate (a small device then takes more,
-    shorter prompt steps rather than refusing to start); unchanged where none fits, so that
-    ``plan_memory`` says why."""
-    chunk = limits.prefill_chunk
+    shrink: bool = True,
+    measure: Callable[[StepLimits], int | None] = lambda limits: None,
+) -> MemoryPlan:
+    """``plan_memory`` at ``limits``' prompt chunk, halved (with ``shrink``: a default chunk)
+    down to ``MIN_DEFAULT_PREFILL_CHUNK`` while the plan does not fit, so that a small device
+    takes more, shorter prompt steps rather than refusing to start. ``device()``: its (total, in
+    use) bytes, read after ``measure(limits)``, a profiled peak (None: the estimate alone; it
+    raises ``MemoryPlanError`` where the profile itself does not fit).
+
+    Raises:
+        MemoryPlanError: the last chunk tried does not fit either (the message says why).
+    """
     while True:
-        candidate = replace(limits, prefill_chunk=chunk)
         try:
-            plan_memory(model, candidate, total, in_use, utilization, kv_tokens)
-            return candidate
+            measured = measure(limits)
+            return plan_memory(model, limits, *device(), utilization, kv_tokens, measured)
         except MemoryPlanError:
-            if chunk // 2 < MIN_DEFAULT_PREFILL_CHUNK:
-                return limits
-            chunk //= 2
+            if not shrink or limits.prefill_chunk // 2 < MIN_DEFAULT_PREFILL_CHUNK:
+                raise
+            limits = replace(limits, prefill_chunk=limits.prefill_chunk // 2)
 
 
 def device_memory(device: torch.device) -> tuple[int, int]:

@@ -15,7 +15,7 @@ import inspect
 import logging
 import os
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,14 +32,12 @@ from nasd_core.model.attention import (
 from nasd_core.model.kv_cache import PagedKVCache
 from nasd_core.model.memory_plan import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
-    MIN_DEFAULT_PREFILL_CHUNK,
     MemoryPlan,
     MemoryPlanError,
     ModelShape,
     StepLimits,
     device_memory,
-    fit_prefill_chunk,
-    plan_memory,
+    plan_shrinking_chunk,
 )
 from nasd_core.model.step_graphs import (
     GATHERED_MAX_KEYS,
@@ -255,32 +253,28 @@ class ModelRunner:
     def _plan_memory(
         self, limits: StepLimits, utilization: float, kv_cache_tokens: int | None, chunk_is_default: bool
     ) -> MemoryPlan:
-        """The CUDA device's memory plan: a default prompt chunk shortened until the estimate
-        fits, then the plan with that chunk's profiled peak, shortened further while the
-        measured peak does not fit (a chunk set by hand is refused instead)."""
-        shape = ModelShape.from_model(self.model)
-        if chunk_is_default:
-            total, in_use = device_memory(self.device)
-            limits = fit_prefill_chunk(shape, limits, total, in_use, utilization, kv_cache_tokens)
-        while True:
+        """The CUDA device's memory plan, each prompt chunk tried with its profiled peak; a
+        default chunk shortened while it does not fit, a chunk set by hand refused instead."""
+
+        def profiled(limits: StepLimits) -> int:
             try:
-                measured = profile_step_peak(self, limits)
+                return profile_step_peak(self, limits)
             except torch.OutOfMemoryError:
-                measured = None  # not even the profile step fits
-            total, in_use = device_memory(self.device)
-            try:
-                if measured is None:
-                    raise MemoryPlanError(
-                        f"the largest step (a {limits.prefill_chunk}-token prompt chunk at the end of "
-                        f"a {limits.max_context}-token context) ran out of memory when profiled; lower "
-                        "prefill_chunk_tokens or max_batch_rows, or use a device with more memory"
-                    )
-                plan = plan_memory(shape, limits, total, in_use, utilization, kv_cache_tokens, measured)
-                break
-            except MemoryPlanError:
-                if not chunk_is_default or limits.prefill_chunk // 2 < MIN_DEFAULT_PREFILL_CHUNK:
-                    raise
-                limits = replace(limits, prefill_chunk=limits.prefill_chunk // 2)
+                raise MemoryPlanError(
+                    f"the largest step (a {limits.prefill_chunk}-token prompt chunk at the end of "
+                    f"a {limits.max_context}-token context) ran out of memory when profiled; lower "
+                    "prefill_chunk_tokens or max_batch_rows, or use a device with more memory"
+                ) from None
+
+        plan = plan_shrinking_chunk(
+            ModelShape.from_model(self.model),
+            limits,
+            lambda: device_memory(self.device),
+            utilization,
+            kv_cache_tokens,
+            shrink=chunk_is_default,
+            measure=profiled,
+        )
         logger.info(plan.describe())
         return plan
 

@@ -29,8 +29,8 @@ from nasd_core.model.memory_plan import (
     MemoryPlanError,
     ModelShape,
     StepLimits,
-    fit_prefill_chunk,
     plan_memory,
+    plan_shrinking_chunk,
 )
 from nasd_core.model.model_runner import GPU_PREFILL_CHUNK_TOKENS, ModelRunner, StepRow
 from nasd_core.model.step_graphs import (
@@ -98,12 +98,11 @@ def limits_for(shape: ModelShape, rows: int, chunk: int = GPU_PREFILL_CHUNK_TOKE
 def test_the_plan_fits_every_device_model_and_batch_within_its_budget(device, model_name, rows):
     shape = ModelShape.from_config(SimpleNamespace(**MODELS[model_name]), torch.bfloat16)
     total, in_use = DEVICES[device], shape.weight_bytes + CONTEXT_BYTES
-    limits = fit_prefill_chunk(shape, limits_for(shape, rows), total, in_use)
-    plan = plan_memory(shape, limits, total, in_use)
+    plan = plan_shrinking_chunk(shape, limits_for(shape, rows), lambda: (total, in_use))
     assert plan.planned <= plan.budget == int(0.9 * total)
     assert plan.kv_tokens >= shape.context and plan.full_context_rows >= 1
     assert plan.kv_tokens % 32 == 0 and plan.kv_bytes >= plan.kv_tokens * shape.kv_bytes_per_token
-    assert limits.prefill_chunk >= MIN_DEFAULT_PREFILL_CHUNK
+    assert plan.prefill_chunk >= MIN_DEFAULT_PREFILL_CHUNK
     assert f"{plan.kv_tokens} positions" in plan.describe()
 
 
@@ -112,15 +111,40 @@ def test_a_small_device_shortens_the_default_prompt_chunk_before_it_refuses():
     total, in_use = DEVICES["24GB (L4/A10)"], shape.weight_bytes + CONTEXT_BYTES
     with pytest.raises(MemoryPlanError):
         plan_memory(shape, limits_for(shape, 64), total, in_use)
-    fitted = fit_prefill_chunk(shape, limits_for(shape, 64), total, in_use)
+    fitted = plan_shrinking_chunk(shape, limits_for(shape, 64), lambda: (total, in_use))
     assert MIN_DEFAULT_PREFILL_CHUNK <= fitted.prefill_chunk < GPU_PREFILL_CHUNK_TOKENS
+    with pytest.raises(MemoryPlanError):  # a chunk set by hand is refused, never shortened
+        plan_shrinking_chunk(shape, limits_for(shape, 64), lambda: (total, in_use), shrink=False)
+
+
+def test_a_profiled_peak_that_does_not_fit_shortens_the_default_chunk_further():
+    """What a CUDA runner does with each candidate chunk's profiled peak: a profile that runs out
+    of memory, or a measured peak over the budget, tries the next shorter chunk."""
+    shape = ModelShape.from_config(SimpleNamespace(**MODELS["Qwen2-1.5B"]), torch.bfloat16)
+    total, in_use = DEVICES["80GB (H100)"], shape.weight_bytes + CONTEXT_BYTES
+    tried = []
+
+    def measure(limits: StepLimits) -> int:
+        tried.append(limits.prefill_chunk)
+        if limits.prefill_chunk > 1024:
+            raise MemoryPlanError("the profile step ran out of memory")
+        return 80 * GIB if limits.prefill_chunk > 512 else GIB
+
+    plan = plan_shrinking_chunk(shape, limits_for(shape, 64), lambda: (total, in_use), measure=measure)
+    assert tried == [2048, 1024, 512] and plan.prefill_chunk == 512 and plan.planned <= plan.budget
+    with pytest.raises(MemoryPlanError, match="ran out of memory"):
+        plan_shrinking_chunk(
+            shape, limits_for(shape, 64), lambda: (total, in_use), shrink=False, measure=measure
+        )
 
 
 def test_a_setting_that_cannot_fit_is_refused_naming_it_and_what_would_fit():
     shape = ModelShape.from_config(SimpleNamespace(**MODELS["Qwen2-7B"]), torch.bfloat16)
     total = DEVICES["24GB (L4/A10)"]
     in_use = shape.weight_bytes + CONTEXT_BYTES
-    limits = fit_prefill_chunk(shape, limits_for(shape, 64), total, in_use, utilization=0.8)
+    limits = limits_for(shape, 64)  # at 0.8, no prompt chunk fits
+    with pytest.raises(MemoryPlanError):
+        plan_shrinking_chunk(shape, limits, lambda: (total, in_use), utilization=0.8)
     with pytest.raises(MemoryPlanError, match=r"gpu_memory_utilization 0\.8") as refused:
         plan_memory(shape, limits, total, in_use, utilization=0.8)
     assert "32768-token row" in str(refused.value) and "positions" in str(refused.value)
