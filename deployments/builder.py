@@ -22,6 +22,7 @@ from deployments.auth import AuthSettings, KeyLimits
 from deployments.ingress import OpenAIIngress
 from deployments.replica import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, NASDReplica, ReplicaConfig
 from deployments.router import ROUTER_CLASS
+from deployments.shutdown import DEFAULT_DRAIN_TIMEOUT_S, drain_on_sigterm
 from deployments.tools import ToolCallParser
 from nasd_core.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -88,6 +89,7 @@ ENV_VARS = {
     "prefix_cache_tokens": "NASD_PREFIX_CACHE_TOKENS",
     "tool_call_parser": "NASD_TOOL_CALL_PARSER",
     "autoscaling": "NASD_AUTOSCALING",
+    "drain_timeout_s": "NASD_DRAIN_TIMEOUT_S",
 }
 
 
@@ -208,6 +210,12 @@ class AppArgs(BaseModel):
     autoscaling: dict[str, Any] | None = Field(
         None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas."
     )
+    drain_timeout_s: float = Field(
+        DEFAULT_DRAIN_TIMEOUT_S,
+        ge=0,
+        description="On SIGTERM, seconds `serve run` and nasd-serve give requests in flight to finish "
+        "(new ones get 503) before they stop.",
+    )
 
     @field_validator("*", mode="before")
     @classmethod
@@ -272,6 +280,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         pydantic.ValidationError: an unknown argument or an invalid value.
     """
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    drain_on_sigterm(args.drain_timeout_s)
     device = args.device or ("cuda" if args.num_gpus_per_replica > 0 else "cpu")
     engine_limits = {
         name: value

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import time
 from typing import Any
@@ -92,14 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
+    # build_app set SIGTERM to drain and then raise KeyboardInterrupt (deployments/shutdown.py).
     ray.init(address=options.address, ignore_reinit_error=True)
-    stopping: list[bool] = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     try:  # Ctrl-C may come while the application is still starting
         serve.start(http_options={"host": options.host, "port": options.port})
         serve.run(app, name="default", route_prefix="/")
         print(f"nasd-serve: serving on http://{options.host}:{options.port}/v1 (Ctrl-C stops)", flush=True)
-        while not stopping:
+        while True:
             time.sleep(1)
     except KeyboardInterrupt:
         pass

@@ -63,6 +63,9 @@ from deployments.streams import interleave
 logger = logging.getLogger(__name__)
 
 # Counters summed over replicas in the stats endpoint's "total".
+# While draining, a new generation request is told to come back after this many seconds.
+DRAINING_RETRY_AFTER_S = 5
+
 _SUMMED = ("num_steps", "num_emitted", "num_drafted", "num_accepted")
 
 app = FastAPI(title="NASD-Serve", description="OpenAI-compatible server with n-gram speculative decoding.")
@@ -94,6 +97,17 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 
 # Times a generation call that failed before its first chunk is sent again (a replica died).
 REPLICA_RETRIES = 1
+
+
+def _shutting_down() -> JSONResponse:
+    info = ErrorInfo(
+        message="The server is shutting down; retry the request.",
+        type="service_unavailable",
+        code="shutting_down",
+    )
+    response = error_response(503, info)
+    response.headers["Retry-After"] = str(DRAINING_RETRY_AFTER_S)
+    return response
 
 
 def _route_path(request: Request) -> str:
@@ -317,10 +331,25 @@ class OpenAIIngress:
         self.model_info: dict[str, Any] | None = None
         # Each replica's latest stats, from the last chunk of every request and stats calls.
         self.replica_stats: dict[str, dict[str, Any]] = {}
+        # Generation requests not yet fully answered, and whether new ones are turned away.
+        self.num_answering = 0
+        self.draining = False
+
+    async def drain(self, timeout_s: float) -> int:
+        """Turn new generation requests away (503, and 503 on ``/health`` so a balancer stops
+        sending) and wait up to ``timeout_s`` for those being answered to finish. Returns how
+        many are still being answered. Called by ``deployments.shutdown`` before Serve stops."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.num_answering and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return self.num_answering
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
     async def health(self) -> Response:
+        if self.draining:
+            return _shutting_down()
         try:
             await self.replica.check_health.remote()
         except Exception as exc:
@@ -467,6 +496,8 @@ class OpenAIIngress:
         response; errors as JSON. The tokens are counted against ``key`` (None: no keys)."""
         if (error := self._check_model(model)) is not None:
             return error
+        if self.draining:
+            return _shutting_down()
         admission = None
         if key is not None:
             admission = self.gate.admit(key, sum(r.n for r in requests), await self._reserve(requests))
@@ -476,8 +507,10 @@ class OpenAIIngress:
                 response.headers["Retry-After"] = str(admission.retry_after_s)
                 return response
         tally = TokenTally(len(requests))
+        self.num_answering += 1
 
         def finish() -> None:
+            self.num_answering -= 1
             if admission is not None:
                 self.gate.finish(admission, *tally.totals())
 

@@ -1,8 +1,9 @@
-"""`serve run` of ``deployments.app`` (what `make serve` runs) and the ``nasd-serve`` command, each
-in a subprocess: they answer the OpenAI API and stop cleanly on Ctrl-C (SIGINT).
+"""`serve run deployments.app` (what `make serve` runs) and the ``nasd-serve`` command, each in
+a subprocess: they answer the OpenAI API, drain on SIGTERM (what Kubernetes and Docker send)
+and stop cleanly on Ctrl-C (SIGINT).
 
-`serve run IMPORT_PATH` always binds port 8000 (Ray 2.60's CLI has no port option), so the
-test runs the same import path through a Serve config file that only moves the port.
+`serve run IMPORT_PATH` always binds port 8000 (Ray 2.60's CLI has no port option), so that
+test needs the port free (it fails in CI, and skips elsewhere, when it is taken).
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ from deployments.builder import ENV_VARS, AppArgs
 from deployments.cli import app_args, parser
 from nasd_core.config import EMBEDDED_MODEL, EMBEDDED_MODEL_ALIASES
 from tests.deployments.conftest import ServedApp
-from tests.redis_server import free_port
+from tests.redis_server import free_port, require
 from tests.test_readme import readme_python_blocks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 180
 STOP_TIMEOUT_S = 60
+SERVE_RUN_PORT = 8000
+# Tokens streamed across the SIGTERM: several seconds of decoding on 2 CPU cores.
+DRAIN_TOKENS = 48
 
 
 def is_listening(port: int) -> bool:
@@ -47,9 +51,16 @@ def clean_env() -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def served(command: list[str], port: int, log_path: Path, env: dict[str, str]):
-    """``command`` running until it answers on ``port``; at the end it must stop on SIGINT
-    (exit 0, the port closed)."""
+def served(
+    command: list[str],
+    port: int,
+    log_path: Path,
+    env: dict[str, str],
+    stop_signal: signal.Signals | None = signal.SIGINT,
+):
+    """``command`` running until it answers on ``port`` (yields the app and the process); at the
+    end it must stop (exit 0, the port closed) on ``stop_signal``, or on the signal the body
+    sent (None)."""
     with log_path.open("w") as log:
         process = subprocess.Popen(
             command,
@@ -71,13 +82,14 @@ def served(command: list[str], port: int, log_path: Path, env: dict[str, str]):
                     f"{command[0]} did not come up (exit {process.poll()}):\n{log_path.read_text()[-3000:]}"
                 )
             time.sleep(1)
-        yield app
-        process.send_signal(signal.SIGINT)
+        yield app, process
+        if stop_signal is not None:
+            process.send_signal(stop_signal)
         try:
             exit_code = process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             log_tail = log_path.read_text()[-3000:]
-            pytest.fail(f"{command[0]} still running {STOP_TIMEOUT_S} s after SIGINT:\n{log_tail}")
+            pytest.fail(f"{command[0]} still running {STOP_TIMEOUT_S} s after it was stopped:\n{log_tail}")
         assert exit_code == 0, log_path.read_text()[-3000:]
         assert not is_listening(port), "the HTTP proxy outlived the command"
     finally:
@@ -86,16 +98,13 @@ def served(command: list[str], port: int, log_path: Path, env: dict[str, str]):
             process.wait()
 
 
-def test_serve_run_answers_with_defaults_and_stops_on_sigint(tmp_path):
-    port = free_port()
-    config = {
-        "http_options": {"host": "127.0.0.1", "port": port},
-        "applications": [{"name": "default", "route_prefix": "/", "import_path": "deployments.app"}],
-    }
-    config_path = tmp_path / "serve.yaml"
-    config_path.write_text(json.dumps(config))  # JSON is YAML
+def test_serve_run_answers_with_defaults_and_drains_on_sigterm(tmp_path):
+    port = SERVE_RUN_PORT
+    require(not is_listening(port), f"`serve run` binds port {port}, which something else holds")
     serve_bin = Path(sys.executable).parent / "serve"
-    with served([str(serve_bin), "run", str(config_path)], port, tmp_path / "serve.log", clean_env()) as app:
+    command = [str(serve_bin), "run", "deployments.app"]
+    log_path = tmp_path / "serve.log"
+    with served(command, port, log_path, clean_env(), stop_signal=None) as (app, process):
         assert [model["id"] for model in app.request("GET", "/v1/models").body["data"]] == [
             EMBEDDED_MODEL,
             *EMBEDDED_MODEL_ALIASES,
@@ -118,6 +127,35 @@ def test_serve_run_answers_with_defaults_and_stops_on_sigint(tmp_path):
         arguments, _ = json.JSONDecoder().raw_decode(rest)
         assert name == "get_weather" and "city" in arguments
         assert library.strip() and float(library.rstrip("\n").rsplit(" ", 1)[1]) >= 1.0
+
+        # SIGTERM with an answer streaming: it ends whole, and a request sent meanwhile is told
+        # to retry (503) rather than cut.
+        stream = app.client().completions.create(
+            model=EMBEDDED_MODEL,
+            prompt="Count: 1, 2,",
+            max_tokens=DRAIN_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks = iter(stream)
+        next(chunks)
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while app.request("GET", "/health").status != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        turned_away = app.request("POST", "/v1/completions", {"model": EMBEDDED_MODEL, "prompt": "Hi"})
+        assert turned_away.status == 503 and turned_away.body["error"]["code"] == "shutting_down"
+        rest = list(chunks)
+        assert [
+            choice.finish_reason for chunk in rest for choice in chunk.choices if choice.finish_reason
+        ] == ["length"]
+        assert rest[-1].usage.completion_tokens == DRAIN_TOKENS
+    log = log_path.read_text()
+    assert (
+        "SIGTERM received" not in log
+        and "drained (requests still open per application: {'default': 0})" in log
+    )
 
 
 def test_nasd_serve_help_lists_every_setting_with_its_default_and_variable():
@@ -160,7 +198,7 @@ def test_nasd_serve_serves_with_its_options_and_stops_on_sigint(tmp_path):
         "--speculation",
         "off",
     ]
-    with served(command, port, tmp_path / "nasd-serve.log", clean_env()) as app:
+    with served(command, port, tmp_path / "nasd-serve.log", clean_env()) as (app, _):
         assert app.request("GET", "/v1/models").body["data"][0]["id"] == "tiny"
         completion = app.client().completions.create(model="tiny", prompt="Hello", max_tokens=4)
         assert completion.usage.completion_tokens >= 1 and completion.nasd["num_drafted"] == 0
