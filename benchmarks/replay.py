@@ -21,10 +21,12 @@ of 600-1600 prompt tokens built from several conversations (``long_chat``).
 from __future__ import annotations
 
 import argparse
+import gc
 import heapq
 import itertools
 import json
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -479,6 +481,27 @@ def shared_index_costs(sequences: list[list[int]]) -> dict[str, float]:
     return costs
 
 
+# The host-time micro-benchmark: the server's drafter (suffix sources), the n-gram one, and
+# prompt lookup as the yardstick hosts are compared by; timed passes after a warm one.
+TIMED_DRAFTERS = ("prompt_lookup", "ngram", "engine_suffix")
+TIMED_PASSES = 5
+
+
+def host_time(traces: dict[str, list[dict[str, list[int]]]]) -> dict[str, float]:
+    """Each of ``TIMED_DRAFTERS``' µs of drafting per step, cross scope, over every recorded
+    trace whatever the run's size (so quick and full runs time the same work): the median of
+    ``TIMED_PASSES``. The heap is frozen first: a full collection of the loaded traces landing
+    inside one pass cost it ~180 µs a step, which is when, not what, the drafter spends."""
+    gc.collect()
+    gc.freeze()
+    every_trace = [trace for workload in traces.values() for trace in workload]
+    passes: dict[str, list[float]] = {name: [] for name in TIMED_DRAFTERS}
+    for _ in range(1 + TIMED_PASSES):  # drafters take turns, so a busy moment of the host hits all
+        for name, times in passes.items():
+            times.append(replay(DRAFTERS[name]("cross"), every_trace).summary()["us_per_row_step"])
+    return {name: statistics.median(times[1:]) for name, times in passes.items()}
+
+
 def run(traces: dict[str, list[dict[str, list[int]]]], drafters: Sequence[str]) -> dict:
     results: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     for workload, workload_traces in traces.items():
@@ -575,6 +598,14 @@ def markdown_table(payload: dict) -> str:
                 for cell in (by_drafter[name] for name in drafters)
             ]
             lines.append(f"| {workload} | {scope} | " + " | ".join(cells) + " |")
+    if "host_us" in payload:
+        host = payload["host_us"]
+        lines += [
+            "",
+            f"Host time per step (every trace, cross scope, heap frozen, median of {TIMED_PASSES} passes): "
+            + ", ".join(f"{name} {us:.1f} µs" for name, us in host.items())
+            + ".",
+        ]
     if "batch" in payload:
         batch = payload["batch"]
         lines += [
@@ -642,13 +673,19 @@ def markdown_table(payload: dict) -> str:
 
 def ratios(payload: dict, like: dict | None = None) -> dict[str, float]:
     """Each drafter's tokens per step over prompt lookup's on the same traces, keyed for
-    comparing two runs (a quick run replays the first 4 traces of each workload)."""
-    return {
+    comparing two runs (a quick run replays the first 4 traces of each workload); and each
+    timed drafter's host time per step over prompt lookup's (``host_us/...``: a drafter that
+    got slower shows, whatever the host's speed)."""
+    tokens = {
         f"{workload}/{scope}/{name}": cell["tokens_per_step"] / by_drafter["prompt_lookup"]["tokens_per_step"]
         for workload, scopes in payload["results"].items()
         for scope, by_drafter in scopes.items()
         for name, cell in by_drafter.items()
         if name != "prompt_lookup"
+    }
+    host = payload.get("host_us", {})
+    return tokens | {
+        f"host_us/{name}": us / host["prompt_lookup"] for name, us in host.items() if name != "prompt_lookup"
     }
 
 
@@ -705,6 +742,7 @@ def main() -> None:
             "drafters": drafters,
             "max_draft": MAX_DRAFT,
         },
+        "host_us": host_time(recorded["traces"]),
         "results": run(traces, drafters),
         "batch": batch_drafting(traces),
     }
