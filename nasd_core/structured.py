@@ -120,9 +120,12 @@ class Grammars:
         tokenizer: the model's (fast) transformers tokenizer.
         vocab_size: the width of the model's logits (masks are this wide).
         eos_ids: the tokens that end a request; a finished grammar allows only these.
+        device: where the logits it masks are.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_ids: Sequence[int], device: torch.device | str = "cpu"
+    ) -> None:
         self.vocab_size = vocab_size
         self.eos_ids = frozenset(eos_ids)
         # Computes a step's masks for all its rows at once, on its own threads.
@@ -133,6 +136,16 @@ class Grammars:
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._cached_chars = 0
         self._lock = threading.Lock()
+        # llguidance's mask kernel is torch.compile'd: compiled here, where the engine builds its
+        # Grammars off the engine thread, and not in the first constrained step, which stalled
+        # every running request for 2-6 s on a CPU. One row and several (dynamo specialises 1),
+        # in inference mode as steps run (dynamo guards on the grad mode).
+        with torch.inference_mode():
+            for rows in (1, 2):
+                apply_masks(
+                    torch.zeros(rows, vocab_size, device=device),
+                    llguidance.torch.allocate_token_bitmask(rows, vocab_size),
+                )
 
     def compile(self, spec: GrammarSpec) -> str:
         """``spec``'s grammar, checked; raises ``InvalidRequestError`` naming ``spec.param``.

@@ -338,7 +338,9 @@ class Engine:
         whichever thread asks first: building llguidance's tokenizer takes a while)."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+                self._grammars = Grammars(
+                    self.tokenizer, self.vocab_size, self.eos_token_ids, self.model.device
+                )
             return self._grammars
 
     # ---------------------------------------------------------------- step

@@ -284,6 +284,19 @@ def test_a_servers_grammars_compile_off_the_thread_that_runs_steps(model, tokeni
     assert threads and threads[0] != "nasd-engine", threads  # compiled first on a worker thread
 
 
+def test_constrained_steps_compile_nothing_on_the_engine_thread(model, tokenizer):
+    """llguidance's mask kernel is torch.compile'd: a new engine's Grammars compiles it where it
+    is built (off the engine thread in a server), so no step, with one constrained row or
+    several, waits 2-6 s for dynamo."""
+    torch._dynamo.reset()  # as in a new process: nothing compiled yet
+    engine = Engine(model, tokenizer)
+    assert engine.grammars is not None  # what the server's worker thread does first
+    params = SamplingParams(max_tokens=8, grammar=JSON_SPEC)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert engine.generate(PROMPTS[:1], params, SpecConfig(mode="off"))[0].token_ids
+        assert all(result.token_ids for result in engine.generate(PROMPTS, params, SpecConfig(mode="auto")))
+
+
 def test_the_grammar_cache_is_bounded_in_characters(engine, monkeypatch):
     from nasd_core import structured
 
