@@ -43,6 +43,8 @@ TABLE_BLOCKS = {
     "auth_cost": ("auth_cost_float32", "auth_cost", "markdown_table"),
     "structured": ("structured_float32", "structured", "markdown_table"),
     "grammar_engines": ("grammar_engines", "grammar_engines", "markdown_table"),
+    "grammar_stall": ("grammar_stall_float32", "grammar_stall", "markdown_table"),
+    "replica_kill": ("replica_kill_float32", "replica_kill", "markdown_table"),
 }
 # Runs on a lent GPU (benchmarks/gpu_session.sh): README block -> (result file stem, suite, table).
 GPU_BLOCKS = {

@@ -294,6 +294,7 @@ class NASDServer:
             await self.pools.stop()
         if self.async_engine is not None:
             await asyncio.to_thread(self.async_engine.shutdown, ENGINE_SHUTDOWN_TIMEOUT_S)
+        gc.unfreeze()  # what start froze may be collected again (a process serving on)
 
     # ------------------------------------------------------------ handle API
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[GenerateChunk]:

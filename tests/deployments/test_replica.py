@@ -4,6 +4,7 @@ graceful shutdown that flushes pool writes to the machine's Redis."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 
 import pytest
@@ -64,6 +65,12 @@ def test_start_probes_step_times_up_to_the_batch_limit(served):
     server, _ = served
     step_time = server.async_engine.engine.calibration.step_time
     assert step_time.widest_measured(1) == max(PROBE_POSITIONS) - 1 and step_time.widest_measured(2) is None
+
+
+def test_start_freezes_the_heap_it_built(served):
+    """What start-up built lives as long as the replica: frozen, a full collection (0.5 s over a
+    replica's 600k objects on 2 cores) no longer walks it inside a step."""
+    assert gc.get_freeze_count() > 100_000
 
 
 # -------------------------------------------------------------- error chunks
