@@ -63,17 +63,19 @@ def replica_reports(api_url: str, calls: int = 8) -> dict[str, dict[str, Any]]:
     return {key: report for key, report in reports.items() if time.time() - report["updated_at"] < 30}
 
 
-def one_request(client: openai.OpenAI, messages: list[dict], stream: bool) -> dict[str, Any]:
-    """One chat request's outcome: ``ended`` (answered, completed, cut, error), its text, and
-    whether it had sent a token (``started``)."""
-    outcome: dict[str, Any] = {"stream": stream, "started": threading.Event(), "text": ""}
+def one_request(
+    client: openai.OpenAI, messages: list[dict], stream: bool, started: threading.Event
+) -> dict[str, Any]:
+    """One chat request's outcome: ``ended`` (answered, completed, cut, error) and its text;
+    ``started`` is set once it has sent a token (or ended)."""
+    outcome: dict[str, Any] = {"stream": stream, "text": ""}
     try:
         if stream:
             for chunk in client.chat.completions.create(
                 model=EMBEDDED_MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
             ):
                 outcome["text"] += "".join(choice.delta.content or "" for choice in chunk.choices)
-                outcome["started"].set()
+                started.set()
             outcome["ended"] = "completed"
         else:
             answer = client.chat.completions.create(
@@ -82,7 +84,7 @@ def one_request(client: openai.OpenAI, messages: list[dict], stream: bool) -> di
             outcome["text"], outcome["ended"] = answer.choices[0].message.content, "answered"
     except openai.APIError as exc:
         outcome["ended"], outcome["error"] = ("cut" if stream else "error"), str(exc)[:200]
-    outcome["started"].set()
+    started.set()
     return outcome
 
 
@@ -91,20 +93,19 @@ def run_round(api_url: str, prompts: list[list[dict]], kill: bool) -> tuple[list
     half the streams have sent a token. The outcomes in prompt order, and what was killed."""
     client = openai.OpenAI(base_url=api_url, api_key="unused", max_retries=0, timeout=HANG_S)
     outcomes: list[dict] = [{} for _ in prompts]
+    started = [threading.Event() for _ in prompts]
 
     def send(index: int) -> None:
-        outcomes[index].update(one_request(client, prompts[index], stream=index % 2 == 1))
+        outcomes[index].update(one_request(client, prompts[index], index % 2 == 1, started[index]))
 
-    for outcome in outcomes:
-        outcome["started"] = threading.Event()
     threads = [threading.Thread(target=send, args=(index,), daemon=True) for index in range(len(prompts))]
     for thread in threads:
         thread.start()
     killed: dict[str, Any] = {}
     if kill:  # mid-run: half the streams have sent tokens, the rest and the whole ones not yet
-        streams = outcomes[1::2]
+        streams = started[1::2]
         deadline = time.monotonic() + HANG_S
-        while sum(outcome["started"].is_set() for outcome in streams) < len(streams) // 2:
+        while sum(event.is_set() for event in streams) < len(streams) // 2:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.05)
@@ -112,9 +113,9 @@ def run_round(api_url: str, prompts: list[list[dict]], kill: bool) -> tuple[list
     deadline = time.monotonic() + HANG_S
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    for outcome in outcomes:
+    for index, outcome in enumerate(outcomes):
         outcome.setdefault("ended", "hung")
-        outcome.pop("started", None)
+        outcome.setdefault("stream", index % 2 == 1)
     return outcomes, killed
 
 

@@ -22,7 +22,7 @@ from deployments.auth import AuthSettings, KeyLimits
 from deployments.ingress import OpenAIIngress
 from deployments.replica import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, NASDReplica, ReplicaConfig
 from deployments.router import ROUTER_CLASS
-from deployments.shutdown import DEFAULT_DRAIN_TIMEOUT_S, drain_on_sigterm
+from deployments.shutdown import DEFAULT_DRAIN_TIMEOUT_S, drain_on_sigterm, is_serve_run
 from deployments.tools import ToolCallParser
 from nasd_core.config import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -213,8 +213,9 @@ class AppArgs(BaseModel):
     drain_timeout_s: float = Field(
         DEFAULT_DRAIN_TIMEOUT_S,
         ge=0,
-        description="On SIGTERM, seconds `serve run` and nasd-serve give requests in flight to finish "
-        "(new ones get 503) before they stop.",
+        description="On SIGTERM, seconds `serve run IMPORT_PATH` and nasd-serve give requests in flight "
+        "to finish (new ones get 503) before they stop. A Serve config file or RayService builds the app "
+        "in Serve's controller, where this does not apply.",
     )
 
     @field_validator("*", mode="before")
@@ -280,7 +281,8 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         pydantic.ValidationError: an unknown argument or an invalid value.
     """
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
-    drain_on_sigterm(args.drain_timeout_s)
+    if is_serve_run():  # nasd-serve sets its own; elsewhere (tests, Serve's controller) none
+        drain_on_sigterm(args.drain_timeout_s)
     device = args.device or ("cuda" if args.num_gpus_per_replica > 0 else "cpu")
     engine_limits = {
         name: value

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import SecretStr, ValidationError
 
 from deployments.builder import ENV_VARS, AppArgs, args_from_env
+from deployments.shutdown import drain_on_sigterm
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -84,14 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     from deployments.builder import build_app
 
     try:
-        app = build_app(app_args(options))
+        args = AppArgs.model_validate(app_args(options))
     except ValidationError as exc:
         print(f"nasd-serve: invalid settings:\n{exc}", file=sys.stderr)
         return 2
+    app = build_app(args)
     import ray
     from ray import serve
 
-    # build_app set SIGTERM to drain and then raise KeyboardInterrupt (deployments/shutdown.py).
+    # SIGTERM drains, then raises KeyboardInterrupt (set as ray.init returns).
+    drain_on_sigterm(args.drain_timeout_s)
     ray.init(address=options.address, ignore_reinit_error=True)
     try:  # Ctrl-C may come while the application is still starting
         serve.start(http_options={"host": options.host, "port": options.port})

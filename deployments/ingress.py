@@ -27,7 +27,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from deployments.auth import ApiKey, AuthSettings, Gate, Rejection, install_gate, installed_gate
+from deployments.auth import Admission, ApiKey, AuthSettings, Gate, Rejection, install_gate, installed_gate
 from deployments.metrics import TenantMetrics
 from deployments.schemas import (
     AssistantMessage,
@@ -62,10 +62,9 @@ from deployments.streams import interleave
 
 logger = logging.getLogger(__name__)
 
-# Counters summed over replicas in the stats endpoint's "total".
 # While draining, a new generation request is told to come back after this many seconds.
 DRAINING_RETRY_AFTER_S = 5
-
+# Counters summed over replicas in the stats endpoint's "total".
 _SUMMED = ("num_steps", "num_emitted", "num_drafted", "num_accepted")
 
 app = FastAPI(title="NASD-Serve", description="OpenAI-compatible server with n-gram speculative decoding.")
@@ -129,13 +128,20 @@ def _unauthorized(has_header: bool) -> JSONResponse:
     return response
 
 
-async def _released(body: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
-    """``body``, then ``release`` once it is sent or abandoned (the client went away)."""
-    try:
-        async for part in body:
-            yield part
-    finally:
-        release()
+class _ReleasingStream(StreamingResponse):
+    """Server-sent events that call ``release`` once the response is over: sent, abandoned by
+    the client, or cancelled before its first byte (when a body generator never starts, its
+    own ``finally`` never runs)."""
+
+    def __init__(self, events: AsyncIterator[str], release: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
 
 
 @app.middleware("http")
@@ -498,44 +504,50 @@ class OpenAIIngress:
             return error
         if self.draining:
             return _shutting_down()
-        admission = None
-        if key is not None:
-            admission = self.gate.admit(key, sum(r.n for r in requests), await self._reserve(requests))
-            if isinstance(admission, Rejection):
-                info = ErrorInfo(message=admission.message, type=admission.kind, code="rate_limit_exceeded")
-                response = error_response(429, info)
-                response.headers["Retry-After"] = str(admission.retry_after_s)
-                return response
-        tally = TokenTally(len(requests))
+        # Counted from here, admission included, so a drain waits for it; released once on every
+        # path (a stream's response releases it when the stream is over).
         self.num_answering += 1
+        admission: Admission | None = None
+        tally = TokenTally(len(requests))
+        released = False
 
-        def finish() -> None:
-            self.num_answering -= 1
-            if admission is not None:
-                self.gate.finish(admission, *tally.totals())
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.num_answering -= 1
+                if admission is not None:
+                    self.gate.finish(admission, *tally.totals())
 
+        streaming = False
         try:
+            if key is not None:
+                admitted = self.gate.admit(key, sum(r.n for r in requests), await self._reserve(requests))
+                if isinstance(admitted, Rejection):
+                    info = ErrorInfo(message=admitted.message, type=admitted.kind, code="rate_limit_exceeded")
+                    response = error_response(429, info)
+                    response.headers["Retry-After"] = str(admitted.retry_after_s)
+                    return response
+                admission = admitted
             started = await asyncio.gather(*(self._start(request) for request in requests))
-        except BaseException:
-            finish()
-            raise
-        failed = [first for _, first in started if first.error is not None]
-        if failed:  # none of the batch is answered: cancel the prompts that did start
-            for chunks, first in started:
-                if chunks is not None and first.error is None:
-                    chunks.cancel()
-            finish()
-            return error_response(failed[0].status_code, failed[0].error)
-        streams = [
-            tally.counted(index, self._chunks(first, chunks)) for index, (chunks, first) in enumerate(started)
-        ]
-        merged = streams[0] if len(streams) == 1 else _merged(streams, requests[0].n)
-        if stream:
-            return self._stream(_released(events(merged), finish))
-        try:
+            failed = [first for _, first in started if first.error is not None]
+            if failed:  # none of the batch is answered: cancel the prompts that did start
+                for chunks, first in started:
+                    if chunks is not None and first.error is None:
+                        chunks.cancel()
+                return error_response(failed[0].status_code, failed[0].error)
+            streams = [
+                tally.counted(index, self._chunks(first, chunks))
+                for index, (chunks, first) in enumerate(started)
+            ]
+            merged = streams[0] if len(streams) == 1 else _merged(streams, requests[0].n)
+            if stream:
+                streaming = True
+                return _ReleasingStream(events(merged), release)
             last, choices = await _collect(merged)
         finally:
-            finish()
+            if not streaming:
+                release()
         if last.error is not None:
             return error_response(last.status_code, last.error)
         return JSONResponse(whole(choices, last).model_dump())
@@ -634,10 +646,6 @@ class OpenAIIngress:
     def _remember(self, stats: dict[str, Any] | None) -> None:
         if stats is not None and stats.get("replica_id"):
             self.replica_stats[stats["replica_id"]] = stats
-
-    @staticmethod
-    def _stream(events: AsyncIterator[str]) -> StreamingResponse:
-        return StreamingResponse(events, media_type="text/event-stream")
 
     async def _completion_events(
         self, request_id: str, body: CompletionRequest, chunks: AsyncIterator[GenerateChunk]

@@ -227,7 +227,8 @@ class NASDServer:
         self.metrics: ReplicaMetrics | None = None
 
     async def start(self) -> None:
-        """Load the model, start the engine thread and the pool's sync worker.
+        """Load the model, start the engine thread and the pool's sync worker, then freeze the
+        process's heap (``gc.freeze``: a replica owns its process; ``shutdown`` unfreezes it).
 
         Raises:
             ModelLoadError: the model cannot be loaded (Serve then reports the replica failed).
@@ -254,13 +255,18 @@ class NASDServer:
                 calibration=batch_engine.calibration,
             )
             logger.info("step times probed in %.1f s", time.perf_counter() - started)
+        # llguidance's tokenizer and mask kernel take ~3 s to build on 2 cores, holding the GIL
+        # for much of it: built at start rather than inside the first constrained request while
+        # others decode (a 0.9 s gap between their steps). On a CPU in the background; on a GPU
+        # before the engine thread runs, whose graph captures no other thread's kernels may
+        # overlap.
+        if self.model.device.type == "cpu":
+            self._grammars_built = asyncio.create_task(asyncio.to_thread(lambda: batch_engine.grammars))
+            self._grammars_built.add_done_callback(_log_failure)
+        else:
+            await asyncio.to_thread(lambda: batch_engine.grammars)
         self.async_engine = AsyncEngine(batch_engine)
         self.async_engine.start()
-        # llguidance's tokenizer and mask kernel take ~3 s to build on 2 cores, holding the GIL
-        # for much of it: built now, in the background, rather than inside the first
-        # constrained request while others decode (a 0.9 s gap between their steps).
-        self._grammars_built = asyncio.create_task(asyncio.to_thread(lambda: batch_engine.grammars))
-        self._grammars_built.add_done_callback(_log_failure)
         namespace = namespace_for(config.model.name or EMBEDDED_MODEL, self.tokenizer)
         if config.pool_namespace:
             namespace = f"{config.pool_namespace}/{namespace}"

@@ -5,16 +5,25 @@ Kubernetes and Docker stop a container with SIGTERM. ``serve run`` handles only
 KeyboardInterrupt, and ``ray.init`` replaces any SIGTERM handler set before it: without this
 hook the driver dies with a stack dump and every open connection is cut. ``serve.shutdown()``
 alone is not a drain either: it stops the HTTP proxy while answers are still streaming through
-it. So on SIGTERM the driver first asks each application's ingress to drain (turn new requests
-away, wait for the open ones), then raises KeyboardInterrupt for the usual shutdown.
+it. So on SIGTERM a thread asks each application's ingress to drain (turn new requests away,
+wait for the open ones), then signals the process again, and the handler raises
+KeyboardInterrupt in the main thread for the usual shutdown. The handler itself only starts
+that thread: a signal handler must not block on Serve's calls, which may need a lock the
+interrupted main thread holds.
+
+A Serve config file (``serve run serve.yaml``, KubeRay's RayService) builds the application in
+Serve's controller, not in the driver: no hook is set there, and the platform's own node drain
+applies.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
+import os
 import signal
+import sys
 import threading
+from pathlib import Path
 from types import FrameType
 
 logger = logging.getLogger(__name__)
@@ -48,25 +57,41 @@ def drain_applications(timeout_s: float) -> dict[str, int | str]:
     return left
 
 
-def drain_then_interrupt(timeout_s: float, signum: int, frame: FrameType | None) -> None:
-    # A second SIGTERM (the orchestrator's patience ending) stops the process at once.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    logger.warning("SIGTERM: draining for up to %.0f s before shutting down", timeout_s)
-    left = drain_applications(timeout_s)
-    logger.warning("drained (requests still open per application: %s); shutting down", left)
-    raise KeyboardInterrupt(f"signal {signum}")
+class SigtermDrain:
+    """The driver's SIGTERM handler. The first SIGTERM starts the drain on a thread; that thread
+    sends the second when it is done, and the second (or one from an impatient orchestrator)
+    raises KeyboardInterrupt."""
 
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.draining = False
 
-def install_handler(timeout_s: float) -> None:
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, functools.partial(drain_then_interrupt, timeout_s))
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        import ray
+
+        if self.draining or not ray.is_initialized():  # drained, out of patience, or shut down
+            raise KeyboardInterrupt(f"signal {signum}")
+        self.draining = True
+        threading.Thread(target=self.drain, name="nasd-drain", daemon=True).start()
+
+    def drain(self) -> None:
+        logger.warning("SIGTERM: draining for up to %.0f s before shutting down", self.timeout_s)
+        try:
+            left = drain_applications(self.timeout_s)
+            logger.warning("drained (requests still open per application: %s); shutting down", left)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self)
 
 
 def drain_on_sigterm(timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> bool:
     """In a driver that builds the application before connecting to Ray (``serve run``,
-    ``nasd-serve``), make SIGTERM drain and then raise KeyboardInterrupt, once ``ray.init`` has
-    installed its own handlers. Returns whether the hook was set: inside Ray workers (KubeRay's
-    controller building the app), or off the main thread, nothing is changed."""
+    ``nasd-serve``), make SIGTERM drain and then raise KeyboardInterrupt, once the next
+    ``ray.init`` has installed its own handlers. Returns whether the hook was set: with Ray
+    already connected (inside a Ray worker), or off the main thread, nothing is changed."""
     import ray
     from ray._private import worker
 
@@ -77,6 +102,12 @@ def drain_on_sigterm(timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> bool:
     if hooks is None:
         logger.warning("this Ray has no post-init hooks: SIGTERM will not drain the server")
         return False
-    hooks[:] = [hook for hook in hooks if getattr(hook, "func", None) is not install_handler]
-    hooks.append(functools.partial(install_handler, timeout_s))
+    # One drain hook, the latest settings'.
+    hooks[:] = [hook for hook in hooks if not isinstance(getattr(hook, "__self__", None), SigtermDrain)]
+    hooks.append(SigtermDrain(timeout_s).install)
     return True
+
+
+def is_serve_run() -> bool:
+    """Whether this process is the ``serve run`` command (which builds the app, then connects)."""
+    return Path(sys.argv[0]).name == "serve" and sys.argv[1:2] == ["run"]
