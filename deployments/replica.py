@@ -257,7 +257,7 @@ class NASDServer:
             logger.info("step times probed in %.1f s", time.perf_counter() - started)
         # llguidance's tokenizer and mask kernel take ~3 s to build on 2 cores, holding the GIL
         # for much of it: built at start rather than inside the first constrained request while
-        # others decode (a 0.9 s gap between their steps). On a CPU in the background; on a GPU
+        # others decode (a ~1 s gap between their steps). On a CPU in the background; on a GPU
         # before the engine thread runs, whose graph captures no other thread's kernels may
         # overlap.
         if self.model.device.type == "cpu":
