@@ -40,17 +40,15 @@ def drain_applications(timeout_s: float) -> dict[str, int | str]:
     be asked (an application without a ``drain`` method, an ingress that is gone)."""
     from ray import serve
 
-    calls = {}
+    calls: dict = {}
+    left: dict[str, int | str] = {}
     for name in serve.status().applications:
         try:
             calls[name] = serve.get_app_handle(name).drain.remote(timeout_s)
         except Exception as exc:  # an application that is not running, or not ours
-            calls[name] = exc
-    left: dict[str, int | str] = {}
+            left[name] = f"{type(exc).__name__}: {exc}"
     for name, call in calls.items():
         try:
-            if isinstance(call, Exception):
-                raise call
             left[name] = call.result(timeout_s=timeout_s + CALL_MARGIN_S)
         except Exception as exc:
             left[name] = f"{type(exc).__name__}: {exc}"
