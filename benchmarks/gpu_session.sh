@@ -4,14 +4,15 @@
 # or pydantic. What it lacks travels with the embedded model as one bundle (about 220 MB) in four
 # parts of at most 58 MiB, one per call, while the machine stays warm between calls (30 s). Each
 # call does the work its parts so far allow, and leaves its logs and results in $OUT. The command
-# limits below add up to 8.5 minutes, so that with the machine's start the session fits 10; a
+# limits below add up to 10.3 minutes, so that with the machine's start the session fits 13; a
 # command stopped at its limit leaves its log (inductor's on-disk cache serves the later calls).
 #
 #   here, once:  bash benchmarks/gpu_session.sh prepare     # downloads; writes .gpu1 .. .gpu4
 #   there, in order, each call carrying its folder (carry: [".gpuN"]):
 #     bash benchmarks/gpu_session.sh 1   # the wheels but Ray: the step surface of Qwen2-1.5B (random
-#                                        # weights) on paged graphs, beside transformers' one-graph
-#                                        # step and the time to read the weights once
+#                                        # weights) on paged graphs, with and without compiled layers,
+#                                        # beside transformers' one-graph step and the time to read
+#                                        # the weights once; a 512-token prompt chunk
 #     bash benchmarks/gpu_session.sh 2   # the default engine at the k8s settings (64 rows, a 32k
 #                                        # context): memory plan, warm-up within budget, an answer
 #     bash benchmarks/gpu_session.sh 3   # the embedded model: pytest -m gpu; single stream off / auto
@@ -33,7 +34,7 @@ PART_SIZE=58m
 # and the project's own dependencies, pinned. Ray goes last in the bundle: only call 4 needs it.
 WHEELS="aiohttp-cors==0.8.1 annotated-types==0.8.0 cffi==2.1.1 colorful==0.5.8 cryptography==50.0.2
 distlib==0.4.4 fastapi==0.165.0 gguf==0.19.0 google-api-core==2.44.0 google-auth==2.63.0
-googleapis-common-protos==1.76.0 grpcio-reflection==1.85.1 httpcore2==2.16.2 httptools==0.9.0
+googleapis-common-protos==1.76.0 grpcio-reflection==1.84.0 httpcore2==2.16.2 httptools==0.9.0
 httpx2==2.16.2 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 llguidance==1.9.1 mmh3==5.3.1
 opencensus==0.11.4 opencensus-context==0.1.3 opentelemetry-api==1.45.2
 opentelemetry-exporter-prometheus==0.66b2 opentelemetry-proto==1.45.2 opentelemetry-sdk==1.45.2
@@ -132,8 +133,8 @@ call_1() {
 transformers.__version__, torch.cuda.get_device_name())"
         python3 -c "from nasd_core.model import native; print('C++ drafter:', native.drafter() is not None)"
     } 2>&1 | tee "$OUT/env.txt"
-    logged step_cost 90 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
-        --rows 1 64 --repeats 2 --step-graphs --graph-attention paged
+    logged step_cost 200 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
+        --rows 1 64 --repeats 2 --step-graphs --graph-attention paged --compiled-layers
     results step_cost_cuda_qwen2-1.5b.json
 }
 

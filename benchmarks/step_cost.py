@@ -31,10 +31,17 @@ import torch
 
 from benchmarks.common import run_metadata, write_result
 from nasd_core.config import ModelConfig
-from nasd_core.model.model_runner import ModelRunner
+from nasd_core.model.compiled_layers import compile_layers
+from nasd_core.model.model_runner import ModelRunner, StepRow
 from nasd_core.model.step_graphs import POSITION_BUCKETS, bucket
 from nasd_core.models import load_model
-from nasd_core.speculation.calibration import PROBE_POSITIONS, filled_runner, measure_step_times, time_step
+from nasd_core.speculation.calibration import (
+    PROBE_POSITIONS,
+    filled_runner,
+    measure_step_times,
+    probe_row,
+    time_step,
+)
 from nasd_core.speculation.policy import StepTimeModel
 
 # Model set-ups timed, by the name the results use.
@@ -65,6 +72,7 @@ ARCHITECTURES = {
 HELD_OUT_WIDTHS = (7, 12)
 LAYOUT_WIDTHS = (1, 5)
 LAYOUT_CONTEXTS = (256, 1024)
+PROMPT_CHUNK = 512
 
 
 def random_model(arch: str, dtype: str, device: str):
@@ -86,7 +94,7 @@ def fastest_ms(runner: ModelRunner, widths: list[int], context_length: int, repe
 def held_out(model, step_time: StepTimeModel, rows: list[int], repeats: int) -> dict:
     """Measured and estimated ms of steps at ``HELD_OUT_WIDTHS`` per row, by rows."""
     context_length = 256  # the probe's
-    runner = filled_runner(model, max(rows), context_length, max(HELD_OUT_WIDTHS))
+    runner = filled_runner(model, max(rows), context_length, max(HELD_OUT_WIDTHS), compiled_layers=False)
     result: dict[int, dict[int, dict[str, float]]] = {}
     for num_rows in rows:
         for width in HELD_OUT_WIDTHS:
@@ -102,7 +110,7 @@ def attention_layouts(model, rows: list[int], repeats: int) -> dict:
     (``batched``), by context length, rows and width."""
     result: dict[int, dict[int, dict[int, dict[str, float]]]] = {}
     for context_length in LAYOUT_CONTEXTS:
-        runner = filled_runner(model, max(rows), context_length, max(LAYOUT_WIDTHS))
+        runner = filled_runner(model, max(rows), context_length, max(LAYOUT_WIDTHS), compiled_layers=False)
         for num_rows in rows:
             for width in LAYOUT_WIDTHS:
                 cell = {}
@@ -185,30 +193,60 @@ def weights_read_ms(model, repeats: int) -> float:
     return round(1000 * weight_bytes / read_bytes_per_s / 2, 3)
 
 
+def graphs_surface(model, args: argparse.Namespace, layout: str, compiled_layers: bool) -> dict:
+    """ms of fixed-shape steps (replayed from CUDA graphs on a GPU), by rows and probe width."""
+    graphs_time = measure_step_times(
+        model,
+        PROBE_POSITIONS,
+        args.rows,
+        repeats=args.repeats,
+        step_graphs=True,
+        graph_attention=layout,
+        compiled_layers=compiled_layers,
+    ).graph_step_times
+    return {
+        rows: {
+            width: round(1000 * graphs_time.estimate(rows, bucket(width, POSITION_BUCKETS)), 1)
+            for width in PROBE_POSITIONS
+        }
+        for rows in args.rows
+    }
+
+
+@torch.inference_mode()
+def prompt_chunk_ms(model, repeats: int, compiled_layers: bool) -> float:
+    """ms of one ``PROMPT_CHUNK``-token prompt chunk after 256 cached positions (the packed
+    path, one position's logits)."""
+    context_length = 256
+    runner = filled_runner(model, 1, context_length, PROMPT_CHUNK, compiled_layers=compiled_layers)
+    step = [StepRow(probe_row(0), [7] * PROMPT_CHUNK, 1)]
+    fastest = float("inf")
+    for _ in range(repeats + 1):  # the first run compiles for this length
+        synchronize(model.device)
+        started = time.perf_counter()
+        runner.forward(step)[-1, 0].item()
+        fastest = min(fastest, time.perf_counter() - started)
+        runner.cache.set_length(probe_row(0), context_length)
+    return round(1000 * fastest, 2)
+
+
 def device_run(args: argparse.Namespace) -> None:
     """One model on ``args.device``: surface, held-out estimates, attention layouts."""
     if args.arch:
         model = random_model(args.arch, args.dtype, args.device)
     else:
         model, _ = load_model(config=ModelConfig(dtype=args.dtype, device=args.device))
-    warm = filled_runner(model, 1, 16, 1)
+    warm = filled_runner(model, 1, 16, 1, compiled_layers=False)
     for _ in range(3):  # first calls pay one-off costs (handles, kernel selection)
         time_step(warm, [1], 16)
     del warm
-    step_time = measure_step_times(model, PROBE_POSITIONS, rows=args.rows, repeats=args.repeats).step_time
+    step_time = measure_step_times(
+        model, PROBE_POSITIONS, rows=args.rows, repeats=args.repeats, compiled_layers=False
+    ).step_time
     graphs_surfaces = {}
     for layout in args.graph_attention if args.step_graphs else ():
-        graphs_time = measure_step_times(
-            model, PROBE_POSITIONS, args.rows, repeats=args.repeats, step_graphs=True, graph_attention=layout
-        ).graph_step_times
         key = "step_graphs" if layout == "paged" else f"step_graphs_{layout}"
-        graphs_surfaces[key] = {
-            rows: {
-                width: round(1000 * graphs_time.estimate(rows, bucket(width, POSITION_BUCKETS)), 1)
-                for width in PROBE_POSITIONS
-            }
-            for rows in args.rows
-        }
+        graphs_surfaces[key] = graphs_surface(model, args, layout, compiled_layers=False)
     payload = {
         "benchmark": "step_cost",
         "meta": {
@@ -226,6 +264,14 @@ def device_run(args: argparse.Namespace) -> None:
         "weights_read_ms": weights_read_ms(model, args.repeats),
     }
     payload.update(graphs_surfaces)
+    if args.compiled_layers:  # last: compiling changes the model in place
+        chunk = {"transformers_layers": prompt_chunk_ms(model, args.repeats, compiled_layers=False)}
+        payload["compile_failure"] = compile_layers(model)
+        chunk["compiled_layers"] = prompt_chunk_ms(model, args.repeats, compiled_layers=True)
+        payload[f"prompt_chunk_{PROMPT_CHUNK}_ms"] = chunk
+        if args.step_graphs:
+            compiled = graphs_surface(model, args, "paged", compiled_layers=True)
+            payload["step_graphs_compiled_layers"] = compiled
     name = f"step_cost_{args.device.split(':')[0]}_{args.arch or 'embedded'}"
     print(f"results: {write_result(name, payload)}")
     for rows, by_positions in payload["ms_by_rows_and_positions"][args.dtype].items():
@@ -256,17 +302,28 @@ def markdown_table(payload: dict) -> str:
             + " | ".join(f"{cell['measured_ms']:.1f} / {cell['estimated_ms']:.1f}" for cell in cells.values())
             + " |"
         )
-    if "step_graphs" in payload:
+    for key, what in (
+        ("step_graphs", "steps replayed from CUDA graphs"),
+        ("step_graphs_compiled_layers", "the same, compiled layers"),
+    ):
+        if key in payload:
+            lines += [
+                "",
+                f"| rows \\ positions per row, {what} ({dtype}, ms) | " + " | ".join(widths) + " |",
+                "|---|" + "---|" * len(widths),
+                *(
+                    f"| {rows} | " + " | ".join(f"{ms:.1f}" for ms in row.values()) + " |"
+                    for rows, row in payload[key].items()
+                ),
+            ]
+    chunk = payload.get(f"prompt_chunk_{PROMPT_CHUNK}_ms")
+    if chunk:
         lines += [
             "",
-            f"| rows \\ positions per row, steps replayed from CUDA graphs ({dtype}, ms) | "
-            + " | ".join(widths)
-            + " |",
-            "|---|" + "---|" * len(widths),
-            *(
-                f"| {rows} | " + " | ".join(f"{ms:.1f}" for ms in row.values()) + " |"
-                for rows, row in payload["step_graphs"].items()
-            ),
+            f"| a {PROMPT_CHUNK}-token prompt chunk, packed path (ms) | transformers' layers | compiled |",
+            "|---|---|---|",
+            f"| after 256 cached positions | {chunk['transformers_layers']:.1f} "
+            f"| {chunk['compiled_layers']:.1f} |",
         ]
     if "transformers_one_graph_ms" in payload:
         baseline = payload["transformers_one_graph_ms"]
@@ -312,6 +369,12 @@ def main() -> None:
         "--step-graphs",
         action="store_true",
         help="with --device: also time the surface on fixed-shape steps (replayed from CUDA graphs on a GPU)",
+    )
+    parser.add_argument(
+        "--compiled-layers",
+        action="store_true",
+        help="with --device: last, compile the layers (EngineConfig.compiled_layers) and time a "
+        f"{PROMPT_CHUNK}-token prompt chunk before and after, and the graphs' surface after",
     )
     parser.add_argument(
         "--graph-attention",

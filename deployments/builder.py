@@ -84,6 +84,7 @@ ENV_VARS = {
     "probe_max_rows": "NASD_PROBE_MAX_ROWS",
     "step_graphs": "NASD_STEP_GRAPHS",
     "graph_attention": "NASD_GRAPH_ATTENTION",
+    "compiled_layers": "NASD_COMPILED_LAYERS",
     "gpu_memory_utilization": "NASD_GPU_MEMORY_UTILIZATION",
     "graph_warmup_budget_s": "NASD_GRAPH_WARMUP_BUDGET_S",
     "prefix_cache_tokens": "NASD_PREFIX_CACHE_TOKENS",
@@ -193,6 +194,11 @@ class AppArgs(BaseModel):
         description="How graph steps attend (EngineConfig.graph_attention): 'paged' through the block "
         "tables, 'gathered' per context bucket; None: paged where graphs are captured.",
     )
+    compiled_layers: bool | None = Field(
+        None,
+        description="Merged projections and decoder layers compiled once for every step shape "
+        "(EngineConfig.compiled_layers); None: on wherever CUDA is and the model is of a type they serve.",
+    )
     gpu_memory_utilization: float = Field(
         DEFAULT_GPU_MEMORY_UTILIZATION,
         gt=0.0,
@@ -293,6 +299,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         **engine_limits,
         step_graphs=args.step_graphs,
         graph_attention=args.graph_attention,
+        compiled_layers=args.compiled_layers,
         gpu_memory_utilization=args.gpu_memory_utilization,
         graph_warmup_budget_s=args.graph_warmup_budget_s,
         prefix_cache_tokens=args.prefix_cache_tokens,

@@ -262,6 +262,12 @@ class EngineConfig(_Config):
         "copies keys into a padded batch, a graph per context bucket. None: paged where graphs are "
         "captured (a GPU; gathered if its kernels fail to compile or capture), gathered otherwise.",
     )
+    compiled_layers: bool | None = Field(
+        None,
+        description="Merge each decoder layer's q, k, v and gate, up projections and compile the layers with "
+        "torch.compile, once for every step shape (nasd_core/model/compiled_layers.py; Llama, Mistral and "
+        "Qwen2/3 models); None: on wherever the model is on CUDA and of such a type.",
+    )
     graph_warmup_budget_s: float = Field(
         DEFAULT_GRAPH_WARMUP_BUDGET_S,
         ge=0,

@@ -52,5 +52,15 @@ def model(model_and_tokenizer):
 
 
 @pytest.fixture(scope="session")
+def stock_model():
+    """The embedded model with transformers' stock CPU kernels (plain ``nn.Linear`` layers)."""
+    from nasd_core.config import ModelConfig
+    from nasd_core.models import load_model
+
+    model, _ = load_model(config=ModelConfig(cpu_fast_path=False))
+    return model
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_and_tokenizer):
     return model_and_tokenizer[1]

@@ -101,6 +101,7 @@ class Engine:
                 self.config.max_batch_rows,
                 step_graphs=self.config.step_graphs,
                 graph_attention=self.config.graph_attention,
+                compiled_layers=self.config.compiled_layers,
                 max_positions=1 + self.config.spec.num_draft_tokens,
                 prefill_chunk_tokens=self.config.prefill_chunk_tokens,
                 gpu_memory_utilization=self.config.gpu_memory_utilization,

@@ -280,6 +280,9 @@ def causal_mask(num_positions: int, length: int, groups: int, device: torch.devi
     return (key <= earlier + query).repeat(groups, 1)
 
 
+# Outside any compiled code (``compiled_layers``): it reads the step's layout, on which a compiled
+# graph would specialise, and its own kernels are compiled on their own.
+@torch.compiler.disable
 def paged_attention(
     module: nn.Module,
     query: torch.Tensor,

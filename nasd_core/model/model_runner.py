@@ -29,6 +29,7 @@ from nasd_core.model.attention import (
     plan_step,
     use_paged_attention,
 )
+from nasd_core.model.compiled_layers import COMPILED_MODEL_TYPES, compile_layers
 from nasd_core.model.kv_cache import PagedKVCache
 from nasd_core.model.memory_plan import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -170,6 +171,9 @@ class ModelRunner:
             None: on wherever the model is on CUDA and its type is supported.
         graph_attention: how fixed-shape steps attend, "paged" or "gathered" (``StepGraphs``);
             None: paged where graphs are captured, gathered otherwise.
+        compiled_layers: merge each layer's projections and compile its decoder layers
+            (``nasd_core/model/compiled_layers.py``); None: wherever the model is on CUDA and of a
+            type they serve. The model is changed in place.
         max_positions: widest verification per row (1 + the draft cap), for the memory plan.
         prefill_chunk_tokens: prompt tokens per step (None: ``default_prefill_chunk``, shortened
             where a GPU's plan needs it: ``self.prefill_chunk_tokens`` says what was chosen).
@@ -185,6 +189,7 @@ class ModelRunner:
         batch_attention: bool | None = None,
         step_graphs: bool | None = None,
         graph_attention: str | None = None,
+        compiled_layers: bool | None = None,
         max_positions: int = 1 + DEFAULT_NUM_DRAFT_TOKENS,
         prefill_chunk_tokens: int | None = None,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -205,6 +210,11 @@ class ModelRunner:
                 f"step graphs serve model types {sorted(GRAPH_MODEL_TYPES)}, not {model.config.model_type!r}"
             )
         capture = self.device.type == "cuda"
+        if compiled_layers is None:
+            compiled_layers = capture and model.config.model_type in COMPILED_MODEL_TYPES
+        # Before the memory plan's profile, which then measures the compiled step.
+        self.compile_failure = compile_layers(model) if compiled_layers else None
+        self.compiled_layers = compiled_layers and self.compile_failure is None
         self.prefill_chunk_tokens = prefill_chunk_tokens or default_prefill_chunk(model.device)
         self.memory_plan: MemoryPlan | None = None
         if capture:
@@ -287,6 +297,8 @@ class ModelRunner:
             "kv_cache_positions": self.cache.capacity_tokens,
             "kv_block_size": self.cache.block_size,
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "compiled_layers": self.compiled_layers,
+            "compile_failure": self.compile_failure,
             "step_graphs": None
             if graphs is None
             else {

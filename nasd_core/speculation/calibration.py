@@ -95,6 +95,7 @@ def filled_runner(
     max_width: int,
     step_graphs: bool = False,
     graph_attention: str | None = None,
+    compiled_layers: bool | None = None,
 ) -> ModelRunner:
     """A runner whose probe rows ``0..num_rows-1`` hold ``context_length`` cached tokens each,
     with room for steps of up to ``max_width`` positions per row (and the graphs' scratch block)."""
@@ -108,6 +109,7 @@ def filled_runner(
         max_rows=num_rows,
         step_graphs=step_graphs,
         graph_attention=graph_attention,
+        compiled_layers=compiled_layers,
     )
     fill_rows(runner, num_rows, context_length, row_tokens)
     return runner
@@ -137,6 +139,7 @@ def measure_step_times(
     step_graphs: bool = False,
     runner=None,
     graph_attention: str | None = None,
+    compiled_layers: bool | None = None,
 ) -> Calibration:
     """Time steps of every shape ``rows`` x ``positions`` per row (an int means 1..positions),
     and, for more than one row of packed steps, ragged steps where one row feeds that many
@@ -157,7 +160,9 @@ def measure_step_times(
     if own_rows:
         fill_rows(runner, max(rows), context_length, context_length + max(positions))
     else:
-        runner = filled_runner(model, max(rows), context_length, max(positions), step_graphs, graph_attention)
+        runner = filled_runner(
+            model, max(rows), context_length, max(positions), step_graphs, graph_attention, compiled_layers
+        )
     ragged = runner.graph_widths is None  # a fixed shape costs its width whatever the rows use
     for num_rows in rows:
         shapes = [[width] * num_rows for width in positions]

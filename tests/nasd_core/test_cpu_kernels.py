@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 from torch.nn import functional
@@ -18,13 +17,6 @@ PROMPTS = [
     "Translate to French: The cat sleeps on the warm windowsill.",
     "List three colours of the rainbow:",
 ]
-
-
-@pytest.fixture(scope="module")
-def stock_model():
-    """The embedded model with transformers' stock CPU kernels, to compare against."""
-    model, _ = load_model(config=ModelConfig(cpu_fast_path=False))
-    return model
 
 
 def test_fast_path_is_on_by_default(model):
