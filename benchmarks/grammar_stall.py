@@ -5,8 +5,9 @@ through ``AsyncEngine``, as a replica runs them. What those rows feel is the tim
 steps, so the engine's step ends are timed. There are three windows:
 - ``quiet``: nothing arrives.
 - ``worker thread, first``: the engine's first constrained request arrives on the server's
-  path, with a new ~50 KB schema. A worker thread builds llguidance's tokenizer and mask
-  kernel and compiles the schema; then the engine builds the matcher and prefills it.
+  path, with a new ~50 KB schema. A worker thread compiles the schema (llguidance's tokenizer
+  and mask kernel were built by ``AsyncEngine.start``); then the engine builds the matcher and
+  prefills it.
 - ``worker thread, again``: a second request of that kind, with another new schema.
 - ``engine thread``: a new schema of the same size is compiled between two steps on the engine
   thread, as before the grammar work moved off it. This window is shown for contrast.
@@ -117,6 +118,7 @@ async def measure(async_engine: AsyncEngine, step_ends: list[float]) -> dict[str
     windows["engine thread"] = gaps_ms(step_ends, start, time.perf_counter())
     for row in rows:
         row.cancel()
+    await asyncio.to_thread(async_engine.shutdown)  # while the loop still takes its last chunks
     return windows
 
 

@@ -85,6 +85,7 @@ ENV_VARS = {
     "step_graphs": "NASD_STEP_GRAPHS",
     "graph_attention": "NASD_GRAPH_ATTENTION",
     "compiled_layers": "NASD_COMPILED_LAYERS",
+    "deterministic": "NASD_DETERMINISTIC",
     "gpu_memory_utilization": "NASD_GPU_MEMORY_UTILIZATION",
     "graph_warmup_budget_s": "NASD_GRAPH_WARMUP_BUDGET_S",
     "prefix_cache_tokens": "NASD_PREFIX_CACHE_TOKENS",
@@ -199,6 +200,11 @@ class AppArgs(BaseModel):
         description="Merged projections and decoder layers compiled once for every step shape "
         "(EngineConfig.compiled_layers); None: on wherever CUDA is and the model is of a type they serve.",
     )
+    deterministic: bool = Field(
+        False,
+        description="Batch-invariant steps, so greedy output is the same with speculation off, on or "
+        "auto, whatever else is batched (EngineConfig.deterministic; CPU replicas only).",
+    )
     gpu_memory_utilization: float = Field(
         DEFAULT_GPU_MEMORY_UTILIZATION,
         gt=0.0,
@@ -300,6 +306,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         step_graphs=args.step_graphs,
         graph_attention=args.graph_attention,
         compiled_layers=args.compiled_layers,
+        deterministic=args.deterministic,
         gpu_memory_utilization=args.gpu_memory_utilization,
         graph_warmup_budget_s=args.graph_warmup_budget_s,
         prefix_cache_tokens=args.prefix_cache_tokens,

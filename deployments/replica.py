@@ -195,12 +195,6 @@ def error_chunk(exc: BaseException) -> GenerateChunk:
     )
 
 
-def _log_failure(task: asyncio.Task) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        # Constrained requests then build it themselves, and report the error.
-        logger.warning("building the grammar compiler failed: %s", task.exception())
-
-
 class NASDServer:
     """A model, its engine and the shared pool. Construct (no I/O), then ``await start()``.
 
@@ -222,7 +216,6 @@ class NASDServer:
         self.num_requests = 0
         self.num_scoring_requests = 0  # finished with no decode step (echo with max_tokens 0)
         self.started_at: float | None = None
-        self._grammars_built: asyncio.Task | None = None
         # Set by the Serve deployment, where Ray exports them; None when used as a library.
         self.metrics: ReplicaMetrics | None = None
 
@@ -255,16 +248,7 @@ class NASDServer:
                 calibration=batch_engine.calibration,
             )
             logger.info("step times probed in %.1f s", time.perf_counter() - started)
-        # llguidance's tokenizer and mask kernel take ~3 s to build on 2 cores, holding the GIL
-        # for much of it: built at start rather than inside the first constrained request while
-        # others decode (a ~1 s gap between their steps). On a CPU in the background; on a GPU
-        # before the engine thread runs, whose graph captures no other thread's kernels may
-        # overlap.
-        if self.model.device.type == "cpu":
-            self._grammars_built = asyncio.create_task(asyncio.to_thread(lambda: batch_engine.grammars))
-            self._grammars_built.add_done_callback(_log_failure)
-        else:
-            await asyncio.to_thread(lambda: batch_engine.grammars)
+        # AsyncEngine.start builds the grammar compiler (~3 s on 2 cores) before its thread runs.
         self.async_engine = AsyncEngine(batch_engine)
         self.async_engine.start()
         namespace = namespace_for(config.model.name or EMBEDDED_MODEL, self.tokenizer)

@@ -268,6 +268,14 @@ class EngineConfig(_Config):
         "torch.compile, once for every step shape (nasd_core/model/compiled_layers.py; Llama, Mistral and "
         "Qwen2/3 models); None: on wherever the model is on CUDA and of such a type.",
     )
+    deterministic: bool = Field(
+        False,
+        description="Batch-invariant steps: a position's logits do not depend on what else its step "
+        "computes (the row's drafts, other rows), so greedy output is token-identical with speculation "
+        "off, on or auto, whatever the batch. On a CPU: float32 arithmetic (bfloat16 weights widen "
+        "exactly), packed oneDNN Linears and the C++ attention kernel in fixed key units; the packed path "
+        "only. Not built for GPUs yet.",
+    )
     graph_warmup_budget_s: float = Field(
         DEFAULT_GRAPH_WARMUP_BUDGET_S,
         ge=0,

@@ -53,7 +53,15 @@ class AsyncEngine:
         self.last_error: BaseException | None = None
 
     def start(self) -> None:
+        """Build the engine's grammar compiler, then start the thread that steps the engine.
+
+        The compiler is built here, before any step runs: its mask kernel is torch.compile'd, and
+        compiling traces with FX, which patches ``nn.Module.__call__`` process-wide while it traces;
+        a step running meanwhile on the engine thread failed ("module is not installed as a
+        submodule"). Built at a first constrained request instead, it would also stall every
+        running request for its ~3 s on 2 cores."""
         if self._thread is None:
+            self.engine.grammars  # noqa: B018 (built on first access)
             self._thread = threading.Thread(target=self._run, name="nasd-engine", daemon=True)
             self._thread.start()
 

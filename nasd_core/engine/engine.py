@@ -102,6 +102,7 @@ class Engine:
                 step_graphs=self.config.step_graphs,
                 graph_attention=self.config.graph_attention,
                 compiled_layers=self.config.compiled_layers,
+                deterministic=self.config.deterministic,
                 max_positions=1 + self.config.spec.num_draft_tokens,
                 prefill_chunk_tokens=self.config.prefill_chunk_tokens,
                 gpu_memory_utilization=self.config.gpu_memory_utilization,

@@ -81,6 +81,11 @@ BATCH_MAX_POSITIONS = 32
 BATCH_MAX_KEYS = 4096
 
 
+# Keys per unit in deterministic mode: one fixed split for every step, so each query's partial
+# softmaxes cover the same keys, merged in the same order, whatever else the step holds.
+DETERMINISTIC_KEYS_PER_UNIT = 256
+
+
 def keys_per_unit(total_keys: int, num_threads: int) -> int:
     """Unit length for a step whose kernel rows hold ``total_keys`` keys per head."""
     share = -(-total_keys // (KERNEL_UNITS_PER_THREAD * num_threads))
@@ -189,15 +194,18 @@ def plan_step(
     groups: int,
     use_kernel: bool,
     batch_rows: bool = False,
+    deterministic: bool = False,
 ) -> StepLayout:
     """The step's layout from the rows' spans (segments without masks): short rows to the
     kernel when ``use_kernel``, else to one padded SDPA call when ``batch_rows``, the rest to
-    SDPA row by row with their causal masks."""
+    SDPA row by row with their causal masks. ``deterministic``: every row to the kernel, in
+    units of ``DETERMINISTIC_KEYS_PER_UNIT`` keys (a query's output then depends on its own
+    keys only: not on the row's other queries, the other rows or the step's size)."""
     to_kernel: list[Segment] = []
     to_batch: list[Segment] = []
     to_sdpa: list[Segment] = []
     for span in spans:
-        if use_kernel and span.num_positions <= KERNEL_MAX_POSITIONS:
+        if deterministic or (use_kernel and span.num_positions <= KERNEL_MAX_POSITIONS):
             to_kernel.append(span)
         elif batch_rows and span.num_positions <= BATCH_MAX_POSITIONS and span.length <= BATCH_MAX_KEYS:
             to_batch.append(span)
@@ -208,7 +216,9 @@ def plan_step(
         kernel_rows = KernelRows(
             cache.block_table([span.row_id for span in to_kernel]),
             torch.tensor([[span.start, span.num_positions, span.length] for span in to_kernel]),
-            keys_per_unit(sum(span.length for span in to_kernel), torch.get_num_threads()),
+            DETERMINISTIC_KEYS_PER_UNIT
+            if deterministic
+            else keys_per_unit(sum(span.length for span in to_kernel), torch.get_num_threads()),
         )
     segments = [
         replace(span, mask=causal_mask(span.num_positions, span.length, groups, cache.device))

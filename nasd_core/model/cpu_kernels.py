@@ -69,6 +69,9 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.dense_max_rows = dense_max_rows
+        # oneDNN multiplies one row by another kernel than two or more (its sums then round
+        # differently); batch-invariant steps multiply a lone row as two.
+        self.single_row_as_two = False
         weight = linear.weight.detach()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACKING_ROWS_HINT)
         # Buffers, not parameters: the packed layout is an inference-only copy of the weight.
@@ -85,7 +88,10 @@ class PackedLinear(nn.Module):
         if rows.shape[0] <= self.dense_max_rows:
             out = functional.linear(rows, self.dense_weight, self.bias)
         else:
+            lone = rows.shape[0] == 1 and self.single_row_as_two
+            rows = rows.expand(2, -1).contiguous() if lone else rows
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+            out = out[:1] if lone else out
         return out.reshape(*leading, self.out_features)
 
     def extra_repr(self) -> str:
@@ -233,3 +239,28 @@ def pack_linear_layers(model: nn.Module, dense_max_rows: int | None = 0) -> int:
         "packed %d Linear layers for oneDNN (MKL for inputs of <= %d rows)", len(targets), dense_max_rows
     )
     return len(targets)
+
+
+def use_batch_invariant_kernels(model: nn.Module) -> None:
+    """Make ``model``'s steps batch-invariant on a CPU (deterministic mode): float32 arithmetic
+    (a bfloat16 model's weights widen exactly), every Linear through oneDNN's packed kernel
+    with at least two rows (its rows' sums then do not depend on how many rows it multiplies;
+    MKL's depend on it from one to four), and attention through the C++ kernel in fixed key
+    units (``attention.plan_step``). Idempotent.
+
+    Raises:
+        ValueError: the model is not on a CPU, or the kernels are not available here.
+    """
+    from nasd_core.model import native
+
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu":
+        raise ValueError("deterministic mode runs on a CPU; its GPU kernels are not built")
+    if not packed_linear_available(torch.float32) or not native.load():
+        raise ValueError("deterministic mode needs oneDNN's packed Linear and the C++ attention kernel")
+    if parameter.dtype != torch.float32:
+        model.float()
+    pack_linear_layers(model, dense_max_rows=0)
+    for module in model.modules():  # the packed kernel for every row count
+        if isinstance(module, PackedLinear):
+            module.dense_max_rows, module.dense_weight, module.single_row_as_two = 0, None, True

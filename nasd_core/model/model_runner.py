@@ -30,6 +30,7 @@ from nasd_core.model.attention import (
     use_paged_attention,
 )
 from nasd_core.model.compiled_layers import COMPILED_MODEL_TYPES, compile_layers
+from nasd_core.model.cpu_kernels import use_batch_invariant_kernels
 from nasd_core.model.kv_cache import PagedKVCache
 from nasd_core.model.memory_plan import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -178,6 +179,9 @@ class ModelRunner:
         prefill_chunk_tokens: prompt tokens per step (None: ``default_prefill_chunk``, shortened
             where a GPU's plan needs it: ``self.prefill_chunk_tokens`` says what was chosen).
         gpu_memory_utilization: share of a CUDA device's memory the runner may plan for.
+        deterministic: batch-invariant steps (``use_batch_invariant_kernels``): a position's
+            logits are the same bits whatever else its step computes, so greedy output does not
+            depend on speculation or on the batch. CPU only; the model is changed in place.
     """
 
     def __init__(
@@ -193,8 +197,15 @@ class ModelRunner:
         max_positions: int = 1 + DEFAULT_NUM_DRAFT_TOKENS,
         prefill_chunk_tokens: int | None = None,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+        deterministic: bool = False,
     ):
         self.model = model
+        self.deterministic = deterministic
+        if deterministic:
+            if step_graphs:
+                raise ValueError("deterministic steps take the packed path: step_graphs must be off")
+            step_graphs, compiled_layers = False, False
+            use_batch_invariant_kernels(model)
         use_paged_attention(model)
         num_layers, heads, kv_heads, head_dim = attention_shape(model)
         self.groups = heads // kv_heads
@@ -297,6 +308,7 @@ class ModelRunner:
             "kv_cache_positions": self.cache.capacity_tokens,
             "kv_block_size": self.cache.block_size,
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "deterministic": self.deterministic,
             "compiled_layers": self.compiled_layers,
             "compile_failure": self.compile_failure,
             "step_graphs": None
@@ -358,7 +370,13 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.append(self.cache.slots(row.row_id, start, end))
         layout = plan_step(
-            self.cache, spans, torch.cat(slots), self.groups, self.use_kernel, self.batch_attention
+            self.cache,
+            spans,
+            torch.cat(slots),
+            self.groups,
+            self.use_kernel,
+            self.batch_attention,
+            self.deterministic,
         )
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         extra = {"logits_to_keep": keep} if self._takes_logits_to_keep else {}

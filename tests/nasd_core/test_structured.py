@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nasd_core.config import GrammarSpec, SamplingParams, SpecConfig
+from nasd_core.engine.async_engine import AsyncEngine
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import InvalidRequestError
 from nasd_core.processors import LogitsProcessors
@@ -285,12 +286,16 @@ def test_a_servers_grammars_compile_off_the_thread_that_runs_steps(model, tokeni
 
 
 def test_constrained_steps_compile_nothing_on_the_engine_thread(model, tokenizer):
-    """llguidance's mask kernel is torch.compile'd: a new engine's Grammars compiles it where it
-    is built (off the engine thread in a server), so no step, with one constrained row or
-    several, waits 2-6 s for dynamo."""
+    """llguidance's mask kernel is torch.compile'd: ``AsyncEngine.start`` builds the engine's
+    Grammars, which compiles it, before its thread steps anything, so no step, with one
+    constrained row or several, waits 2-6 s for dynamo, and no compilation traces (FX patches
+    ``nn.Module.__call__`` process-wide while it does) beside a running step."""
     torch._dynamo.reset()  # as in a new process: nothing compiled yet
     engine = Engine(model, tokenizer)
-    assert engine.grammars is not None  # what the server's worker thread does first
+    async_engine = AsyncEngine(engine)
+    async_engine.start()
+    async_engine.shutdown()
+    assert engine._grammars is not None
     params = SamplingParams(max_tokens=8, grammar=JSON_SPEC)
     with torch.compiler.set_stance("fail_on_recompile"):
         assert engine.generate(PROMPTS[:1], params, SpecConfig(mode="off"))[0].token_ids

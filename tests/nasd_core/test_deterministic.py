@@ -1,0 +1,84 @@
+"""Deterministic mode (``EngineConfig.deterministic``) on this CPU, with the embedded model in
+bfloat16.
+
+Without it, a bfloat16 step's logits depend on what else the step computes (the row's drafts, other
+rows, the split of keys among threads), so greedy output with speculation can leave plain
+decoding's at a near-tie. With it, a position's logits are the same bits however it is batched,
+and greedy output is token-identical with speculation off, on or auto.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from nasd_core.config import EngineConfig, SamplingParams, SpecConfig
+from nasd_core.engine.engine import Engine
+from nasd_core.model.model_runner import ModelRunner, StepRow
+from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered
+
+MAX_NEW = [2 * count for count in MAX_TOKENS]
+
+
+@pytest.fixture(scope="module")
+def bf16_model(stock_model):
+    """The embedded model in bfloat16 (a copy: deterministic mode changes a model in place)."""
+    return copy.deepcopy(stock_model).to(torch.bfloat16)
+
+
+def engine_of(model, tokenizer, max_rows: int) -> Engine:
+    config = EngineConfig(max_batch_rows=max_rows, prefill_chunk_tokens=16, deterministic=True)
+    return Engine(model, tokenizer, config)
+
+
+@pytest.fixture(scope="module")
+def plain_runs(bf16_model, tokenizer) -> list[list[int]]:
+    """Each prompt decoded alone, one token a step (speculation off)."""
+    engine = engine_of(bf16_model, tokenizer, 1)
+    outputs = []
+    for prompt, max_tokens in zip(PROMPTS, MAX_NEW, strict=True):
+        request_id = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off"))
+        while not engine.is_finished():
+            engine.step()
+        outputs.append(engine.pop_result(request_id).token_ids)
+    return outputs
+
+
+def test_a_positions_logits_do_not_depend_on_its_step(bf16_model):
+    """A row's next 9 tokens decoded one a step alone, then verified in one step beside a
+    prompt chunk and a decoding row: bit for bit the same logits."""
+    runner = ModelRunner(bf16_model, kv_cache_tokens=1024, block_size=16, deterministic=True)
+    assert runner.report()["deterministic"] and runner.model.dtype == torch.float32
+    generator = torch.Generator().manual_seed(5)
+    prompt, other, chunk, following = (
+        torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (300, 40, 70, 9)
+    )
+    for row, tokens in (("a", prompt), ("b", other), ("c", chunk)):
+        runner.cache.allocate(row, len(tokens) + 16)
+    runner.forward([StepRow("a", prompt, 0), StepRow("b", other, 0)])
+    alone = torch.cat([runner.forward([StepRow("a", [token], 1)]) for token in following])
+    runner.cache.set_length("a", len(prompt))
+    batched = runner.forward(
+        [StepRow("b", [7], 1), StepRow("a", following, len(following)), StepRow("c", chunk, 1)]
+    )
+    assert torch.equal(batched[1 : 1 + len(following)], alone)
+
+
+def test_deterministic_steps_refuse_step_graphs(bf16_model):
+    with pytest.raises(ValueError, match="step_graphs"):
+        ModelRunner(bf16_model, kv_cache_tokens=256, block_size=16, step_graphs=True, deterministic=True)
+
+
+@pytest.mark.parametrize("mode", ["on", "auto"])
+def test_greedy_output_is_plain_decodings_with_speculation_in_any_batch(
+    bf16_model, tokenizer, plain_runs, mode
+):
+    """Prompts joining and leaving a batch of up to 6 rows, drafts of up to 16 tokens (wider
+    than the kernel's usual 6 positions), prompt chunks beside verification."""
+    engine = engine_of(bf16_model, tokenizer, 6)
+    outputs = run_staggered(engine, PROMPTS, MAX_NEW, SpecConfig(mode=mode, num_draft_tokens=16))
+    mismatches = [index for index, expected in enumerate(plain_runs) if outputs[index] != expected]
+    assert not mismatches, f"prompts {mismatches} differ from plain decoding"
+    assert engine.stats.num_accepted > 0, "speculation was not exercised"
