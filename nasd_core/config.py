@@ -273,8 +273,9 @@ class EngineConfig(_Config):
         description="Batch-invariant steps: a position's logits do not depend on what else its step "
         "computes (the row's drafts, other rows), so greedy output is token-identical with speculation "
         "off, on or auto, whatever the batch. On a CPU: float32 arithmetic (bfloat16 weights widen "
-        "exactly), packed oneDNN Linears and the C++ attention kernel in fixed key units; the packed path "
-        "only. Not built for GPUs yet.",
+        "exactly, so the model is changed in place to float32 and takes twice the memory), packed oneDNN "
+        "Linears and the C++ attention kernel in fixed key units; the packed path only (no step graphs or "
+        "compiled layers). Not built for GPUs yet.",
     )
     graph_warmup_budget_s: float = Field(
         DEFAULT_GRAPH_WARMUP_BUDGET_S,

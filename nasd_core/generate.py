@@ -62,7 +62,10 @@ def generate(
     # A KV-cache of exactly this request's size, in one block; packed steps, since a runner made
     # for one call would capture its CUDA graphs anew at every call (an Engine keeps its own).
     num_tokens = len(prompt_ids) + params.max_tokens
-    runner = ModelRunner(model, kv_cache_tokens=num_tokens, block_size=num_tokens, step_graphs=False)
+    # Uncompiled: compiling would change the caller's model in place.
+    runner = ModelRunner(
+        model, kv_cache_tokens=num_tokens, block_size=num_tokens, step_graphs=False, compiled_layers=False
+    )
     engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=1, spec=spec), shared, runner, calibration)
     listener = (lambda _request, tokens: on_tokens(tokens)) if on_tokens is not None else None
     request_id = engine.add_request(prompt_ids, params, spec, on_tokens=listener, local_index=local_index)

@@ -59,9 +59,13 @@ class AsyncEngine:
         compiling traces with FX, which patches ``nn.Module.__call__`` process-wide while it traces;
         a step running meanwhile on the engine thread failed ("module is not installed as a
         submodule"). Built at a first constrained request instead, it would also stall every
-        running request for its ~3 s on 2 cores."""
+        running request for its ~3 s on 2 cores. If it cannot be built, the engine still starts:
+        constrained requests then try again and report the error."""
         if self._thread is None:
-            self.engine.grammars  # noqa: B018 (built on first access)
+            try:
+                self.engine.build_grammars()
+            except Exception as exc:  # a tokenizer llguidance cannot take, no compiler for its kernel
+                logger.warning("building the grammar compiler failed: %s", exc)
             self._thread = threading.Thread(target=self._run, name="nasd-engine", daemon=True)
             self._thread.start()
 

@@ -338,6 +338,10 @@ class Engine:
     def grammars(self) -> Grammars:
         """The compiler of requests' grammars (structured output), made at the first one (on
         whichever thread asks first: building llguidance's tokenizer takes a while)."""
+        return self.build_grammars()
+
+    def build_grammars(self) -> Grammars:
+        """Build the grammar compiler now if it is not built (``AsyncEngine.start`` does)."""
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = Grammars(

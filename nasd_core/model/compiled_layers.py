@@ -39,21 +39,17 @@ COMPILED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 def merged_linear(linears: list[nn.Linear]) -> nn.Linear:
     """One Linear computing ``linears`` side by side; theirs become views of its weight and bias,
-    so the model holds each weight once and its state dict is unchanged."""
+    so the model holds each weight once (its state dict gains the merged entries)."""
     first = linears[0]
     has_bias = first.bias is not None
+    # On the meta device: no weights initialised only to be replaced.
     merged = nn.Linear(
-        first.in_features,
-        sum(linear.out_features for linear in linears),
-        bias=has_bias,
-        device=first.weight.device,
-        dtype=first.weight.dtype,
+        first.in_features, sum(linear.out_features for linear in linears), bias=has_bias, device="meta"
     )
-    merged.requires_grad_(False)
     with torch.no_grad():
-        merged.weight.copy_(torch.cat([linear.weight for linear in linears]))
+        merged.weight = nn.Parameter(torch.cat([linear.weight for linear in linears]), requires_grad=False)
         if has_bias:
-            merged.bias.copy_(torch.cat([linear.bias for linear in linears]))
+            merged.bias = nn.Parameter(torch.cat([linear.bias for linear in linears]), requires_grad=False)
     start = 0
     for linear in linears:
         end = start + linear.out_features
@@ -67,7 +63,7 @@ def merged_linear(linears: list[nn.Linear]) -> nn.Linear:
 def merged_attention_forward(
     self, hidden_states: torch.Tensor, position_embeddings, attention_mask=None, cache=None, **kwargs
 ):
-    """transformers' Llama / Qwen2 / Qwen3 attention with one q, k, v projection."""
+    """transformers' Llama / Mistral / Qwen2 / Qwen3 attention with one q, k, v projection."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     cache = cache if cache is not None else kwargs.pop("past_key_values", None)
@@ -82,8 +78,12 @@ def merged_attention_forward(
     query, key = self.nasd_rotary(query, key, cos, sin)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-    attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-    sliding_window = getattr(self, "sliding_window", None)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self.nasd_eager)
+    # Qwen2 / Qwen3 keep a window per layer; Mistral passes its config's.
+    if hasattr(self, "sliding_window"):
+        sliding_window = self.sliding_window
+    else:
+        sliding_window = getattr(self.config, "sliding_window", None)
     if sliding_window is not None:
         kwargs["sliding_window"] = sliding_window
     output, weights = attention(
@@ -102,37 +102,45 @@ def merge_projections(model) -> None:
     if model.config.model_type not in COMPILED_MODEL_TYPES:
         served = sorted(COMPILED_MODEL_TYPES)
         raise ValueError(f"compiled layers serve model types {served}, not {model.config.model_type!r}")
-    for layer in model.get_decoder().layers:
+    layers = model.get_decoder().layers
+    for layer in layers:  # all checked before any is changed
+        attention, mlp = layer.self_attn, layer.mlp
+        linears = [attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj]
+        if not all(type(linear) is nn.Linear for linear in linears):
+            raise ValueError("compiled layers need plain nn.Linear projections (not the CPU's packed ones)")
+    for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         projections = [attention.q_proj, attention.k_proj, attention.v_proj]
-        if not all(type(linear) is nn.Linear for linear in [*projections, mlp.gate_proj, mlp.up_proj]):
-            raise ValueError("compiled layers need plain nn.Linear projections (not the CPU's packed ones)")
         attention.nasd_qkv_sizes = [linear.out_features for linear in projections]
         attention.qkv_proj = merged_linear(projections)
-        attention.nasd_rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        source = sys.modules[type(attention).__module__]
+        attention.nasd_rotary = source.apply_rotary_pos_emb
+        attention.nasd_eager = source.eager_attention_forward
         attention.forward = types.MethodType(merged_attention_forward, attention)
         mlp.gate_up_proj = merged_linear([mlp.gate_proj, mlp.up_proj])
         mlp.forward = types.MethodType(merged_mlp_forward, mlp)
 
 
 def compile_layers(model) -> str | None:
-    """Merge ``model``'s projections and compile its decoder layers, once for all of them (the
-    number of tokens is a dynamic dimension), checked on a short forward. Idempotent. Compiled
-    kernels are kept on disk (``INDUCTOR_CACHE_ENV``) for the next start.
+    """Merge ``model``'s projections and compile its decoder layers for all of them at once (the
+    number of tokens is a dynamic dimension; dynamo compiles one token apart), checked on
+    forwards of both. Idempotent. Compiled kernels are kept on disk (``INDUCTOR_CACHE_ENV``)
+    for the next start.
 
-    Returns None, or why the layers run uncompiled (the merged projections stay: same sums)."""
+    Returns None, or why the layers run uncompiled (their projections stay merged)."""
     if not hasattr(model, "nasd_compile_failure"):
         from nasd_core.models import default_cache_dir
 
-        os.environ.setdefault(INDUCTOR_CACHE_ENV, str(default_cache_dir() / "inductor"))
         merge_projections(model)
+        os.environ.setdefault(INDUCTOR_CACHE_ENV, str(default_cache_dir() / "inductor"))
         layers = model.get_decoder().layers
         for layer in layers:
             layer.compile(dynamic=True)
         try:
-            tokens = torch.ones(1, 3, dtype=torch.long, device=model.device)
             with torch.inference_mode():
-                model.get_decoder()(input_ids=tokens, use_cache=False)
+                for num_tokens in (3, 1):
+                    tokens = torch.ones(1, num_tokens, dtype=torch.long, device=model.device)
+                    model.get_decoder()(input_ids=tokens, use_cache=False)
             model.nasd_compile_failure = None
         except Exception as exc:  # an op inductor cannot lower or a compiler missing on this host
             for layer in layers:

@@ -260,7 +260,36 @@ def use_batch_invariant_kernels(model: nn.Module) -> None:
         raise ValueError("deterministic mode needs oneDNN's packed Linear and the C++ attention kernel")
     if parameter.dtype != torch.float32:
         model.float()
+    threads = invariant_threads(model)
+    if torch.get_num_threads() > threads:
+        logger.warning(
+            "deterministic mode: %d threads may split an elementwise op inside a row (%d or fewer do "
+            "not for this model); steps can then differ by the batch",
+            torch.get_num_threads(),
+            threads,
+        )
     pack_linear_layers(model, dense_max_rows=0)
     for module in model.modules():  # the packed kernel for every row count
         if isinstance(module, PackedLinear):
             module.dense_max_rows, module.dense_weight, module.single_row_as_two = 0, None, True
+
+
+# Elements an elementwise kernel's vectorised loop takes at a time (two AVX-512 vectors): a thread's
+# share that ends inside such a block ends in a scalar loop, which can round differently.
+VECTOR_BLOCK = 32
+
+
+def invariant_threads(model: nn.Module, most: int = 64) -> int:
+    """The most intra-op threads whose every count from one up splits each of ``model``'s row
+    widths into whole vector blocks: torch's elementwise ops share ``rows x width`` elements
+    among up to that many threads, so each row's elements then take the same code whatever
+    the rows."""
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    widths = (config.hidden_size, config.intermediate_size, heads * head_dim, kv_heads * head_dim, head_dim)
+    for threads in range(1, most + 1):
+        if any(width % (VECTOR_BLOCK * threads) for width in widths):
+            return threads - 1
+    return most

@@ -202,8 +202,8 @@ class ModelRunner:
         self.model = model
         self.deterministic = deterministic
         if deterministic:
-            if step_graphs:
-                raise ValueError("deterministic steps take the packed path: step_graphs must be off")
+            if step_graphs or compiled_layers:
+                raise ValueError("deterministic steps need step_graphs and compiled_layers off")
             step_graphs, compiled_layers = False, False
             use_batch_invariant_kernels(model)
         use_paged_attention(model)
@@ -224,8 +224,11 @@ class ModelRunner:
         if compiled_layers is None:
             compiled_layers = capture and model.config.model_type in COMPILED_MODEL_TYPES
         # Before the memory plan's profile, which then measures the compiled step.
-        self.compile_failure = compile_layers(model) if compiled_layers else None
-        self.compiled_layers = compiled_layers and self.compile_failure is None
+        if compiled_layers:
+            compile_layers(model)
+        # What the model runs (compiling changes it in place: another runner may have done it).
+        self.compile_failure: str | None = getattr(model, "nasd_compile_failure", None)
+        self.compiled_layers = hasattr(model, "nasd_compile_failure") and self.compile_failure is None
         self.prefill_chunk_tokens = prefill_chunk_tokens or default_prefill_chunk(model.device)
         self.memory_plan: MemoryPlan | None = None
         if capture:

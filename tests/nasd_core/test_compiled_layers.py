@@ -47,12 +47,47 @@ def test_merged_projections_share_the_weights_and_keep_the_state_dict(stock_mode
     assert layer.mlp.up_proj.weight.data_ptr() > layer.mlp.gate_up_proj.weight.data_ptr()
 
 
+def tiny_model(model_type: str, attention: str):
+    """A two-layer random model of ``model_type`` (Qwen2: biases on q, k, v; Qwen3: q and k
+    normalised per head; Mistral: a sliding window)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = {"sliding_window": 4} if model_type == "mistral" else {}
+    config = AutoConfig.for_model(
+        model_type,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=300,
+        max_position_embeddings=512,
+        **extra,
+    )
+    config._attn_implementation = attention
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2", "qwen3"])
+def test_merged_projections_give_transformers_logits(model_type, attention):
+    """Each type's merged forward against transformers' own, in plain forwards (no runner)."""
+    model = tiny_model(model_type, attention)
+    merged = copy.deepcopy(model)
+    merge_projections(merged)
+    tokens = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        torch.testing.assert_close(merged(tokens).logits, model(tokens).logits, atol=1e-5, rtol=0)
+
+
 def test_merging_refuses_the_cpus_packed_layers(model):
     with pytest.raises(ValueError, match=r"plain nn\.Linear"):
         merge_projections(model)
 
 
-def test_compiled_layers_get_the_logits_of_the_packed_path_in_one_compilation(stock_model, compiled_model):
+def test_compiled_layers_get_the_logits_of_the_packed_path_in_a_few_compilations(stock_model, compiled_model):
     """Fixed-shape paged steps (4 x 17, 4 x 1, 2 x 1) and prompt chunks on compiled layers,
     against the packed path of the uncompiled model; the layers' code compiles a handful of
     times in all, not once per layer (30 here) or per shape."""
@@ -60,7 +95,8 @@ def test_compiled_layers_get_the_logits_of_the_packed_path_in_one_compilation(st
     graphs_before = counters["unique_graphs"]
     _, compiled = fixed_and_packed_logits(compiled_model, "paged", compiled=True)
     new_graphs = counters["unique_graphs"] - graphs_before
-    _, reference = fixed_and_packed_logits(stock_model, "paged", compiled=True)
+    # On a copy: a runner switches its model to paged attention, and other modules share this one.
+    _, reference = fixed_and_packed_logits(copy.deepcopy(stock_model), "paged", compiled=True)
     assert 0 < new_graphs <= 12, f"{new_graphs} graphs compiled for 3 fixed shapes and the packed path"
     for (fixed, packed), (_, reference_packed) in zip(compiled, reference, strict=True):
         torch.testing.assert_close(fixed, reference_packed, atol=2e-4, rtol=0)

@@ -16,6 +16,7 @@ import torch
 
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
+from nasd_core.model.cpu_kernels import invariant_threads
 from nasd_core.model.model_runner import ModelRunner, StepRow
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered
 
@@ -46,10 +47,20 @@ def plain_runs(bf16_model, tokenizer) -> list[list[int]]:
     return outputs
 
 
-def test_a_positions_logits_do_not_depend_on_its_step(bf16_model):
+@pytest.fixture(params=[1, 2], ids=["1_thread", "2_threads"])
+def threads(request):
+    """Intra-op threads (``cpu_kernels.invariant_threads``: this model's widths hold for 2)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_a_positions_logits_do_not_depend_on_its_step(bf16_model, threads):
     """A row's next 9 tokens decoded one a step alone, then verified in one step beside a
     prompt chunk and a decoding row: bit for bit the same logits."""
     runner = ModelRunner(bf16_model, kv_cache_tokens=1024, block_size=16, deterministic=True)
+    assert invariant_threads(runner.model) >= threads
     assert runner.report()["deterministic"] and runner.model.dtype == torch.float32
     generator = torch.Generator().manual_seed(5)
     prompt, other, chunk, following = (
@@ -66,9 +77,10 @@ def test_a_positions_logits_do_not_depend_on_its_step(bf16_model):
     assert torch.equal(batched[1 : 1 + len(following)], alone)
 
 
-def test_deterministic_steps_refuse_step_graphs(bf16_model):
-    with pytest.raises(ValueError, match="step_graphs"):
-        ModelRunner(bf16_model, kv_cache_tokens=256, block_size=16, step_graphs=True, deterministic=True)
+@pytest.mark.parametrize("setting", ["step_graphs", "compiled_layers"])
+def test_deterministic_steps_refuse_graphs_and_compiled_layers(bf16_model, setting):
+    with pytest.raises(ValueError, match=setting):
+        ModelRunner(bf16_model, kv_cache_tokens=256, block_size=16, deterministic=True, **{setting: True})
 
 
 @pytest.mark.parametrize("mode", ["on", "auto"])

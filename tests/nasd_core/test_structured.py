@@ -302,6 +302,20 @@ def test_constrained_steps_compile_nothing_on_the_engine_thread(model, tokenizer
         assert all(result.token_ids for result in engine.generate(PROMPTS, params, SpecConfig(mode="auto")))
 
 
+def test_an_engine_whose_grammar_compiler_fails_to_build_still_starts(model, tokenizer, monkeypatch, caplog):
+    def fails(engine):
+        raise RuntimeError("llguidance cannot take this tokenizer")
+
+    monkeypatch.setattr(Engine, "build_grammars", fails)
+    async_engine = AsyncEngine(Engine(model, tokenizer))
+    async_engine.start()
+    try:
+        assert async_engine.is_running
+        assert "llguidance cannot take this tokenizer" in caplog.text
+    finally:
+        async_engine.shutdown()
+
+
 def test_the_grammar_cache_is_bounded_in_characters(engine, monkeypatch):
     from nasd_core import structured
 
