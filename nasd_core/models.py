@@ -56,6 +56,19 @@ def default_cache_dir() -> Path:
     return Path(user_cache_dir("nasd-serve"))
 
 
+# Where inductor keeps the kernels it compiles (compiled layers, paged attention, the grammar
+# mask): under the NASD cache (a volume in k8s/), so a restarted replica loads them instead of
+# compiling them again; unless the process chose a folder already.
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def keep_compiled_kernels(cache_dir: str | None = None) -> None:
+    """Point inductor's on-disk cache into the NASD cache (once a process has compiled, inductor
+    has chosen its folder: call this first)."""
+    folder = Path(cache_dir) if cache_dir else default_cache_dir()
+    os.environ.setdefault(INDUCTOR_CACHE_ENV, str(folder / "inductor"))
+
+
 def _converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
     import transformers
 
@@ -134,6 +147,7 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
 
     hf_logging.disable_progress_bar()
     config = config or ModelConfig()
+    keep_compiled_kernels(config.cache_dir)
     name = name if name is not None else config.name
     try:
         model_dir = resolve_model_dir(name, config.cache_dir)

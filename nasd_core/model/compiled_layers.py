@@ -19,7 +19,6 @@ runner's graphs capture the compiled pieces; inductor's own CUDA graphs stay off
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import types
 
@@ -27,10 +26,6 @@ import torch
 from torch import nn
 
 logger = logging.getLogger(__name__)
-
-# Where inductor keeps what it compiled, under the NASD cache (a volume in k8s/), so a restarted
-# replica loads its kernels instead of compiling them; unless the process already chose a folder.
-INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 # Model types whose attention and MLP ``merge_projections`` rewrites (their transformers code is
 # that of Llama, plus a bias on q, k and v for Qwen2 and a per-head RMSNorm of q and k for Qwen3).
@@ -124,15 +119,15 @@ def merge_projections(model) -> None:
 def compile_layers(model) -> str | None:
     """Merge ``model``'s projections and compile its decoder layers for all of them at once (the
     number of tokens is a dynamic dimension; dynamo compiles one token apart), checked on
-    forwards of both. Idempotent. Compiled kernels are kept on disk (``INDUCTOR_CACHE_ENV``)
-    for the next start.
+    forwards of both. Idempotent. Compiled kernels are kept on disk for the next start
+    (``models.keep_compiled_kernels``).
 
     Returns None, or why the layers run uncompiled (their projections stay merged)."""
     if not hasattr(model, "nasd_compile_failure"):
-        from nasd_core.models import default_cache_dir
+        from nasd_core.models import keep_compiled_kernels
 
         merge_projections(model)
-        os.environ.setdefault(INDUCTOR_CACHE_ENV, str(default_cache_dir() / "inductor"))
+        keep_compiled_kernels()
         layers = model.get_decoder().layers
         for layer in layers:
             layer.compile(dynamic=True)

@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from nasd_core.model.compiled_layers import INDUCTOR_CACHE_ENV, compile_layers, merge_projections
+from nasd_core.model.compiled_layers import compile_layers, merge_projections
 from nasd_core.model.model_runner import ModelRunner, StepRow
+from nasd_core.models import INDUCTOR_CACHE_ENV
 from tests.nasd_core.test_step_graphs import fixed_and_packed_logits
 
 
