@@ -5,8 +5,8 @@ step's shape picks) and ``EngineConfig.deterministic`` (batch-invariant steps). 
 prompt alone with speculation off (plain decoding, the reference), then alone with ``auto``, then
 all prompts at once (4 rows a step) with ``auto``. For each engine: tokens/s of plain and ``auto``
 decoding alone, and how many prompts' greedy outputs equal plain decoding's, alone and batched.
-The prompts are one of each workload (``benchmarks/workloads.py``) and two long chats of
-600-1000 tokens.
+The prompts are one of each workload (``benchmarks/workloads.py``) and two long chats
+(``long_chat_messages``).
 
     python -m benchmarks.deterministic
 """
@@ -19,7 +19,7 @@ import time
 from benchmarks.common import run_metadata, write_result
 from benchmarks.workloads import WORKLOADS, chat_ids, long_chat_messages, make_workload
 from nasd_core import Engine, EngineConfig, ModelConfig, SamplingParams, SpecConfig
-from nasd_core.models import load_model
+from nasd_core.models import load_model, load_tokenizer
 
 BATCH_ROWS = 4
 ENGINES = {"default": False, "deterministic": True}
@@ -91,8 +91,7 @@ def main() -> None:
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
-    _, tokenizer = load_model(config=ModelConfig(dtype="bfloat16"))
-    prompts = prompts_of(tokenizer)
+    prompts = prompts_of(load_tokenizer())
     engines = {}
     for name, deterministic in ENGINES.items():
         engines[name] = run_engine(deterministic, prompts, args.max_tokens)

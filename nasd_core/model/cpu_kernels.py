@@ -38,6 +38,8 @@ from torch import nn
 from torch.nn import functional
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from nasd_core.model.memory_plan import ModelShape
+
 logger = logging.getLogger(__name__)
 
 # The packing's blocking is tuned for this many input rows. Measured on 2 cores (60 layers of
@@ -284,11 +286,14 @@ def invariant_threads(model: nn.Module, most: int = 64) -> int:
     widths into whole vector blocks: torch's elementwise ops share ``rows x width`` elements
     among up to that many threads, so each row's elements then take the same code whatever
     the rows."""
-    config = model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    widths = (config.hidden_size, config.intermediate_size, heads * head_dim, kv_heads * head_dim, head_dim)
+    shape = ModelShape.from_config(model.config, model.dtype, weight_bytes=0)
+    widths = (
+        shape.hidden_size,
+        shape.intermediate_size,
+        shape.num_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+        shape.head_dim,
+    )
     for threads in range(1, most + 1):
         if any(width % (VECTOR_BLOCK * threads) for width in widths):
             return threads - 1
