@@ -195,7 +195,9 @@ class SimulatedRunner:
         packed_ms = self.packed_surface.ms(len(rows), num_positions / max(1, len(rows)))
         if not all(row.num_logits == len(row.token_ids) for row in rows):
             return packed_ms
-        inputs = [RowInput(row.row_id, row.token_ids, self.cache.length(row.row_id)) for row in rows]
+        inputs = [
+            RowInput(row.row_id, row.token_ids, self.cache.length(row.row_id), row.num_logits) for row in rows
+        ]
         shape = fixed_shape(inputs, GQA_GROUPS, paged=not self.blind)
         if shape is None or (self.blind and shape.num_positions > 17):
             return packed_ms

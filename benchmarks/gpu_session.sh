@@ -4,7 +4,7 @@
 # or pydantic. What it lacks travels with the embedded model as one bundle (about 220 MB) in four
 # parts of at most 58 MiB, one per call, while the machine stays warm between calls (30 s). Each
 # call does the work its parts so far allow, and leaves its logs and results in $OUT. The command
-# limits below add up to 9 minutes, so that with the machine's start the session fits 10; a
+# limits below add up to 11.5 minutes, so that with the machine's start the session fits 13; a
 # command stopped at its limit leaves its log (inductor's on-disk cache serves the later calls).
 #
 #   here, once:  bash benchmarks/gpu_session.sh prepare     # downloads; writes .gpu1 .. .gpu4
@@ -12,7 +12,9 @@
 #     bash benchmarks/gpu_session.sh 1   # the wheels but Ray: the step surface of Qwen2-1.5B (random
 #                                        # weights) on paged graphs, with and without compiled layers,
 #                                        # beside transformers' one-graph step and the time to read
-#                                        # the weights once; a 512-token prompt chunk
+#                                        # the weights once; a 512-token prompt chunk (packed, in
+#                                        # its chunk graph, transformers' one graph); a profile of
+#                                        # the decode, verification and chunk steps
 #     bash benchmarks/gpu_session.sh 2   # the default engine at the k8s settings (64 rows, a 32k
 #                                        # context): memory plan, warm-up within budget, an answer
 #     bash benchmarks/gpu_session.sh 3   # the embedded model: pytest -m gpu; single stream off / auto
@@ -133,14 +135,15 @@ call_1() {
 transformers.__version__, torch.cuda.get_device_name())"
         python3 -c "from nasd_core.model import native; print('C++ drafter:', native.drafter() is not None)"
     } 2>&1 | tee "$OUT/env.txt"
-    logged step_cost 120 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
+    logged step_cost 150 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
         --rows 1 64 --repeats 2 --step-graphs --graph-attention paged --compiled-layers
-    results step_cost_cuda_qwen2-1.5b.json
+    logged profile_step 75 python3 -m benchmarks.profile_step --arch qwen2-1.5b
+    results step_cost_cuda_qwen2-1.5b.json profile_step_cuda_qwen2-1.5b.json
 }
 
 call_2() {
     receive 2
-    logged k8s_engine 80 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider \
+    logged k8s_engine 110 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider \
         -k test_the_default_engine_at_the_k8s_settings -o log_cli=true --log-cli-level=INFO
 }
 
@@ -190,7 +193,9 @@ print("runner:", json.dumps(stats["replicas"][0]["runner"], indent=1))
 EOF
     kill "$server" 2>/dev/null
     wait "$server" 2>/dev/null
-    grep -E "memory plan|step graphs|paged|KV-cache|Error|error" "$OUT/serve.log" | tail -n 20
+    # The replica logs to Ray's session folder, not the server's output.
+    grep -rhE "memory plan|step graphs|paged|KV-cache|Error|error" "$OUT/serve.log" \
+        /tmp/ray/session_latest/logs/serve 2>/dev/null | tail -n 20 || true
 }
 
 case "${1:-}" in

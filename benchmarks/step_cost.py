@@ -214,19 +214,61 @@ def graphs_surface(model, args: argparse.Namespace, layout: str, compiled_layers
 
 
 @torch.inference_mode()
-def prompt_chunk_ms(model, repeats: int, compiled_layers: bool) -> float:
-    """ms of one ``PROMPT_CHUNK``-token prompt chunk after 256 cached positions (the packed
-    path, one position's logits)."""
+def prompt_chunk_ms(model, repeats: int, compiled_layers: bool, step_graphs: bool = False) -> float:
+    """ms of one ``PROMPT_CHUNK``-token prompt chunk after 256 cached positions, one position's
+    logits: on the packed path, or in a prompt-chunk shape of the paged step graphs (captured
+    on a GPU by its first run)."""
     context_length = 256
-    runner = filled_runner(model, 1, context_length, PROMPT_CHUNK, compiled_layers=compiled_layers)
+    runner = filled_runner(
+        model,
+        1,
+        context_length,
+        PROMPT_CHUNK,
+        step_graphs=step_graphs,
+        graph_attention="paged" if step_graphs else None,
+        compiled_layers=compiled_layers,
+    )
     step = [StepRow(probe_row(0), [7] * PROMPT_CHUNK, 1)]
     fastest = float("inf")
-    for _ in range(repeats + 1):  # the first run compiles for this length
+    for _ in range(repeats + 1):  # the first run compiles (and captures) for this length
         synchronize(model.device)
         started = time.perf_counter()
         runner.forward(step)[-1, 0].item()
         fastest = min(fastest, time.perf_counter() - started)
         runner.cache.set_length(probe_row(0), context_length)
+    if step_graphs:
+        assert runner.graphs is not None and runner.graphs.chunk_failure is None, runner.graphs.chunk_failure
+        assert any(shape.num_positions == PROMPT_CHUNK for shape in runner.graphs.steps)
+    return round(1000 * fastest, 2)
+
+
+@torch.inference_mode()
+def transformers_chunk_ms(model, repeats: int) -> float:
+    """ms of transformers' own forward over a ``PROMPT_CHUNK``-token prompt (no cache, causal
+    SDPA, the last position's logits), replayed from one CUDA graph."""
+    device = model.device
+    tokens = torch.full((1, PROMPT_CHUNK), 7, dtype=torch.long, device=device)
+
+    def step() -> torch.Tensor:
+        return model(input_ids=tokens, use_cache=False, logits_to_keep=1).logits
+
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    captured = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(captured):
+        step()
+    fastest = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        for _ in range(TIMED_REPLAYS):
+            captured.replay()
+        synchronize(device)
+        fastest = min(fastest, (time.perf_counter() - started) / TIMED_REPLAYS)
     return round(1000 * fastest, 2)
 
 
@@ -266,8 +308,14 @@ def device_run(args: argparse.Namespace) -> None:
     payload.update(graphs_surfaces)
     if args.compiled_layers:  # last: compiling changes the model in place
         chunk = {"transformers_layers": prompt_chunk_ms(model, args.repeats, compiled_layers=False)}
+        if model.device.type == "cuda":
+            chunk["transformers_one_graph"] = transformers_chunk_ms(model, args.repeats)
         payload["compile_failure"] = compile_layers(model)
         chunk["compiled_layers"] = prompt_chunk_ms(model, args.repeats, compiled_layers=True)
+        if args.step_graphs:
+            chunk["chunk_graph"] = prompt_chunk_ms(
+                model, args.repeats, compiled_layers=True, step_graphs=True
+            )
         payload[f"prompt_chunk_{PROMPT_CHUNK}_ms"] = chunk
         if args.step_graphs:
             compiled = graphs_surface(model, args, "paged", compiled_layers=True)
@@ -276,6 +324,14 @@ def device_run(args: argparse.Namespace) -> None:
     print(f"results: {write_result(name, payload)}")
     for rows, by_positions in payload["ms_by_rows_and_positions"][args.dtype].items():
         print(f"{rows} rows, ms by positions per row:", by_positions)
+
+
+CHUNK_COLUMNS = {
+    "transformers_layers": "packed, transformers' layers",
+    "transformers_one_graph": "transformers, one CUDA graph",
+    "compiled_layers": "packed, compiled layers",
+    "chunk_graph": "chunk graph, compiled layers",
+}
 
 
 def markdown_table(payload: dict) -> str:
@@ -320,10 +376,15 @@ def markdown_table(payload: dict) -> str:
     if chunk:
         lines += [
             "",
-            f"| a {PROMPT_CHUNK}-token prompt chunk, packed path (ms) | transformers' layers | compiled |",
-            "|---|---|---|",
-            f"| after 256 cached positions | {chunk['transformers_layers']:.1f} "
-            f"| {chunk['compiled_layers']:.1f} |",
+            f"| a {PROMPT_CHUNK}-token prompt chunk (ms) | "
+            + " | ".join(CHUNK_COLUMNS.get(name, name) for name in chunk)
+            + " |",
+            "|---|" + "---|" * len(chunk),
+            "| after 256 cached positions"
+            + (" (transformers' graph: no cache)" if "transformers_one_graph" in chunk else "")
+            + " | "
+            + " | ".join(f"{ms:.1f}" for ms in chunk.values())
+            + " |",
         ]
     if "transformers_one_graph_ms" in payload:
         baseline = payload["transformers_one_graph_ms"]

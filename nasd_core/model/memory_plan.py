@@ -31,6 +31,7 @@ import torch
 
 from nasd_core.config import DEFAULT_GPU_MEMORY_UTILIZATION
 from nasd_core.errors import NASDError
+from nasd_core.model.step_graphs import chunk_graph_tokens
 
 GIB = 1 << 30
 # The shortest prompt chunk a default plan shrinks to where the default (GPU_PREFILL_CHUNK_TOKENS)
@@ -161,9 +162,10 @@ def graph_bytes(model: ModelShape, limits: StepLimits) -> int:
     grow with the pool, are counted per KV position in ``table_bytes_per_token``."""
     if not limits.graph_positions:
         return 0
-    tokens = limits.graph_rows * limits.graph_positions
+    # The widest verification shape or the largest prompt-chunk shape (paged steps capture both).
+    tokens = max(limits.graph_rows * limits.graph_positions, chunk_graph_tokens(limits.prefill_chunk))
     max_row_blocks = -(-limits.max_context // limits.block_size)
-    inputs = 8 * limits.graph_rows * (4 * limits.graph_positions + max_row_blocks + 2)
+    inputs = 8 * (4 * tokens + limits.graph_rows * (max_row_blocks + 2))
     outputs = tokens * model.hidden_size * model.dtype_bytes
     # The largest shape's decoder pass, its attention's float32 accumulators and row masks; or,
     # where steps gather keys instead (the fallback), the gathered keys, values, mask and scores.

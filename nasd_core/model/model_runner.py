@@ -258,6 +258,7 @@ class ModelRunner:
                 paged=graph_attention == "paged" or (graph_attention is None and capture),
                 max_rows=max_rows,
                 max_context=max_context(model, self.cache),
+                max_chunk_tokens=self.prefill_chunk_tokens,
             )
             if step_graphs
             else None
@@ -322,6 +323,8 @@ class ModelRunner:
                 "shapes": len(graphs.steps),
                 "captured_while_serving": graphs.num_captured_serving,
                 "failed": graphs.failed,
+                "prompt_chunk_tokens": graphs.chunk_tokens if graphs.chunk_failure is None else 0,
+                "prompt_chunk_failure": graphs.chunk_failure,
             },
             "memory_plan": None if self.memory_plan is None else self.memory_plan.to_dict(),
         }
@@ -343,11 +346,15 @@ class ModelRunner:
         """One forward over every row's new tokens; ``[sum of num_logits, vocab]`` logits, in
         row order, on the model's device. Every fed position is cached afterwards."""
         logits = None
-        if self.graphs is not None and all(row.num_logits == len(row.token_ids) for row in rows):
-            inputs = [RowInput(row.row_id, row.token_ids, self.cache.length(row.row_id)) for row in rows]
-            shape = self.graphs.shape_for(inputs)
-            logits = self.graphs.forward(inputs, shape) if shape is not None else None
-            self.last_graph_shape, self.last_captured = shape, self.graphs.last_captured
+        if self.graphs is not None:
+            cached = [self.cache.length(row.row_id) for row in rows]
+            logits = self.graphs.forward(
+                [
+                    RowInput(row.row_id, row.token_ids, length, row.num_logits)
+                    for row, length in zip(rows, cached)
+                ]
+            )
+            self.last_graph_shape, self.last_captured = self.graphs.last_shape, self.graphs.last_captured
         if logits is None:
             logits = self._packed_forward(rows)
             self.last_graph_shape, self.last_captured = None, False

@@ -15,7 +15,7 @@ import torch
 from nasd_core.config import EngineConfig, SpecConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.model.model_runner import ModelRunner, StepRow
-from nasd_core.model.step_graphs import StepShape, bucket, key_bucket
+from nasd_core.model.step_graphs import POSITION_BUCKETS, FixedStep, StepShape, bucket, key_bucket
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered, single_sequence_runs
 
 
@@ -33,7 +33,11 @@ PAGE = 16
 
 
 def fragmented_runner(
-    model, prompts: list[list[int]], step_graphs: bool, graph_attention: str | None = None
+    model,
+    prompts: list[list[int]],
+    step_graphs: bool,
+    graph_attention: str | None = None,
+    prefill_chunk_tokens: int | None = None,
 ) -> ModelRunner:
     """A runner whose rows hold ``prompts`` with 8 spare positions each, row 1 fragmented
     around a hole left by a freed row."""
@@ -46,6 +50,7 @@ def fragmented_runner(
         block_size=PAGE,
         step_graphs=step_graphs,
         graph_attention=graph_attention,
+        prefill_chunk_tokens=prefill_chunk_tokens,
     )
     for row in (0, "hole", *range(2, len(prompts))):
         runner.cache.allocate(row, len(prompts[row]) + 8 if row != "hole" else 8)
@@ -146,3 +151,67 @@ def test_an_engine_on_fixed_shape_steps_emits_the_single_sequence_greedy_tokens(
 ):
     engine = run_engine_on_fixed_steps(model, tokenizer, single_runs, mode, graph_attention)
     assert engine.runner.graphs is not None and engine.runner.graphs.paged == (graph_attention == "paged")
+
+
+def run_chunk_steps(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Prompt chunks through every layout a step of chunks can take, each step's logits: two
+    chunks sharing a shape of their own, a chunk between two verifying rows (its logits in row
+    order), two chunks too wide to share a shape, each alone, and one past every chunk shape."""
+    steps = [
+        [StepRow(0, prompts[0][:60], 0), StepRow(2, prompts[2][:20], 2)],
+        [StepRow(0, prompts[0][60:65], 5), StepRow(1, prompts[1][:100], 1), StepRow(2, prompts[2][20:23], 3)],
+        [StepRow(1, prompts[1][100:200], 0), StepRow(0, prompts[0][65:105], 40)],
+        [StepRow(1, prompts[1][200:400], 1), StepRow(2, prompts[2][23:24], 1)],
+    ]
+    return [runner.forward(step) for step in steps]
+
+
+def test_prompt_chunks_run_in_shapes_of_their_own_with_the_logits_of_the_packed_path(model):
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (110, 400, 40)]
+    results = {}
+    for step_graphs in (False, True):
+        runner = fragmented_runner(model, prompts, step_graphs, "paged", prefill_chunk_tokens=128)
+        results[step_graphs] = run_chunk_steps(runner, prompts)
+        if step_graphs:
+            graphs = runner.graphs
+    assert graphs is not None and graphs.chunk_tokens == 128 and graphs.chunk_failure is None
+    # Chunks of 60 and 20 shared a 2 x 64 shape; the lone chunk of 100 took 1 x 128 beside the
+    # verifying rows' 2 x 8; 100 and 40 (2 x 128 is over 128 tokens) took 1 x 128 and 1 x 64;
+    # the 200-token chunk ran packed with the whole of its step.
+    shapes = {StepShape(2, 64, 0), StepShape(1, 128, 0), StepShape(2, 8, 0), StepShape(1, 64, 0)}
+    assert set(graphs.steps) == shapes
+    assert [len(logits) for logits in results[True]] == [2, 9, 40, 2]
+    for fixed, packed in zip(results[True], results[False], strict=True):
+        torch.testing.assert_close(fixed, packed, atol=2e-4, rtol=0)
+
+
+def test_a_chunk_shape_that_fails_to_build_sends_chunks_to_the_packed_path_and_keeps_the_rest(
+    model, monkeypatch
+):
+    """A fault injected where a GPU fails (a chunk's kernel that does not compile or capture):
+    chunks run packed from then on, with the reason kept, and verification steps keep their
+    paged shapes."""
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (110, 400, 40)]
+    decode = [StepRow(0, [5], 1), StepRow(2, [6], 1)]
+    packed_runner = fragmented_runner(model, prompts, False, prefill_chunk_tokens=128)
+    packed = [*run_chunk_steps(packed_runner, prompts), packed_runner.forward(decode)]
+    runner = fragmented_runner(model, prompts, True, "paged", prefill_chunk_tokens=128)
+    run = FixedStep.run
+
+    def failing_run(step: FixedStep) -> None:
+        if step.shape.num_positions > POSITION_BUCKETS[-1]:
+            raise RuntimeError("no kernel for this tile")
+        run(step)
+
+    monkeypatch.setattr(FixedStep, "run", failing_run)
+    fixed = [*run_chunk_steps(runner, prompts), runner.forward(decode)]
+    graphs = runner.graphs
+    assert graphs is not None and graphs.paged and graphs.fallback is None
+    assert graphs.chunk_failure == "RuntimeError: no kernel for this tile"
+    assert runner.report()["step_graphs"]["prompt_chunk_failure"] == graphs.chunk_failure
+    # Every step with a chunk ran packed; the decode step after them, in its paged shape.
+    assert set(graphs.steps) == {StepShape(2, 1, 0)} and runner.last_graph_shape == StepShape(2, 1, 0)
+    for fixed_logits, packed_logits in zip(fixed, packed, strict=True):
+        torch.testing.assert_close(fixed_logits, packed_logits, atol=2e-4, rtol=0)
