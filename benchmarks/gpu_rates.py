@@ -158,6 +158,9 @@ class SimulatedRunner:
         self.num_captured_serving = 0
         self.last_graph_shape: StepShape | None = None
         self.last_captured = False
+        # As a GPU does: ``forward`` returns once the step is queued, ``wait`` until it is done.
+        self.runs_async = True
+        self.ready_at = 0.0
 
     @property
     def graph_widths(self) -> tuple[int, ...] | None:
@@ -186,8 +189,11 @@ class SimulatedRunner:
             self.cache.set_length(row.row_id, self.cache.length(row.row_id) + len(row.token_ids))
         device_s = cost_ms / 1000 - self.argmax_s(len(targets))
         self.device_s += device_s
-        _wait_until(started + device_s)
+        self.ready_at = started + device_s
         return logits
+
+    def wait(self) -> None:
+        _wait_until(self.ready_at)
 
     def _cost_ms(self, rows: Sequence[StepRow]) -> float:
         self.last_graph_shape, self.last_captured = None, False

@@ -12,10 +12,19 @@ far to verify; the runner feeds every row's last token and its draft, beside the
 ragged forward; the commit stage verifies every row from that forward's logits, keeps what
 verification emitted (rejected drafts roll back by setting each row's cached length) and
 streams it; the scheduler retires finished rows.
+
+On a device that runs steps asynchronously (a GPU), a step's streaming and the policy's
+learning from it are its tail, done while the device runs the next step (between that step's
+launch and its wait), as vLLM's async scheduling and SGLang's overlap scheduler process one
+step's outputs during the next. What the next step needs (the rows' tokens, cache lengths and
+finished rows) is committed at once; a streamed token reaches its client after the next step's
+launch rather than before. On a CPU, where a forward returns only when it is done, the tail
+runs at once.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -127,6 +136,8 @@ class Engine:
         self._detached: set[str] = set()
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
+        # The last step's streaming and learning, left for the next step's device time.
+        self._tail: list[Callable[[], None]] = []
 
     # The scheduler's queues and the speculator's state, read by callers and tests.
     @property
@@ -300,7 +311,9 @@ class Engine:
             self._detached.add(request_id)
 
     def abort_all(self) -> list[Request]:
-        """Cancel and finish every queued and running request at once (shutdown, a broken step)."""
+        """Cancel and finish every queued and running request at once (shutdown, a broken step);
+        what the last whole step emitted is streamed first."""
+        self._settle_tail()
         return self.scheduler.abort_all()
 
     def is_finished(self) -> bool:
@@ -356,7 +369,18 @@ class Engine:
         scheduled = self.scheduler.schedule()
         if not scheduled.is_empty:
             self._run(scheduled)
-        return self.scheduler.retire()
+        finished = self.scheduler.retire()
+        if scheduled.is_empty or self.scheduler.is_finished() or not self.runner.runs_async:
+            self._settle_tail()  # no next step to overlap with
+        return finished
+
+    def _settle_tail(self) -> float:
+        """Run the last step's tail (streaming, learning); the seconds it took."""
+        started = time.perf_counter()
+        tail, self._tail = self._tail, []
+        for work in tail:
+            work()
+        return time.perf_counter() - started
 
     def _run(self, step: ScheduledStep) -> None:
         started = time.perf_counter()
@@ -368,6 +392,10 @@ class Engine:
         ]
         forward_started = time.perf_counter()
         logits = self.runner.forward(step_rows)
+        # While the device runs this step: the last one's streaming and learning. Its time is
+        # no part of this step's cost (on a device the host outpaces, the wait is all of it).
+        overlapped_s = self._settle_tail()
+        self.runner.wait()
         # Prompt chunks that score their prompt come first; the rows' verification logits follow.
         num_chunk_logits = sum(row.num_logits for _, row in step.chunks)
         self._score_prompts(step.chunks, logits[:num_chunk_logits])
@@ -377,9 +405,13 @@ class Engine:
             [draft.tokens[:length] for draft, length in zip(drafts, plan.lengths)],
             [request.verify_row() for request in step.rows],
         )
-        step_s = time.perf_counter() - forward_started
+        step_s = time.perf_counter() - forward_started - overlapped_s
         wall_s = time.perf_counter() - started
-        self.speculator.learn(step, step_rows, plan, step_s, wall_s, sum(map(len, emitted_rows)))
+        num_emitted = sum(map(len, emitted_rows))
+        shape, captured = self.runner.last_graph_shape, self.runner.last_captured
+        self._tail.append(
+            lambda: self.speculator.learn(step, step_rows, plan, step_s, wall_s, num_emitted, shape, captured)
+        )
         num_positions = sum(len(row.token_ids) for row in step_rows)
         for request, row in step.chunks:
             request.stats.prefill_time_s += step_s * len(row.token_ids) / num_positions
@@ -417,7 +449,7 @@ class Engine:
             if request.first_token_time is None:
                 request.first_token_time = now
             if request.on_tokens is not None:
-                request.on_tokens(request, kept)
+                self._tail.append(functools.partial(request.on_tokens, request, kept))
         if step.rows:
             share = (drafting_s + time.perf_counter() - learn_started) / len(step.rows)
             for request in step.rows:

@@ -18,6 +18,7 @@ import time
 from nasd_core.engine.scheduler import ScheduledStep
 from nasd_core.engine.sequence import Request
 from nasd_core.model.model_runner import ModelRunner, StepRow
+from nasd_core.model.step_graphs import StepShape
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import EMPTY_DRAFT, Draft, cut_draft, longest_matches, propose_rows
 from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
@@ -127,15 +128,18 @@ class Speculator:
         step_s: float,
         wall_s: float,
         num_emitted: int,
+        shape: StepShape | None,
+        captured: bool,
     ) -> None:
-        """Record the step's time in the model of the path that ran it, and what its drafts
-        delivered (``num_emitted`` tokens in ``wall_s`` with drafting). A step that captured its
-        shape is no reading: its time is the capture's, not the shape's."""
-        if self.runner.last_captured:
+        """Record the step's time in the model of the path that ran it (``shape``: the fixed
+        shape, None: packed), and what its drafts delivered (``num_emitted`` tokens in ``wall_s``
+        with drafting). A step that ``captured`` a shape is no reading: its time is the
+        capture's, not the shape's. (The runner's ``last_graph_shape`` and ``last_captured``
+        at the step: the engine may call this during the next one.)"""
+        if captured:
             return
         # Only steps of the policy's own choices are read: no prompt chunks, no "on" row's drafts.
         reads_payoff = step.rows and not step.chunks and sum(plan.lengths) == plan.num_chosen
-        shape = self.runner.last_graph_shape
         if shape is not None:
             if reads_payoff:
                 estimate = self.graph_step_times.estimate(len(step.rows), shape.num_positions)

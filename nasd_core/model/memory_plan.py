@@ -165,7 +165,7 @@ def graph_bytes(model: ModelShape, limits: StepLimits) -> int:
     # The widest verification shape or the largest prompt-chunk shape (paged steps capture both).
     tokens = max(limits.graph_rows * limits.graph_positions, chunk_graph_tokens(limits.prefill_chunk))
     max_row_blocks = -(-limits.max_context // limits.block_size)
-    inputs = 8 * (4 * tokens + limits.graph_rows * (max_row_blocks + 2))
+    inputs = 8 * (5 * tokens + limits.graph_rows * (max_row_blocks + 2))
     outputs = tokens * model.hidden_size * model.dtype_bytes
     # The largest shape's decoder pass, its attention's float32 accumulators and row masks; or,
     # where steps gather keys instead (the fallback), the gathered keys, values, mask and scores.

@@ -270,6 +270,9 @@ class ModelRunner:
             self.cache.capacity_tokens * self.cache.bytes_per_token / 1e9,
         )
 
+        # Whether ``forward`` returns before its step is done (kernels queued on a GPU), so the
+        # engine's host work can overlap it until ``wait``.
+        self.runs_async = self.device.type == "cuda"
         # What the last step was, for the policy: the fixed shape that ran it (None: the packed
         # path), and whether that shape was captured by this very step.
         self.last_graph_shape: StepShape | None = None
@@ -340,6 +343,11 @@ class ModelRunner:
         """Capture the fixed-shape steps of the whole grid before serving (no-op without them)."""
         if self.graphs is not None:
             self.graphs.warm_up(max_rows, max_positions, max_keys, budget_s)
+
+    def wait(self) -> None:
+        """Until the device has run the last step (a CPU's steps are done when ``forward`` returns)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     @torch.inference_mode()
     def forward(self, rows: Sequence[StepRow]) -> torch.Tensor:

@@ -222,7 +222,7 @@ class StepBuffers:
     def __init__(
         self, max_tokens: int, max_rows: int, max_keys: int, hidden_size: int, dtype, device
     ) -> None:
-        self.inputs = torch.zeros(4 * max_tokens + max_rows * max_keys, dtype=torch.long, device=device)
+        self.inputs = torch.zeros(5 * max_tokens + max_rows * max_keys, dtype=torch.long, device=device)
         self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=device)
 
     @property
@@ -255,20 +255,26 @@ class FixedStep:
         self.compiled = compiled
         num_rows = shape.num_rows
         # One int64 buffer, filled by one copy per step: tokens, positions, write slots, last
-        # keys (one row of each per row), then how the rows' keys are found: gathered, every
-        # key's slot; paged, each attended row's blocks, blocks seen whole and blocks held.
+        # keys, the positions whose hidden states get logits (one row of each per row), then
+        # how the rows' keys are found: gathered, every key's slot; paged, each attended row's
+        # blocks, blocks seen whole and blocks held.
         self.attention_rows = attention_rows(shape, tables.max_rows) if tables is not None else num_rows
-        self.part_rows = (num_rows,) * 4 + ((self.attention_rows,) * 3 if tables is not None else (num_rows,))
-        row_sizes = (shape.num_positions,) * 4 + (
+        self.part_rows = (num_rows,) * 5 + ((self.attention_rows,) * 3 if tables is not None else (num_rows,))
+        row_sizes = (shape.num_positions,) * 5 + (
             (tables.max_row_blocks, 1, 1) if tables is not None else (shape.num_keys,)
         )
         self.sizes = tuple(rows * size for rows, size in zip(self.part_rows, row_sizes, strict=True))
         if sum(self.sizes) > buffers.inputs.numel():
             raise ValueError(f"{shape} is larger than the static buffers were sized for")
         self.buffer = buffers.inputs[: sum(self.sizes)]
-        self.token_ids, self.positions, self.write_slots, self.last_key, *self.key_inputs = self.buffer.split(
-            self.sizes
-        )
+        (
+            self.token_ids,
+            self.positions,
+            self.write_slots,
+            self.last_key,
+            self.logit_index,
+            *self.key_inputs,
+        ) = self.buffer.split(self.sizes)
         batched_rows = (
             None
             if tables is not None
@@ -283,6 +289,7 @@ class FixedStep:
             else None
         )
         self.graph: torch.cuda.CUDAGraph | None = None
+        self._idle: np.ndarray | None = None
 
     def capture(self, pool) -> None:
         """Record the step as a CUDA graph, the buffers holding an idle step (every position
@@ -331,44 +338,49 @@ class FixedStep:
         # capture reuses, not memory each graph keeps.
         self.hidden.copy_(output.last_hidden_state[0])
 
-    def replay(self) -> torch.Tensor:
-        """Run the step on the buffers' inputs; ``[rows x positions, hidden]`` states."""
+    def replay(self, num_logits: int) -> torch.Tensor:
+        """Run the step on the buffers' inputs; the hidden states of the ``num_logits``
+        positions ``load`` listed, a copy (the next step overwrites the shared output)."""
         if self.graph is not None:
             self.graph.replay()
         else:
             self.run()
-        return self.hidden
+        return self.hidden.index_select(0, self.logit_index[:num_logits])
 
     def idle_inputs(self) -> np.ndarray:
-        """Buffers of a step whose every query writes and reads the scratch slot."""
+        """Buffers of a step whose every query writes and reads the scratch slot (a copy: made
+        once per shape, since every step starts from it)."""
+        if self._idle is not None:
+            return self._idle.copy()
         host = np.zeros(sum(self.sizes), dtype=np.int64)
         parts = self.parts(host)
         parts[2][:] = self.scratch_slot  # write slots
         if self.tables is None:
-            parts[4][:] = self.scratch_slot  # key slots
+            parts[5][:] = self.scratch_slot  # key slots
         else:
-            blocks, num_held = parts[4], parts[6]
+            blocks, num_held = parts[5], parts[7]
             blocks[:] = self.tables.num_blocks
             blocks[:, 0] = self.scratch_slot // self.cache.block_size
             num_held[:] = 1
-        return host
+        self._idle = host
+        return host.copy()
 
     def parts(self, host: np.ndarray) -> list[np.ndarray]:
         """Views of a host copy of the buffer, one ``[rows, ...]`` array per input."""
         parts = np.split(host, np.cumsum(self.sizes)[:-1])
         return [part.reshape(rows, -1) for part, rows in zip(parts, self.part_rows, strict=True)]
 
-    def load(self, rows: Sequence[RowInput]) -> np.ndarray:
-        """Copy ``rows`` into the buffers (padded to the shape); the indices of the positions
-        that want logits (each row's last ``num_logits``) among the step's ``rows x
-        positions``, in row order."""
+    def load(self, rows: Sequence[RowInput]) -> int:
+        """Copy ``rows`` into the buffers (padded to the shape), with the indices of the
+        positions that want logits (each row's last ``num_logits``) among the step's ``rows x
+        positions``, in row order, at the start of ``logit_index``; returns how many."""
         shape = self.shape
         num_real = len(rows)
         counts = np.array([len(row.token_ids) for row in rows])
         lengths = np.array([row.cached for row in rows]) + counts
         query_offset, last_key = padded_queries(counts, lengths, shape.num_positions)
         host = self.idle_inputs()
-        tokens, positions, write_slots, last_keys, *key_inputs = self.parts(host)
+        tokens, positions, write_slots, last_keys, logit_index, *key_inputs = self.parts(host)
         for index, row in enumerate(rows):
             tokens[index] = np.asarray(row.token_ids)[query_offset[index]]
         positions[:num_real] = (lengths - counts)[:, None] + query_offset
@@ -394,9 +406,11 @@ class FixedStep:
             own_slots = own_blocks * block_size + last_key % block_size
         # A real query's own key is where it is written; padded queries write the scratch slot.
         write_slots[:num_real] = np.where(real, own_slots, self.scratch_slot)
-        self.buffer.copy_(torch.from_numpy(host))
         first_logit = counts - np.array([row.num_logits for row in rows])
-        return np.flatnonzero(real & (np.arange(shape.num_positions)[None, :] >= first_logit[:, None]))
+        wanted = np.flatnonzero(real & (np.arange(shape.num_positions)[None, :] >= first_logit[:, None]))
+        logit_index.reshape(-1)[: len(wanted)] = wanted
+        self.buffer.copy_(torch.from_numpy(host))
+        return len(wanted)
 
 
 def logit_order(rows: Sequence[RowInput], order: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -673,17 +687,17 @@ class StepGraphs:
                     return None
                 self.num_captured_serving += 1
             steps.append(step)
-        device = self.cache.device
-        hidden = []
-        for step, (_, group) in zip(steps, planned):
-            wanted = step.load([rows[index] for index in group])
-            # A copy: the next sub-step overwrites the shared output buffer.
-            hidden.append(step.replay().index_select(0, torch.from_numpy(wanted).to(device)))
+        hidden = [
+            step.replay(step.load([rows[index] for index in group]))
+            for step, (_, group) in zip(steps, planned)
+        ]
         if len(planned) == 1:
             self.last_shape = planned[0][0] if not rows[0].is_chunk else None
             return self.model.lm_head(hidden[0])
         order = np.concatenate([group for _, group in planned])
-        return self.model.lm_head(torch.cat(hidden).index_select(0, logit_order(rows, order, device)))
+        return self.model.lm_head(
+            torch.cat(hidden).index_select(0, logit_order(rows, order, self.cache.device))
+        )
 
     @torch.inference_mode()
     def build(self, shape: StepShape) -> FixedStep | None:

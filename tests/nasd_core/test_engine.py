@@ -153,8 +153,13 @@ def test_full_queue_refuses_new_requests_and_keeps_the_others(model, tokenizer, 
     assert engine.pop_result(second).token_ids == single_runs[3]
 
 
-def test_async_engine_streams_concurrent_requests(model, tokenizer, single_runs):
-    async_engine = AsyncEngine(Engine(model, tokenizer, EngineConfig(max_batch_rows=4)))
+@pytest.mark.parametrize("overlapped", [False, True], ids=["tail_at_once", "tail_overlapped"])
+def test_async_engine_streams_concurrent_requests(model, tokenizer, single_runs, overlapped):
+    """``overlapped``: the engine runs as on a GPU, each step's streaming and learning left for
+    the next step's device time (forced here: a CPU's forward is done when it returns)."""
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=4))
+    engine.runner.runs_async = overlapped
+    async_engine = AsyncEngine(engine)
     async_engine.start()
 
     async def collect(index: int) -> tuple[list[int], str | None]:
@@ -185,9 +190,8 @@ def test_async_engine_streams_concurrent_requests(model, tokenizer, single_runs)
         for index, (tokens, reason) in enumerate(results[:6]):
             assert tokens == single_runs[index]
             assert reason in ("stop", "length")
-        engine = async_engine.engine
         assert async_engine.call(lambda e: e.is_finished() and not e.requests).result(timeout=30)
-        assert not engine.cache.rows
+        assert not engine.cache.rows and not engine._tail
     finally:
         async_engine.shutdown()
 
