@@ -58,6 +58,8 @@ TokenListener = Callable[[Request, list[int]], None]
 # embedded model's keys and values are 46 KB a position: 8192 of them are ~380 MB), a chat's
 # history or two. On a GPU free blocks are memory already taken, so every one may stay cached.
 CPU_PREFIX_CACHE_TOKENS = 8192
+# A wait for the device longer than this means the device, not the host, bounded the step.
+DEVICE_BOUND_WAIT_S = 50e-6
 
 
 def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
@@ -298,6 +300,7 @@ class Engine:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return False
+        self._settle_tail()  # what it emitted before: streamed before its cancellation
         self.scheduler.cancel(request)
         # A running row leaves the batch at the end of the next step.
         return True
@@ -317,7 +320,8 @@ class Engine:
         return self.scheduler.abort_all()
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        """No request left to run, and nothing left to stream."""
+        return self.scheduler.is_finished() and not self._tail
 
     def pop_result(self, request_id: str) -> GenerationResult:
         """The finished request's result; forgets the request."""
@@ -375,11 +379,11 @@ class Engine:
         return finished
 
     def _settle_tail(self) -> float:
-        """Run the last step's tail (streaming, learning); the seconds it took."""
+        """Run the last step's tail (streaming, learning); the seconds it took. One piece at a
+        time: should one raise, the rest is still there for ``abort_all`` to stream."""
         started = time.perf_counter()
-        tail, self._tail = self._tail, []
-        for work in tail:
-            work()
+        while self._tail:
+            self._tail.pop(0)()
         return time.perf_counter() - started
 
     def _run(self, step: ScheduledStep) -> None:
@@ -395,7 +399,9 @@ class Engine:
         # While the device runs this step: the last one's streaming and learning. Its time is
         # no part of this step's cost (on a device the host outpaces, the wait is all of it).
         overlapped_s = self._settle_tail()
+        wait_started = time.perf_counter()
         self.runner.wait()
+        device_bound = time.perf_counter() - wait_started > DEVICE_BOUND_WAIT_S
         # Prompt chunks that score their prompt come first; the rows' verification logits follow.
         num_chunk_logits = sum(row.num_logits for _, row in step.chunks)
         self._score_prompts(step.chunks, logits[:num_chunk_logits])
@@ -405,18 +411,21 @@ class Engine:
             [draft.tokens[:length] for draft, length in zip(drafts, plan.lengths)],
             [request.verify_row() for request in step.rows],
         )
-        step_s = time.perf_counter() - forward_started - overlapped_s
+        # The step's cost: all of it where the device outlasted the tail (the tail was hidden),
+        # else all but the tail (the host was the step's bound, and the tail is no step's work).
+        step_s = time.perf_counter() - forward_started - (0.0 if device_bound else overlapped_s)
         wall_s = time.perf_counter() - started
         num_emitted = sum(map(len, emitted_rows))
         shape, captured = self.runner.last_graph_shape, self.runner.last_captured
-        self._tail.append(
-            lambda: self.speculator.learn(step, step_rows, plan, step_s, wall_s, num_emitted, shape, captured)
-        )
         num_positions = sum(len(row.token_ids) for row in step_rows)
         for request, row in step.chunks:
             request.stats.prefill_time_s += step_s * len(row.token_ids) / num_positions
         self.scheduler.chunks_done(step)
         self._commit(step, drafts, plan.lengths, logits, emitted_rows, step_s, drafting_s)
+        # After the streaming: learning does not hold up the rows' tokens.
+        self._tail.append(
+            lambda: self.speculator.learn(step, step_rows, plan, step_s, wall_s, num_emitted, shape, captured)
+        )
 
     def _commit(
         self,

@@ -132,10 +132,11 @@ class Speculator:
         captured: bool,
     ) -> None:
         """Record the step's time in the model of the path that ran it (``shape``: the fixed
-        shape, None: packed), and what its drafts delivered (``num_emitted`` tokens in ``wall_s``
-        with drafting). A step that ``captured`` a shape is no reading: its time is the
-        capture's, not the shape's. (The runner's ``last_graph_shape`` and ``last_captured``
-        at the step: the engine may call this during the next one.)"""
+        shape of a verification step; None: a step with prompt chunks, in graphs or not, or a
+        packed one, which the packed model prices), and what its drafts delivered
+        (``num_emitted`` tokens in ``wall_s`` with drafting). A step that ``captured`` a shape
+        is no reading: its time is the capture's, not the shape's. (``shape`` and ``captured``
+        are the runner's at the step: the engine may call this during the next one.)"""
         if captured:
             return
         # Only steps of the policy's own choices are read: no prompt chunks, no "on" row's drafts.

@@ -409,7 +409,7 @@ class FixedStep:
         first_logit = counts - np.array([row.num_logits for row in rows])
         wanted = np.flatnonzero(real & (np.arange(shape.num_positions)[None, :] >= first_logit[:, None]))
         logit_index.reshape(-1)[: len(wanted)] = wanted
-        self.buffer.copy_(torch.from_numpy(host))
+        self.buffer.copy_(to_device_source(host, self.buffer.device), non_blocking=True)
         return len(wanted)
 
 
@@ -420,15 +420,28 @@ def logit_order(rows: Sequence[RowInput], order: np.ndarray, device: torch.devic
     starts = np.zeros(len(rows), dtype=np.int64)
     starts[order] = np.concatenate([[0], np.cumsum(counts[order])[:-1]])
     index = np.concatenate([np.arange(start, start + count) for start, count in zip(starts, counts)])
-    return torch.from_numpy(index.astype(np.int64)).to(device)
+    return to_device_source(index.astype(np.int64), device).to(device, non_blocking=True)
+
+
+def to_device_source(host: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``host`` as the source of a copy to ``device`` that leaves the host free: pinned for a
+    GPU (a copy from pageable memory waits for the device's queue, so a step's second sub-step
+    would wait for its first; the pinned allocator keeps the block until the copy is done)."""
+    source = torch.from_numpy(host)
+    return source.pin_memory() if device.type == "cuda" else source
 
 
 def attention_rows(shape: StepShape, max_rows: int) -> int:
     """Rows a paged step of ``shape`` attends over: a verification's ``ATTENTION_ROW_BUCKETS``
     (at most ``max_rows``), a prompt chunk's own (padding it would pad a chunk's width per row)."""
-    if shape.num_positions > POSITION_BUCKETS[-1]:
+    if is_chunk_shape(shape):
         return shape.num_rows
     return min(bucket(shape.num_rows, ATTENTION_ROW_BUCKETS) or max_rows, max_rows)
+
+
+def is_chunk_shape(shape: StepShape) -> bool:
+    """A prompt-chunk shape (wider than every verification)."""
+    return shape.num_positions > POSITION_BUCKETS[-1]
 
 
 def fixed_shape(rows: Sequence[RowInput], groups: int, paged: bool = False) -> StepShape | None:
@@ -447,12 +460,13 @@ def fixed_shape(rows: Sequence[RowInput], groups: int, paged: bool = False) -> S
     return shape if fits(shape, groups) else None
 
 
-def chunk_shape(rows: Sequence[RowInput], max_tokens: int) -> StepShape | None:
+def chunk_shape(rows: Sequence[RowInput], max_tokens: int, max_positions: int) -> StepShape | None:
     """The fixed shape of a step of prompt chunks (always paged): a verification grid's shape
-    where they are as narrow, else a chunk shape of at most ``max_tokens``; None where none
-    holds them."""
+    where they are no wider than its ``max_positions``, else a chunk shape of at most
+    ``max_tokens``; None where none holds them."""
     num_rows = bucket(len(rows), ROW_BUCKETS)
-    num_positions = bucket(max(len(row.token_ids) for row in rows), POSITION_BUCKETS + CHUNK_POSITION_BUCKETS)
+    widths = [width for width in POSITION_BUCKETS if width <= max_positions] + list(CHUNK_POSITION_BUCKETS)
+    num_positions = bucket(max(len(row.token_ids) for row in rows), widths)
     if num_rows is None or num_positions is None:
         return None
     if num_positions > POSITION_BUCKETS[-1] and (
@@ -613,11 +627,18 @@ class StepGraphs:
         self.max_positions = bucket(min(max_positions, POSITION_BUCKETS[-1]), POSITION_BUCKETS) or 1
         paged = self.paged
         shapes = grid_shapes(max_rows, max_positions, max_keys, self.groups, paged)
-        if paged:  # then the prompt-chunk shapes (verifications first, should the budget run out)
-            shapes += chunk_grid_shapes(self.max_rows, self.chunk_tokens)
+        chunks = chunk_grid_shapes(self.max_rows, self.chunk_tokens) if paged else []
+        if chunks:
+            # The largest chunk shape first where it is the largest of all (the later captures
+            # reuse its pool memory, as the memory plan counts), the other chunk shapes after the
+            # verification grid (which serves most steps, should the budget run out).
+            tokens = [shape.num_rows * shape.num_positions for shape in (chunks[0], *shapes[:1])]
+            shapes = [chunks[0], *shapes, *chunks[1:]] if tokens[0] >= max(tokens) else shapes + chunks
         for shape in shapes:
             if self.failed or time.perf_counter() - started > budget_s:
                 break
+            if is_chunk_shape(shape) and self.chunk_failure is not None:
+                continue
             if shape not in self.steps and self.build(shape) is None and paged and not self.paged:
                 # Paged steps failed and gave way to gathered ones: warm those up instead.
                 remaining = budget_s - (time.perf_counter() - started)
@@ -640,7 +661,7 @@ class StepGraphs:
         chunks = [index for index, row in enumerate(rows) if row.is_chunk]
         groups = [verifying] if verifying else []
         if chunks and self.paged:
-            together = chunk_shape([rows[index] for index in chunks], self.chunk_tokens)
+            together = chunk_shape([rows[index] for index in chunks], self.chunk_tokens, self.max_positions)
             groups += [chunks] if together is not None else [[index] for index in chunks]
         elif chunks:
             return None  # gathered steps serve verifications only
@@ -657,7 +678,11 @@ class StepGraphs:
         """The fixed shape serving ``rows`` (prompt chunks or verifications), or None."""
         if self.failed or (chunks and self.chunk_failure is not None):
             return None
-        shape = chunk_shape(rows, self.chunk_tokens) if chunks else fixed_shape(rows, self.groups, self.paged)
+        shape = (
+            chunk_shape(rows, self.chunk_tokens, self.max_positions)
+            if chunks
+            else fixed_shape(rows, self.groups, self.paged)
+        )
         if shape is None or shape.num_keys > GATHERED_MAX_KEYS or shape.num_rows > self.max_rows:
             return None
         if self.tables is not None and (
@@ -675,7 +700,7 @@ class StepGraphs:
         steps (``sub_steps``); None where the step is not theirs (the packed path takes it)."""
         planned = self.sub_steps(rows)
         self.last_shape, self.last_captured = None, False
-        if planned is None:
+        if not planned:
             return None
         steps = []
         for shape, _ in planned:  # every shape ready before any writes the cache
@@ -721,7 +746,7 @@ class StepGraphs:
                 step.buffer.copy_(torch.from_numpy(step.idle_inputs()))
                 step.run()
         except Exception as exc:  # an op a graph cannot record, a kernel that does not compile
-            if shape.num_positions > POSITION_BUCKETS[-1]:  # a chunk shape: chunks run packed
+            if is_chunk_shape(shape):  # chunks run packed from now on
                 self.chunk_failure = f"{type(exc).__name__}: {exc}"
                 logger.warning("prompt chunks run without graphs (slower; /v1/nasd/stats): %s", exc)
             elif self.paged:

@@ -375,3 +375,24 @@ def test_a_choice_whose_source_finished_first_prefills_itself(model, tokenizer, 
     while not engine.is_finished():
         engine.step()
     assert engine.pop_result(first).token_ids == engine.pop_result(second).token_ids == single_runs[1]
+
+
+def test_an_overlapped_tail_reaches_its_client_when_the_engine_stops_running(model, tokenizer, single_runs):
+    """With each step's streaming left for the next step's device time, a request that finished
+    while another waited gets all its tokens once that other one is cancelled, with no step
+    after it; and an engine with a tail to stream is not finished."""
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=1))
+    engine.runner.runs_async = True  # as on a GPU (a CPU's forward is done when it returns)
+    streamed: list[int] = []
+    first = engine.add_request(
+        PROMPTS[3],
+        SamplingParams(max_tokens=MAX_TOKENS[3]),
+        on_tokens=lambda request, tokens: streamed.extend(tokens),
+    )
+    queued = engine.add_request(PROMPTS[5], SamplingParams(max_tokens=4))
+    while not engine.requests[first].is_finished:
+        engine.step()
+    assert engine._tail and len(streamed) < len(single_runs[3]), "its last tokens wait for the next step"
+    assert not engine.is_finished()
+    assert engine.cancel(queued)
+    assert streamed == single_runs[3] and not engine._tail and engine.is_finished()
