@@ -396,8 +396,7 @@ class Engine:
         ]
         forward_started = time.perf_counter()
         logits = self.runner.forward(step_rows)
-        # While the device runs this step: the last one's streaming and learning. Its time is
-        # no part of this step's cost (on a device the host outpaces, the wait is all of it).
+        # While the device runs this step: the last one's streaming and learning.
         overlapped_s = self._settle_tail()
         wait_started = time.perf_counter()
         self.runner.wait()
