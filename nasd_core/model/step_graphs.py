@@ -289,7 +289,7 @@ class FixedStep:
             else None
         )
         self.graph: torch.cuda.CUDAGraph | None = None
-        self._idle: np.ndarray | None = None
+        self._idle = self._make_idle_inputs()  # every step starts from a copy
 
     def capture(self, pool) -> None:
         """Record the step as a CUDA graph, the buffers holding an idle step (every position
@@ -348,10 +348,10 @@ class FixedStep:
         return self.hidden.index_select(0, self.logit_index[:num_logits])
 
     def idle_inputs(self) -> np.ndarray:
-        """Buffers of a step whose every query writes and reads the scratch slot (a copy: made
-        once per shape, since every step starts from it)."""
-        if self._idle is not None:
-            return self._idle.copy()
+        """Buffers of a step whose every query writes and reads the scratch slot (a copy)."""
+        return self._idle.copy()
+
+    def _make_idle_inputs(self) -> np.ndarray:
         host = np.zeros(sum(self.sizes), dtype=np.int64)
         parts = self.parts(host)
         parts[2][:] = self.scratch_slot  # write slots
@@ -362,8 +362,7 @@ class FixedStep:
             blocks[:] = self.tables.num_blocks
             blocks[:, 0] = self.scratch_slot // self.cache.block_size
             num_held[:] = 1
-        self._idle = host
-        return host.copy()
+        return host
 
     def parts(self, host: np.ndarray) -> list[np.ndarray]:
         """Views of a host copy of the buffer, one ``[rows, ...]`` array per input."""
@@ -659,41 +658,38 @@ class StepGraphs:
         with the indices of its rows. None: the packed path takes the step."""
         verifying = [index for index, row in enumerate(rows) if not row.is_chunk]
         chunks = [index for index, row in enumerate(rows) if row.is_chunk]
-        groups = [verifying] if verifying else []
-        if chunks and self.paged:
-            together = chunk_shape([rows[index] for index in chunks], self.chunk_tokens, self.max_positions)
-            groups += [chunks] if together is not None else [[index] for index in chunks]
-        elif chunks:
+        if self.failed or (chunks and (not self.paged or self.chunk_failure is not None)):
             return None  # gathered steps serve verifications only
         planned = []
-        for group in groups:
-            group_rows = [rows[index] for index in group]
-            shape = self._shape_for(group_rows, chunks=group is not verifying)
-            if shape is None:
-                return None
-            planned.append((shape, group))
+        if verifying:
+            planned.append(
+                (fixed_shape([rows[index] for index in verifying], self.groups, self.paged), verifying)
+            )
+        if chunks:
+            together = chunk_shape([rows[index] for index in chunks], self.chunk_tokens, self.max_positions)
+            planned += (
+                [(together, chunks)]
+                if together is not None
+                else [
+                    (chunk_shape([rows[index]], self.chunk_tokens, self.max_positions), [index])
+                    for index in chunks
+                ]
+            )
+        if not all(self._serves(shape, [rows[index] for index in group]) for shape, group in planned):
+            return None
         return planned
 
-    def _shape_for(self, rows: Sequence[RowInput], chunks: bool) -> StepShape | None:
-        """The fixed shape serving ``rows`` (prompt chunks or verifications), or None."""
-        if self.failed or (chunks and self.chunk_failure is not None):
-            return None
-        shape = (
-            chunk_shape(rows, self.chunk_tokens, self.max_positions)
-            if chunks
-            else fixed_shape(rows, self.groups, self.paged)
-        )
+    def _serves(self, shape: StepShape | None, rows: Sequence[RowInput]) -> bool:
+        """Whether ``shape`` (None: no shape holds ``rows``) can run ``rows`` now."""
         if shape is None or shape.num_keys > GATHERED_MAX_KEYS or shape.num_rows > self.max_rows:
-            return None
+            return False
         if self.tables is not None and (
             shape.num_rows > self.tables.max_rows
             or max(row.cached + len(row.token_ids) for row in rows)
             > self.tables.max_row_blocks * self.cache.block_size
         ):
-            return None
-        if shape in self.steps:
-            return shape
-        return shape if captures_when_met(len(self.steps), self.is_warm) else None
+            return False
+        return shape in self.steps or captures_when_met(len(self.steps), self.is_warm)
 
     def forward(self, rows: Sequence[RowInput]) -> torch.Tensor | None:
         """Logits of the positions of ``rows`` that want them, in row order, from fixed-shape
