@@ -293,7 +293,11 @@ class ModelConfig(_Config):
     """Which model to load and how."""
 
     name: str | None = Field(None, description="HF model id or local dir; None = the embedded SmolLM2-135M.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights dtype.")
+    dtype: Literal["float32", "bfloat16", "float16", "gguf"] = Field(
+        "float32",
+        description="Weights dtype; 'gguf' keeps the embedded model's GGUF blocks (Q4_1, Q8_0) on a CPU "
+        "and multiplies by them with float32 activations (nasd_core/model/quantized.py).",
+    )
     device: str = Field("cpu", description="torch device string.")
     cache_dir: str | None = Field(None, description="Where converted embedded weights are cached.")
     cpu_fast_path: bool = Field(

@@ -21,6 +21,7 @@ import torch
 from nasd_core.config import EMBEDDED_MODEL, ModelConfig
 from nasd_core.errors import ModelLoadError
 from nasd_core.model.cpu_kernels import optimize_for_cpu
+from nasd_core.model.quantized import use_gguf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,13 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     try:
         model_dir = resolve_model_dir(name, config.cache_dir)
         tokenizer = load_tokenizer(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, config.dtype))
+        quantized = config.dtype == "gguf"
+        if quantized and (not is_embedded(name) or torch.device(config.device).type != "cpu"):
+            raise ModelLoadError("dtype 'gguf' runs the embedded GGUF model's own blocks on a CPU only")
+        dtype = torch.float32 if quantized else getattr(torch, config.dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        if quantized:
+            use_gguf_weights(model, embedded_gguf_path())
     except ModelLoadError:
         raise
     except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...

@@ -210,8 +210,11 @@ def optimize_for_cpu(model: nn.Module, dense_max_rows: int | None = None) -> lis
     applied = []
     if pack_linear_layers(model, dense_max_rows):
         applied.append("packed_linear")
-        if use_gqa_sdpa(model):
-            applied.append(GQA_SDPA)
+    parameter = next(model.parameters(), None)
+    on_cpu = parameter is not None and parameter.device.type == "cpu"
+    cpu_float32 = on_cpu and parameter.dtype == torch.float32
+    if cpu_float32 and use_gqa_sdpa(model):
+        applied.append(GQA_SDPA)
     return applied
 
 

@@ -1,5 +1,5 @@
-"""The project's C++ code (``nasd_core/model/csrc``: the CPU attention kernels and the suffix-match
-draft source), compiled on this machine on first use.
+"""The project's C++ code (``nasd_core/model/csrc``: the CPU attention and quantized-matmul
+kernels, the suffix-match draft source), compiled on this machine on first use.
 
 Why compiled here and not shipped: the kernels are built with ``-march=native`` (their loops
 are vectorised for the CPU that runs them), so a build is only valid on the machine, torch
@@ -26,7 +26,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "quant_linear.cpp"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 # The suffix-match draft source: a Python module (a class with state), no OpenMP.
 DRAFTER_SOURCES = [CSRC / "suffix_index.cpp"]

@@ -1,0 +1,165 @@
+"""A GGUF model's weights kept quantized on a CPU (``ModelConfig(dtype="gguf")``).
+
+Why: a decode step on a CPU is bound by reading the weights. The embedded model ships as Q4_1
+blocks (its vocabulary as Q8_0): about 96 MB a step, where the dequantized float32 weights are
+540 MB. ``QuantLinear`` keeps a Linear's blocks exactly as the file holds them and multiplies
+by them with ``csrc/quant_linear.cpp``, which turns each block into floats in registers and
+multiplies it by all of a step's rows while it is there: k+1 verified positions read the
+weights once. Activations, norms and attention stay float32.
+
+The block values are the GGUF reference's (``q * d + m``, exact in float32), so the model is the
+dequantized float32 model up to the order of each sum; that order is fixed per output, so a
+row's logits are the same bits whatever else the step multiplies (speculation stays lossless
+against this model token for token).
+
+Where the C++ kernels are unavailable (no compiler, ``NASD_NATIVE=0``) the same modules
+dequantize in torch and multiply with ``nn.functional.linear``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32  # weights per block in every supported format
+# ggml type id -> (name, bytes per block of 32).
+BLOCK_FORMATS = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+
+# llama-architecture GGUF tensor names -> the transformers module they become.
+LAYER_LINEARS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def dequantize(blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """Float32 weights ``[out, in]`` of GGUF ``blocks`` ``[out, bytes]`` (the reference's q * d + m)."""
+    name, size = BLOCK_FORMATS[kind]
+    grouped = blocks.reshape(*blocks.shape[:-1], -1, size)
+    scale = grouped[..., 0:2].contiguous().view(torch.float16).float()
+    if name == "Q8_0":
+        values = grouped[..., 2:].contiguous().view(torch.int8).float() * scale
+    else:
+        offset = grouped[..., 2:4].contiguous().view(torch.float16).float() if name == "Q4_1" else -8 * scale
+        codes = grouped[..., -16:]
+        # Byte j holds weight j in its low nibble and weight j + 16 in its high one.
+        nibbles = torch.cat([codes & 0x0F, codes >> 4], dim=-1).float()
+        values = nibbles * scale + offset
+    return values.reshape(*blocks.shape[:-1], -1)
+
+
+def quant_kernel_available() -> bool:
+    from nasd_core.model import native
+
+    return native.load() and hasattr(torch.ops.nasd, "quant_linear")
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear`` (no bias) over a weight kept as GGUF blocks, ``[out_features, bytes]`` uint8."""
+
+    def __init__(self, blocks: torch.Tensor, kind: int, in_features: int) -> None:
+        super().__init__()
+        if kind not in BLOCK_FORMATS:
+            raise ValueError(f"unsupported GGUF block type {kind}")
+        if blocks.shape[1] != in_features // BLOCK * BLOCK_FORMATS[kind][1] or in_features % BLOCK:
+            raise ValueError(f"{blocks.shape[1]} bytes per output do not hold {in_features} inputs")
+        self.in_features, self.out_features, self.kind = in_features, blocks.shape[0], kind
+        self.register_buffer("blocks", blocks, persistent=False)
+        self.native = quant_kernel_available()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return torch.ops.nasd.quant_linear(inputs.float(), self.blocks, self.kind)
+        return functional.linear(inputs.float(), dequantize(self.blocks, self.kind))
+
+    def extra_repr(self) -> str:
+        name = BLOCK_FORMATS[self.kind][0]
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={name}"
+
+
+class QuantEmbedding(nn.Module):
+    """``nn.Embedding`` whose table is GGUF blocks: the looked-up rows are dequantized."""
+
+    def __init__(self, blocks: torch.Tensor, kind: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.kind = blocks.shape[0], embedding_dim, kind
+        self.register_buffer("blocks", blocks, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.blocks[ids], self.kind)
+
+
+def _unpermute_rows(blocks: torch.Tensor, heads: int) -> torch.Tensor:
+    """Undo llama.cpp's conversion, which reorders each query/key head's rows for its rotary
+    layout (transformers' GGUF loader applies the same reverse permutation)."""
+    rows = blocks.shape[0]
+    order = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+    return blocks[order].contiguous()
+
+
+def _gguf_tensors(gguf_path: Path) -> dict[str, tuple[torch.Tensor, int]]:
+    """Every quantized tensor of the file: name -> (blocks ``[rows, bytes]``, type id)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    tensors = {}
+    for tensor in reader.tensors:
+        kind = int(tensor.tensor_type)
+        if kind in BLOCK_FORMATS:
+            tensors[tensor.name] = (torch.from_numpy(np.array(tensor.data)), kind)
+    return tensors
+
+
+def use_gguf_weights(model: nn.Module, gguf_path: Path) -> int:
+    """Replace ``model``'s Linear layers and token embedding with the GGUF file's own blocks.
+
+    ``model`` is the llama-architecture transformers model converted from that file (its norms
+    and config are kept). Returns the number of modules replaced.
+
+    Raises:
+        ValueError: the file lacks a weight the model has, or holds a type with no kernel here.
+    """
+    tensors = _gguf_tensors(gguf_path)
+    config = model.config
+    decoder = model.model
+    replaced = 0
+    for index, layer in enumerate(decoder.layers):
+        for gguf_name, module_path in LAYER_LINEARS.items():
+            key = f"blk.{index}.{gguf_name}.weight"
+            if key not in tensors:
+                raise ValueError(f"{gguf_path.name} has no quantized {key}")
+            blocks, kind = tensors.pop(key)
+            if gguf_name == "attn_q":
+                blocks = _unpermute_rows(blocks, config.num_attention_heads)
+            elif gguf_name == "attn_k":
+                blocks = _unpermute_rows(blocks, config.num_key_value_heads)
+            parent_name, child_name = module_path.split(".")
+            parent = getattr(layer, parent_name)
+            linear = getattr(parent, child_name)
+            if linear.bias is not None:
+                raise ValueError(f"{module_path} has a bias; GGUF weights are used for bias-free layers only")
+            setattr(parent, child_name, QuantLinear(blocks, kind, linear.in_features))
+            replaced += 1
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{gguf_path.name} has no quantized token_embd.weight")
+    blocks, kind = tensors.pop("token_embd.weight")
+    decoder.embed_tokens = QuantEmbedding(blocks, kind, config.hidden_size)
+    output = tensors.pop("output.weight", None)
+    if output is None and not config.tie_word_embeddings:
+        raise ValueError(f"{gguf_path.name} has no quantized output.weight")
+    blocks, kind = output if output is not None else (blocks, kind)
+    model.lm_head = QuantLinear(blocks, kind, config.hidden_size)
+    logger.info("kept %d weights of %s as GGUF blocks", replaced + 2, gguf_path.name)
+    return replaced + 2
