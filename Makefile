@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo serve test lint bench bench-quick bench-grammar-engines image clean
+.PHONY: install demo serve test lint bench bench-quick bench-grammar-engines bench-peers image clean
 
 install: $(STAMP)
 
@@ -52,6 +52,13 @@ PEERS := .bench-peers
 bench-grammar-engines: install
 	$(PY) -m pip install -q --no-deps --target $(PEERS) xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
 	PYTHONPATH=$(PEERS) $(PY) -m benchmarks.grammar_engines
+
+# llama.cpp (llama-cpp-python, built from source for this CPU: about 11 minutes on 2 cores) beside
+# the venv, only for benchmarks.vs_llamacpp.
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+bench-peers: install
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install -q --no-deps --target $(PEERS) "$(LLAMA_CPP_SPEC)" diskcache==5.6.3
+	PYTHONPATH=$(PEERS) $(PY) -m benchmarks.vs_llamacpp
 
 # Container image for k8s/ (docker/Dockerfile; CUDA torch by default). Needs Docker, not the venv.
 IMAGE ?= nasd-serve:0.1.0

@@ -10,7 +10,9 @@ verification widths), for each way torch can multiply on a CPU:
 - ``bfloat16``: half the bytes, the same kernels' bfloat16 path;
 - ``int8_channel``: ``_weight_int8pack_mm``, int8 weights with one scale per output channel;
 - ``int4_group32``: ``_weight_int4pack_mm_for_cpu``, 4-bit weights in groups of 32 with a scale
-  and an offset each: Q4_1's own layout, so the GGUF's blocks map onto it exactly.
+  and an offset each: Q4_1's own layout, so the GGUF's blocks map onto it exactly;
+- ``nasd_q4_1``: the Q4_1 blocks as the GGUF holds them, through NASD's own kernel
+  (``nasd_core/model/csrc/quant_linear.cpp``), the one ``ModelConfig(dtype="gguf")`` uses.
 
 Besides the time, each row says whether the kernel is batch-invariant (a row's output has the
 same bits multiplied alone and among 17 rows): greedy output with speculation on is then the
@@ -28,6 +30,7 @@ import torch
 from torch.nn import functional
 
 from benchmarks.common import run_metadata, write_result
+from nasd_core.model.quantized import QuantLinear
 
 # SmolLM2-135M's widths (the embedded model): hidden 576, MLP 1536, 9 query and 3 key/value
 # heads of 64, 30 layers, 49152 tokens.
@@ -97,6 +100,25 @@ class Int4Group32:
         return copy
 
 
+class GGUFBlocks:
+    """The weight as Q4_1 blocks, multiplied by NASD's kernel (``nasd_core/model/quantized.py``)."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
+        out_features, in_features = codes.shape
+        grouped = codes.to(torch.uint8).view(out_features, -1, GROUP)
+        nibbles = grouped[..., :16] | (grouped[..., 16:] << 4)  # byte j: weight j, then weight j + 16
+        halves = torch.stack([scale, offset], dim=-1).half().view(torch.uint8)  # d then m, float16 each
+        self.linear = QuantLinear(torch.cat([halves, nibbles], dim=-1).view(out_features, -1), 3, in_features)
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.linear(inputs)
+
+    def clone(self) -> GGUFBlocks:
+        copy = GGUFBlocks.__new__(GGUFBlocks)
+        copy.linear = QuantLinear(self.linear.blocks.clone(), 3, self.linear.in_features)
+        return copy
+
+
 def random_q4_1(out_features: int, in_features: int, generator: torch.Generator):
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
     scale = torch.rand(out_features, in_features // GROUP, generator=generator) * 0.01 + 1e-3
@@ -114,6 +136,8 @@ def make_weight(method: str, codes: torch.Tensor, scale: torch.Tensor, offset: t
     """One Q4_1 weight as ``method`` holds it."""
     if method == "int4_group32":
         return Int4Group32(codes, scale, offset)
+    if method == "nasd_q4_1":
+        return GGUFBlocks(codes, scale, offset)
     weight = dequantized(codes, scale, offset)
     if method == "int8_channel":
         return Int8Channel(weight)
@@ -175,6 +199,7 @@ def main() -> None:
         "bfloat16": 2.0,
         "int8_channel": 1.0,
         "int4_group32": 0.5 + 2 * 4 / GROUP,  # codes, then a float32 scale and zero per group
+        "nasd_q4_1": 20 / GROUP,  # the GGUF's own blocks: 16 bytes of codes, float16 d and m
     }
     result: dict = {
         "benchmark": "quant_matmul",

@@ -34,6 +34,7 @@ from nasd_core.config import (
     ModelConfig,
     SpecConfig,
 )
+from nasd_core.models import is_embedded
 from pool_service import PoolConfig
 from pool_service.config import pool_index
 
@@ -104,7 +105,11 @@ class AppArgs(BaseModel):
     served_model_name: str | None = Field(
         None, description="Name clients send as `model` (default: the model argument, or the embedded name)."
     )
-    dtype: str = Field("float32", description="Weights dtype: float32, bfloat16 or float16.")
+    dtype: str | None = Field(
+        None,
+        description="Weights dtype: float32, bfloat16, float16, or gguf (the embedded model's own 4-bit "
+        "blocks, on a CPU). None: gguf for the embedded model on a CPU, else float32.",
+    )
     device: str | None = Field(None, description="torch device (default: cuda with GPUs, else cpu).")
     redis_url: str | None = Field(
         None, description="redis:// or rediss:// URL of the shared pool; None = in-memory."
@@ -242,6 +247,12 @@ class AppArgs(BaseModel):
         return json.loads(value) if isinstance(value, str) else value
 
 
+def default_dtype(args: AppArgs, device: str) -> str:
+    """``dtype`` when unset: the embedded model keeps its GGUF blocks on a CPU, where a step is
+    bound by reading the weights (a fifth of float32's bytes); any other model loads in float32."""
+    return "gguf" if is_embedded(args.model) and device == "cpu" else "float32"
+
+
 def default_cpus_per_replica(args: AppArgs, device: str) -> float:
     """``num_cpus_per_replica`` when unset: all visible cores but ``RAY_RESERVED_CPUS`` for one
     CPU replica alone (a laptop's `make serve`; before, it ran one torch thread on any machine),
@@ -323,7 +334,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         else default_cpus_per_replica(args, device)
     )
     config = ReplicaConfig(
-        model=ModelConfig(name=args.model, dtype=args.dtype, device=device),
+        model=ModelConfig(name=args.model, dtype=args.dtype or default_dtype(args, device), device=device),
         served_model_name=served_model_name,
         num_threads=max(1, int(num_cpus)) if device == "cpu" else None,
         engine=engine,

@@ -150,12 +150,12 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     config = config or ModelConfig()
     keep_compiled_kernels(config.cache_dir)
     name = name if name is not None else config.name
+    quantized = config.dtype == "gguf"
+    if quantized and (not is_embedded(name) or torch.device(config.device).type != "cpu"):
+        raise ModelLoadError("dtype 'gguf' runs the embedded GGUF model's own blocks on a CPU only")
     try:
         model_dir = resolve_model_dir(name, config.cache_dir)
         tokenizer = load_tokenizer(model_dir)
-        quantized = config.dtype == "gguf"
-        if quantized and (not is_embedded(name) or torch.device(config.device).type != "cpu"):
-            raise ModelLoadError("dtype 'gguf' runs the embedded GGUF model's own blocks on a CPU only")
         dtype = torch.float32 if quantized else getattr(torch, config.dtype)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         if quantized:

@@ -36,6 +36,7 @@ def test_defaults_serve_the_embedded_model_on_cpu_with_an_in_memory_pool(monkeyp
     assert config.model.name is None and config.model.device == "cpu"
     assert config.served_model_name == EMBEDDED_MODEL
     assert config.pool.redis_url is None
+    assert config.model.dtype == "gguf"  # the embedded model's own blocks on a CPU
     assert config.num_threads == 1
     assert replica.num_replicas == 1
     assert "num_gpus" not in replica.ray_actor_options
@@ -86,6 +87,12 @@ def test_string_arguments_from_the_cli_are_coerced():
     assert replica.num_replicas == 3
     assert replica.ray_actor_options == {"num_cpus": 4.0, "num_gpus": 1.0}
     assert replica.max_ongoing_requests == 24
+
+
+def test_dtype_defaults_to_the_gguf_blocks_for_the_embedded_model_on_a_cpu_only():
+    assert replica_of(build_app({"dtype": "float32"}))[1].model.dtype == "float32"
+    assert replica_of(build_app({"device": "cuda"}))[1].model.dtype == "float32"
+    assert replica_of(build_app({"model": "Qwen/Qwen2.5-1.5B-Instruct"}))[1].model.dtype == "float32"
 
 
 def test_drafter_chooses_the_request_and_pool_draft_sources():

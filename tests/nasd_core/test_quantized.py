@@ -1,0 +1,166 @@
+"""The embedded model with its GGUF blocks kept quantized (``ModelConfig(dtype="gguf")``).
+
+The reference is the quantized model itself: its weights are the GGUF reference's block values,
+equal bit for bit to the float32 weights the embedded model converts to; a row's logits do not
+depend on the step it rides in, so greedy speculation is token-identical to plain decoding, and
+sampled rows keep the quantized model's distribution.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+from torch.nn import functional
+
+from nasd_core import SamplingParams, SpecConfig, generate
+from nasd_core.config import EngineConfig, ModelConfig
+from nasd_core.engine.engine import Engine
+from nasd_core.errors import ModelLoadError
+from nasd_core.model.quantized import BLOCK_FORMATS, QuantEmbedding, QuantLinear, dequantize
+from nasd_core.models import load_model
+from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered
+from tests.nasd_core.test_generate import sample_first_tokens
+
+KINDS = sorted(BLOCK_FORMATS)
+
+
+@pytest.fixture(scope="module")
+def gguf_model():
+    return load_model(config=ModelConfig(dtype="gguf"))[0]
+
+
+def random_blocks(kind: int, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    weights = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
+    return torch.from_numpy(gguf.quants.quantize(weights, gguf.GGMLQuantizationType(kind)))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_FORMATS[kind][0] for kind in KINDS])
+def test_block_values_are_the_gguf_references(kind):
+    blocks = random_blocks(kind, 24, 96)
+    reference = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(kind))
+    assert torch.equal(dequantize(blocks, kind), torch.from_numpy(reference))
+
+
+@pytest.fixture(params=[1, 2], ids=["1_thread", "2_threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_FORMATS[kind][0] for kind in KINDS])
+def test_kernel_multiplies_by_the_block_values_and_a_rows_bits_do_not_depend_on_the_others(kind, threads):
+    """Every row count a step can have (1 to 17 and a prompt chunk's 70): each row's output is the
+    same bits as that row multiplied alone, and equals float32 linear up to rounding."""
+    linear = QuantLinear(random_blocks(kind, 100, 160), kind, 160)
+    assert linear.native, "the C++ kernel did not build"
+    inputs = torch.randn(70, 160, generator=torch.Generator().manual_seed(1))
+    alone = torch.cat([linear(inputs[row : row + 1]) for row in range(70)])
+    for rows in [*range(1, 18), 70]:
+        assert torch.equal(linear(inputs[:rows]), alone[:rows]), f"{rows} rows"
+    torch.testing.assert_close(alone, functional.linear(inputs, dequantize(linear.blocks, kind)))
+
+
+def test_kernel_keeps_leading_dimensions_and_takes_no_rows():
+    linear = QuantLinear(random_blocks(3, 8, 64), 3, 64)
+    assert linear(torch.randn(2, 3, 64)).shape == (2, 3, 8)
+    assert linear(torch.randn(0, 64)).shape == (0, 8)
+    with pytest.raises(ValueError, match="bytes per output"):
+        QuantLinear(random_blocks(3, 8, 64), 3, 96)
+
+
+def test_without_the_kernel_the_same_module_dequantizes():
+    linear = QuantLinear(random_blocks(3, 40, 96), 3, 96)
+    inputs = torch.randn(5, 96)
+    native = linear(inputs)
+    linear.native = False
+    torch.testing.assert_close(linear(inputs), native)
+
+
+def test_the_quantized_model_holds_the_converted_weights_bit_for_bit(gguf_model, stock_model):
+    """Every Linear (q and k rows back in transformers' rotary order) and the tied embedding."""
+    modules = gguf_model.named_modules()
+    quantized = {name: module for name, module in modules if isinstance(module, QuantLinear)}
+    assert len(quantized) == 7 * gguf_model.config.num_hidden_layers + 1
+    for name, module in quantized.items():
+        weight = stock_model.get_submodule(name).weight
+        assert torch.equal(dequantize(module.blocks, module.kind), weight), name
+    embedding = gguf_model.get_decoder().embed_tokens
+    assert isinstance(embedding, QuantEmbedding)
+    ids = torch.tensor([[0, 17, 49151]])
+    assert torch.equal(embedding(ids), stock_model.get_decoder().embed_tokens(ids))
+    assert sum(module.blocks.numel() for module in quantized.values()) < 100e6  # bytes, against 538e6
+
+
+def test_gguf_is_for_the_embedded_model_on_a_cpu():
+    with pytest.raises(ModelLoadError, match="gguf"):
+        load_model("some/hub-model", ModelConfig(dtype="gguf"))
+
+
+@pytest.fixture(scope="module")
+def plain_runs(gguf_model, tokenizer) -> list[list[int]]:
+    """Each prompt decoded alone, one token a step."""
+    engine = Engine(gguf_model, tokenizer, EngineConfig(max_batch_rows=1, deterministic=True))
+    outputs = []
+    for prompt, max_tokens in zip(PROMPTS, MAX_TOKENS, strict=True):
+        request_id = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off"))
+        while not engine.is_finished():
+            engine.step()
+        outputs.append(engine.pop_result(request_id).token_ids)
+    return outputs
+
+
+@pytest.mark.parametrize("mode", ["off", "on", "auto"])
+def test_greedy_output_is_plain_decodings_in_any_batch(gguf_model, tokenizer, plain_runs, mode):
+    """Prompts joining and leaving a batch of up to 6 rows, prompt chunks beside verification."""
+    config = EngineConfig(max_batch_rows=6, prefill_chunk_tokens=16, deterministic=True)
+    engine = Engine(gguf_model, tokenizer, config)
+    outputs = run_staggered(engine, PROMPTS, MAX_TOKENS, SpecConfig(mode=mode, num_draft_tokens=8))
+    mismatches = [index for index, expected in enumerate(plain_runs) if outputs[index] != expected]
+    assert not mismatches, f"prompts {mismatches} differ from plain decoding"
+    if mode != "off":
+        assert engine.stats.num_accepted > 0, "speculation was not exercised"
+
+
+def test_sampling_keeps_the_quantized_models_distribution(gguf_model, tokenizer):
+    """Two-sample chi-square on (token 1, token 2): speculative sampling against transformers'
+    sampler, both on the quantized model."""
+    ids = tokenizer.encode("My favourite colours are red, green, blue, red, green,", add_special_tokens=False)
+    params = SamplingParams(max_tokens=2, temperature=1.0, top_k=3)
+
+    def ours(seed: int) -> list[int]:
+        spec = SpecConfig(mode="on", num_draft_tokens=3)
+        return generate(gguf_model, tokenizer, ids, params.model_copy(update={"seed": seed}), spec).token_ids
+
+    def theirs(seed: int) -> list[int]:
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = gguf_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=2,
+                do_sample=True,
+                temperature=1.0,
+                top_k=3,
+                top_p=1.0,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        return out[0, len(ids) :].tolist()
+
+    counts_ours = sample_first_tokens(gguf_model, tokenizer, ids, params, ours)
+    counts_theirs = sample_first_tokens(gguf_model, tokenizer, ids, params, theirs)
+    keys = sorted(set(counts_ours) | set(counts_theirs))
+    common = [key for key in keys if counts_ours[key] + counts_theirs[key] >= 10]
+    table = np.array(
+        [
+            [counts[key] for key in common] + [sum(counts[key] for key in keys if key not in common)]
+            for counts in (counts_ours, counts_theirs)
+        ]
+    )
+    table = table[:, table.sum(axis=0) > 0]
+    assert table.shape[1] >= 3, "the test needs a spread distribution to have power"
+    assert chi2_contingency(table).pvalue > 1e-3
