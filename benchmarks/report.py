@@ -47,6 +47,7 @@ TABLE_BLOCKS = {
     "replica_kill": ("replica_kill_float32", "replica_kill", "markdown_table"),
     "deterministic": ("deterministic_bfloat16", "deterministic", "markdown_table"),
     "quant_matmul": ("quant_matmul", "quant_matmul", "markdown_table"),
+    "vs_llamacpp": ("vs_llamacpp_gguf", "vs_llamacpp", "markdown_table"),
 }
 # Runs on a lent GPU (benchmarks/gpu_session.sh): README block -> (result file stem, suite, table).
 GPU_BLOCKS = {

@@ -20,17 +20,29 @@ tokens are compared only as the share of requests whose first 32 tokens match th
 
     make bench-peers                                   # builds llama.cpp, then runs this
     PYTHONPATH=.bench-peers python -m benchmarks.vs_llamacpp [--prompts 3] [--max-tokens 128]
+    python -m benchmarks.vs_llamacpp --footprint-only  # one engine process's RSS, gguf and float32
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
+import subprocess
+import sys
 import time
 
 import torch
 
-from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
+from benchmarks.common import (
+    RESULTS_DIR,
+    grouped_bars,
+    new_figure,
+    publish_run,
+    result_name,
+    run_metadata,
+    write_result,
+)
 from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
@@ -40,6 +52,29 @@ from nasd_core.speculation.calibration import calibrate
 
 CONCURRENT = 8
 COMPARED_PREFIX = 32
+# One engine process's memory: load the model, answer once, report peak and current RSS (MB).
+FOOTPRINT_SCRIPT = """
+import resource
+from nasd_core.config import ModelConfig, SamplingParams
+from nasd_core.generate import generate
+from nasd_core.models import load_model
+model, tokenizer = load_model(config=ModelConfig(dtype={dtype!r}))
+generate(model, tokenizer, "Hello there", SamplingParams(max_tokens=8))
+pages = int(open("/proc/self/statm").read().split()[1])
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, pages * resource.getpagesize() // 2**20)
+"""
+
+
+def footprint(dtype: str) -> dict:
+    """Peak and current RSS (MB) of a fresh process that loads the embedded model as ``dtype``."""
+    out = subprocess.run(
+        [sys.executable, "-c", FOOTPRINT_SCRIPT.format(dtype=dtype)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    peak, current = map(int, out.stdout.split()[-2:])
+    return {"peak_mb": peak, "current_mb": current}
 
 
 def llamacpp_systems(threads: int, context: int) -> dict:
@@ -140,6 +175,7 @@ def run(num_prompts: int, max_tokens: int, threads: int, float32_modes: list[str
         "cells": cells,
         "concurrent": {"rows": CONCURRENT, **concurrent},
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        "footprint": {dtype: footprint(dtype) for dtype in ("gguf", "float32")},
     }
 
 
@@ -153,8 +189,9 @@ def summary(payload: dict) -> dict:
         seconds = sum(cells[w][system]["tokens"] / cells[w][system]["tok_s"] for w in workloads)
         return round(tokens / seconds, 2)
 
+    repetitive = [w for w in cells if w in REPETITIVE]
     other = [w for w in cells if w not in REPETITIVE]
-    groups = {"repetitive": list(REPETITIVE), "other": other, "all": list(cells)}
+    groups = {"repetitive": repetitive, "other": other, "all": list(cells)}
     rates = {system: {group: rate(system, ws) for group, ws in groups.items()} for system in systems}
 
     def outputs(system: str) -> list:
@@ -196,8 +233,17 @@ def markdown_table(payload: dict) -> str:
         + f". llama.cpp's first {COMPARED_PREFIX} tokens "
         f"equal the engine's on {facts['llamacpp_prefix_match']:.0%} of requests. "
         f"{payload['num_prompts']} prompts x {len(payload['cells'])} workloads, {payload['max_tokens']} "
-        f"tokens, {payload['threads']} threads; process peak RSS {payload['peak_rss_mb']} MB.",
+        f"tokens, {payload['threads']} threads; this process's peak RSS {payload['peak_rss_mb']} MB.",
     ]
+    if "footprint" in payload:
+        lines.append(
+            "One engine process (load, answer once), RSS peak / after: "
+            + ", ".join(
+                f"{dtype} {cell['peak_mb']} / {cell['current_mb']} MB"
+                for dtype, cell in payload["footprint"].items()
+            )
+            + "."
+        )
     return "\n".join(lines)
 
 
@@ -221,7 +267,19 @@ def main() -> None:
     parser.add_argument(
         "--float32", nargs="*", default=["off"], choices=["off", "auto"], help="engine modes on float32"
     )
+    parser.add_argument(
+        "--footprint-only",
+        action="store_true",
+        help="measure only the engine processes' memory, into the last run's result",
+    )
     args = parser.parse_args()
+    if args.footprint_only:
+        path = RESULTS_DIR / f"{result_name('vs_llamacpp', 'gguf', False)}.json"
+        payload = json.loads(path.read_text())
+        payload["footprint"] = {dtype: footprint(dtype) for dtype in ("gguf", "float32")}
+        write_result(path.stem, payload)
+        print(markdown_table(payload))
+        return
     payload = run(args.prompts, args.max_tokens, args.threads, args.float32)
     publish_run("vs_llamacpp", "gguf", False, payload, plot, markdown_table)
 
