@@ -81,8 +81,9 @@ WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris an
 @pytest.fixture(scope="module")
 def app():
     # One replica on both cores (the ingress takes none): torch runs 2 threads, as in the
-    # test process computing the reference outputs.
-    with serve_apps({"default": {"num_cpus_per_replica": 2}}, num_cpus=2) as apps:
+    # test process computing the reference outputs, on the same float32 weights (the server's
+    # default for the embedded model on a CPU is its GGUF blocks: tests/nasd_core/test_quantized.py).
+    with serve_apps({"default": {"num_cpus_per_replica": 2, "dtype": "float32"}}, num_cpus=2) as apps:
         yield apps["default"]
 
 

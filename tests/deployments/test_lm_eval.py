@@ -25,7 +25,8 @@ TASKS = ROOT / "tests" / "files" / "lm_eval"
 
 @pytest.fixture(scope="module")
 def app():
-    with serve_apps({"default": {"num_cpus_per_replica": 2}}, num_cpus=2) as apps:
+    # float32: the library reference's weights (the server's default is the GGUF blocks).
+    with serve_apps({"default": {"num_cpus_per_replica": 2, "dtype": "float32"}}, num_cpus=2) as apps:
         yield apps["default"]
 
 
