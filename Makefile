@@ -33,7 +33,7 @@ serve: install
 	$(VENV)/bin/serve run deployments.app
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -85,7 +85,7 @@ def time_http(directory: Path, num_requests: int) -> dict[str, dict[str, float]]
     try:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = {"num_cpus_per_replica": 1}
+        args = {"num_cpus_per_replica": 1, "dtype": "float32"}  # as the results are labelled
         serve.run_many(
             [
                 serve.RunTarget(build_app(args), name="open", route_prefix="/open"),

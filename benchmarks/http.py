@@ -148,7 +148,8 @@ def serve_apps(num_replicas: int, num_cpus: int, modes: Sequence[str] = MODES) -
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cpus_per_replica = max(1, num_cpus // num_replicas)
-    args = {"num_replicas": num_replicas, "num_cpus_per_replica": cpus_per_replica}
+    # float32, as the results are labelled (a CPU server defaults to the GGUF blocks: vs_llamacpp).
+    args = {"num_replicas": num_replicas, "num_cpus_per_replica": cpus_per_replica, "dtype": "float32"}
     names = {mode: mode.replace(":", "_") for mode in modes}
     serve.run_many(
         [

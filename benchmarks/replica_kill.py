@@ -223,6 +223,7 @@ def main() -> None:
         app_args = {
             "num_replicas": NUM_REPLICAS,
             "num_cpus_per_replica": 1,
+            "dtype": "float32",  # as the results are labelled
             "redis_url": REDIS_URL,
             "pool_namespace": f"bench-kill-{time.time_ns()}",
         }

@@ -13,6 +13,7 @@ import os
 from typing import Any, Literal
 
 import ray
+import torch
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from ray import serve
 from ray.serve import Application
@@ -250,7 +251,7 @@ class AppArgs(BaseModel):
 def default_dtype(args: AppArgs, device: str) -> str:
     """``dtype`` when unset: the embedded model keeps its GGUF blocks on a CPU, where a step is
     bound by reading the weights (a fifth of float32's bytes); any other model loads in float32."""
-    return "gguf" if is_embedded(args.model) and device == "cpu" else "float32"
+    return "gguf" if is_embedded(args.model) and torch.device(device).type == "cpu" else "float32"
 
 
 def default_cpus_per_replica(args: AppArgs, device: str) -> float:
@@ -302,11 +303,14 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
 
     Raises:
         pydantic.ValidationError: an unknown argument or an invalid value.
+        ValueError: ``dtype=gguf`` for another model than the embedded one, or off a CPU.
     """
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     if is_serve_run():  # nasd-serve sets its own; elsewhere (tests, Serve's controller) none
         drain_on_sigterm(args.drain_timeout_s)
     device = args.device or ("cuda" if args.num_gpus_per_replica > 0 else "cpu")
+    if args.dtype == "gguf" and default_dtype(args, device) != "gguf":
+        raise ValueError("dtype gguf serves the embedded model's own blocks on a CPU only")
     engine_limits = {
         name: value
         for name, value in (("max_batch_rows", args.max_batch_rows), ("max_waiting", args.max_waiting))

@@ -21,7 +21,7 @@ import torch
 from nasd_core.config import EMBEDDED_MODEL, ModelConfig
 from nasd_core.errors import ModelLoadError
 from nasd_core.model.cpu_kernels import optimize_for_cpu
-from nasd_core.model.quantized import use_gguf_weights
+from nasd_core.model.quantized import quant_kernel_available, use_gguf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +158,10 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
         tokenizer = load_tokenizer(model_dir)
         dtype = torch.float32 if quantized else getattr(torch, config.dtype)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        if quantized:
+        if quantized and quant_kernel_available():
             use_gguf_weights(model, embedded_gguf_path())
+        elif quantized:
+            logger.warning("dtype 'gguf' needs NASD's C++ kernels, which are unavailable here: using float32")
     except ModelLoadError:
         raise
     except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...

@@ -25,6 +25,8 @@ import types
 import torch
 from torch import nn
 
+from nasd_core.model.quantized import QuantLinear
+
 logger = logging.getLogger(__name__)
 
 # Model types whose attention and MLP ``merge_projections`` rewrites (their transformers code is
@@ -32,10 +34,18 @@ logger = logging.getLogger(__name__)
 COMPILED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
-def merged_linear(linears: list[nn.Linear]) -> nn.Linear:
+def merged_linear(linears: list[nn.Module]) -> nn.Module:
     """One Linear computing ``linears`` side by side; theirs become views of its weight and bias,
-    so the model holds each weight once (its state dict gains the merged entries)."""
+    so the model holds each weight once (its state dict gains the merged entries). GGUF-block
+    Linears of one block type merge into one ``QuantLinear`` the same way."""
     first = linears[0]
+    if isinstance(first, QuantLinear):
+        merged = QuantLinear(torch.cat([linear.blocks for linear in linears]), first.kind, first.in_features)
+        start = 0
+        for linear in linears:
+            linear.blocks = merged.blocks[start : start + linear.out_features]
+            start += linear.out_features
+        return merged
     has_bias = first.bias is not None
     # On the meta device: no weights initialised only to be replaced.
     merged = nn.Linear(
@@ -101,8 +111,14 @@ def merge_projections(model) -> None:
     for layer in layers:  # all checked before any is changed
         attention, mlp = layer.self_attn, layer.mlp
         linears = [attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj]
-        if not all(type(linear) is nn.Linear for linear in linears):
-            raise ValueError("compiled layers need plain nn.Linear projections (not the CPU's packed ones)")
+        plain = all(type(linear) is nn.Linear for linear in linears)
+        kinds = {linear.kind for linear in linears if isinstance(linear, QuantLinear)}
+        quantized = all(isinstance(linear, QuantLinear) for linear in linears) and len(kinds) == 1
+        if not (plain or quantized):
+            raise ValueError(
+                "compiled layers need plain nn.Linear projections (not the CPU's packed ones) or GGUF "
+                "blocks of one type"
+            )
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         projections = [attention.q_proj, attention.k_proj, attention.v_proj]

@@ -3,21 +3,24 @@
 Why: a decode step on a CPU is bound by reading the weights. The embedded model ships as Q4_1
 blocks (its vocabulary as Q8_0): about 96 MB a step, where the dequantized float32 weights are
 540 MB. ``QuantLinear`` keeps a Linear's blocks exactly as the file holds them and multiplies
-by them with ``csrc/quant_linear.cpp``, which turns each block into floats in registers and
-multiplies it by all of a step's rows while it is there: k+1 verified positions read the
-weights once. Activations, norms and attention stay float32.
+by them with ``csrc/quant_linear.cpp``, which turns blocks into floats in registers and
+multiplies each by 4 of a step's rows at a time: a verification step reads the weights once per
+4 positions, not once per position. Activations, norms and attention stay float32.
 
 The block values are the GGUF reference's (``q * d + m``, exact in float32), so the model is the
-dequantized float32 model up to the order of each sum; that order is fixed per output, so a
-row's logits are the same bits whatever else the step multiplies (speculation stays lossless
-against this model token for token).
+dequantized float32 model up to the order of each sum. That order is fixed per output, so a
+Linear's output for a row is the same bits whatever else the step multiplies; with
+``EngineConfig(deterministic=True)`` (which fixes attention's split too) greedy speculation is
+token-identical to plain decoding of this model.
 
-Where the C++ kernels are unavailable (no compiler, ``NASD_NATIVE=0``) the same modules
-dequantize in torch and multiply with ``nn.functional.linear``.
+Where the C++ kernels are unavailable (no compiler, ``NASD_NATIVE=0``) ``load_model`` keeps the
+float32 weights instead (a dequantizing fallback would be slower than them); the modules then
+still work, dequantizing in torch, for tests and direct use.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -47,7 +50,8 @@ LAYER_LINEARS = {
 def dequantize(blocks: torch.Tensor, kind: int) -> torch.Tensor:
     """Float32 weights ``[out, in]`` of GGUF ``blocks`` ``[out, bytes]`` (the reference's q * d + m)."""
     name, size = BLOCK_FORMATS[kind]
-    grouped = blocks.reshape(*blocks.shape[:-1], -1, size)
+    num_blocks = blocks.shape[-1] // size
+    grouped = blocks.reshape(*blocks.shape[:-1], num_blocks, size)
     scale = grouped[..., 0:2].contiguous().view(torch.float16).float()
     if name == "Q8_0":
         values = grouped[..., 2:].contiguous().view(torch.int8).float() * scale
@@ -57,13 +61,22 @@ def dequantize(blocks: torch.Tensor, kind: int) -> torch.Tensor:
         # Byte j holds weight j in its low nibble and weight j + 16 in its high one.
         nibbles = torch.cat([codes & 0x0F, codes >> 4], dim=-1).float()
         values = nibbles * scale + offset
-    return values.reshape(*blocks.shape[:-1], -1)
+    return values.reshape(*blocks.shape[:-1], num_blocks * BLOCK)
 
 
+@functools.cache
 def quant_kernel_available() -> bool:
+    """Whether ``torch.ops.nasd.quant_linear`` is built here (and traceable by torch.compile)."""
     from nasd_core.model import native
 
-    return native.load() and hasattr(torch.ops.nasd, "quant_linear")
+    if not (native.load() and hasattr(torch.ops.nasd, "quant_linear")):
+        return False
+
+    @torch.library.register_fake("nasd::quant_linear")
+    def _(inputs: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
+        return inputs.new_empty(*inputs.shape[:-1], blocks.shape[0])
+
+    return True
 
 
 class QuantLinear(nn.Module):
@@ -148,6 +161,9 @@ def use_gguf_weights(model: nn.Module, gguf_path: Path) -> int:
             parent_name, child_name = module_path.split(".")
             parent = getattr(layer, parent_name)
             linear = getattr(parent, child_name)
+            if blocks.shape[0] != linear.out_features:
+                rows = f"{blocks.shape[0]} rows, the model's {module_path} {linear.out_features}"
+                raise ValueError(f"{key} has {rows}")
             if linear.bias is not None:
                 raise ValueError(f"{module_path} has a bias; GGUF weights are used for bias-free layers only")
             setattr(parent, child_name, QuantLinear(blocks, kind, linear.in_features))

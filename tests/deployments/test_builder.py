@@ -93,6 +93,9 @@ def test_dtype_defaults_to_the_gguf_blocks_for_the_embedded_model_on_a_cpu_only(
     assert replica_of(build_app({"dtype": "float32"}))[1].model.dtype == "float32"
     assert replica_of(build_app({"device": "cuda"}))[1].model.dtype == "float32"
     assert replica_of(build_app({"model": "Qwen/Qwen2.5-1.5B-Instruct"}))[1].model.dtype == "float32"
+    for args in [{"model": "Qwen/Qwen2.5-1.5B-Instruct"}, {"device": "cuda:0"}]:
+        with pytest.raises(ValueError, match="gguf"):
+            build_app({**args, "dtype": "gguf"})
 
 
 def test_drafter_chooses_the_request_and_pool_draft_sources():

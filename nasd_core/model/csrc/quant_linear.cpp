@@ -4,13 +4,14 @@
 // Why a kernel: a decode step on a CPU is bound by reading the weights, and these blocks are a
 // quarter to an eighth of float32's bytes. PyTorch's own weight-only CPU kernels reread the
 // weights for every input row (benchmarks/quant_matmul.py), which is what verification must not
-// do. Here each block is turned into floats once, in registers, and multiplied by every input row
-// while it is there, so k+1 verified positions cost one read of the weights.
+// do. Here each block is turned into floats in registers and multiplied by 4 input rows while it
+// is there; a thread's slice of the weights is read once per 4 rows (reading it once per call,
+// whatever the rows, is the next step).
 //
 // Exactness: block values are computed as the GGUF reference does (q * d + m, exact in float32),
 // and each output's sum runs in one fixed order (8 float32 lanes over the blocks, then the lanes
 // in a fixed tree) whatever the number of rows or threads. A row's outputs are therefore the same
-// bits alone and among others: greedy decoding with and without speculation agrees token for token.
+// bits alone and among others (what deterministic mode needs of every Linear).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
