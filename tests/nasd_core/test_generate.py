@@ -107,7 +107,12 @@ def sample_first_tokens(model, tokenizer, prompt_ids, params, draw) -> Counter:
 
 
 def test_sampled_generation_matches_transformers_sampling(model, tokenizer):
-    """Two-sample chi-square on (token 1, token 2) pairs: NASD sampling vs transformers' sampler."""
+    assert_sampling_matches_transformers(model, tokenizer)
+
+
+def assert_sampling_matches_transformers(model, tokenizer) -> None:
+    """Two-sample chi-square on (token 1, token 2) pairs: NASD sampling vs transformers' sampler,
+    both on ``model``."""
     prompt = "My favourite colours are red, green, blue, red, green,"
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     params = SamplingParams(max_tokens=2, temperature=1.0, top_k=3)

@@ -13,10 +13,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chi2_contingency
 from torch.nn import functional
 
-from nasd_core import SamplingParams, SpecConfig, generate
+from nasd_core import SamplingParams, SpecConfig
 from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import ModelLoadError
@@ -24,7 +23,7 @@ from nasd_core.model.cpu_kernels import invariant_threads
 from nasd_core.model.quantized import BLOCK_FORMATS, QuantEmbedding, QuantLinear, dequantize
 from nasd_core.models import load_model
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered
-from tests.nasd_core.test_generate import sample_first_tokens
+from tests.nasd_core.test_generate import assert_sampling_matches_transformers
 
 KINDS = sorted(BLOCK_FORMATS)
 
@@ -162,40 +161,5 @@ def test_greedy_output_is_plain_decodings_in_any_batch(
 
 
 def test_sampling_keeps_the_quantized_models_distribution(gguf_model, tokenizer):
-    """Two-sample chi-square on (token 1, token 2): speculative sampling against transformers'
-    sampler, both on the quantized model."""
-    ids = tokenizer.encode("My favourite colours are red, green, blue, red, green,", add_special_tokens=False)
-    params = SamplingParams(max_tokens=2, temperature=1.0, top_k=3)
-
-    def ours(seed: int) -> list[int]:
-        spec = SpecConfig(mode="on", num_draft_tokens=3)
-        return generate(gguf_model, tokenizer, ids, params.model_copy(update={"seed": seed}), spec).token_ids
-
-    def theirs(seed: int) -> list[int]:
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            out = gguf_model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=2,
-                do_sample=True,
-                temperature=1.0,
-                top_k=3,
-                top_p=1.0,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        return out[0, len(ids) :].tolist()
-
-    counts_ours = sample_first_tokens(gguf_model, tokenizer, ids, params, ours)
-    counts_theirs = sample_first_tokens(gguf_model, tokenizer, ids, params, theirs)
-    keys = sorted(set(counts_ours) | set(counts_theirs))
-    common = [key for key in keys if counts_ours[key] + counts_theirs[key] >= 10]
-    table = np.array(
-        [
-            [counts[key] for key in common] + [sum(counts[key] for key in keys if key not in common)]
-            for counts in (counts_ours, counts_theirs)
-        ]
-    )
-    table = table[:, table.sum(axis=0) > 0]
-    assert table.shape[1] >= 3, "the test needs a spread distribution to have power"
-    assert chi2_contingency(table).pvalue > 1e-3
+    """Speculative sampling against transformers' sampler, both on the quantized model."""
+    assert_sampling_matches_transformers(gguf_model, tokenizer)
