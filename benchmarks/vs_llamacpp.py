@@ -53,15 +53,15 @@ from nasd_core.speculation.calibration import calibrate
 CONCURRENT = 8
 COMPARED_PREFIX = 32
 # One engine process's memory: load the model, answer once, report peak and current RSS (MB).
+# (VmHWM, not ru_maxrss: a child's ru_maxrss starts from its parent's at the fork.)
 FOOTPRINT_SCRIPT = """
-import resource
 from nasd_core.config import ModelConfig, SamplingParams
 from nasd_core.generate import generate
 from nasd_core.models import load_model
 model, tokenizer = load_model(config=ModelConfig(dtype={dtype!r}))
 generate(model, tokenizer, "Hello there", SamplingParams(max_tokens=8))
-pages = int(open("/proc/self/statm").read().split()[1])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, pages * resource.getpagesize() // 2**20)
+status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+print(int(status["VmHWM"].split()[0]) // 1024, int(status["VmRSS"].split()[0]) // 1024)
 """
 
 

@@ -21,6 +21,7 @@ import torch
 from nasd_core.config import EMBEDDED_MODEL, ModelConfig
 from nasd_core.errors import ModelLoadError
 from nasd_core.model.cpu_kernels import optimize_for_cpu
+from nasd_core.model.lean_decoder import use_lean_decoder
 from nasd_core.model.quantized import quant_kernel_available, use_gguf_weights
 
 logger = logging.getLogger(__name__)
@@ -160,6 +161,7 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         if quantized and quant_kernel_available():
             use_gguf_weights(model, embedded_gguf_path())
+            use_lean_decoder(model)
         elif quantized:
             logger.warning("dtype 'gguf' needs NASD's C++ kernels, which are unavailable here: using float32")
     except ModelLoadError:

@@ -62,5 +62,14 @@ def stock_model():
 
 
 @pytest.fixture(scope="session")
+def gguf_model():
+    """The embedded model on its GGUF blocks (``dtype="gguf"``, the server's CPU default)."""
+    from nasd_core.config import ModelConfig
+    from nasd_core.models import load_model
+
+    return load_model(config=ModelConfig(dtype="gguf"))[0]
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_and_tokenizer):
     return model_and_tokenizer[1]

@@ -32,6 +32,7 @@ from nasd_core.model.attention import (
 from nasd_core.model.compiled_layers import COMPILED_MODEL_TYPES, compile_layers
 from nasd_core.model.cpu_kernels import use_batch_invariant_kernels
 from nasd_core.model.kv_cache import PagedKVCache
+from nasd_core.model.lean_decoder import lean_forward
 from nasd_core.model.memory_plan import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     MemoryPlan,
@@ -397,6 +398,10 @@ class ModelRunner:
             self.deterministic,
         )
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
+        if getattr(self.model, "nasd_lean_decoder", False):
+            ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+            at = torch.tensor(positions, dtype=torch.long, device=self.device)
+            return lean_forward(self.model, ids, at, layout, keep)
         extra = {"logits_to_keep": keep} if self._takes_logits_to_keep else {}
         output = self.model(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),

@@ -1,5 +1,5 @@
-"""The project's C++ code (``nasd_core/model/csrc``: the CPU attention and quantized-matmul
-kernels, the suffix-match draft source), compiled on this machine on first use.
+"""The project's C++ code (``nasd_core/model/csrc``: the CPU attention, quantized-matmul
+and decoder-layer kernels, the suffix-match draft source), compiled on this machine on first use.
 
 Why compiled here and not shipped: the kernels are built with ``-march=native`` (their loops
 are vectorised for the CPU that runs them), so a build is only valid on the machine, torch
@@ -26,7 +26,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "quant_linear.cpp"]
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "quant_linear.cpp", CSRC / "decoder_ops.cpp"]
+# Included by the sources (their build must change when these do).
+HEADERS = [CSRC / "simd.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 # The suffix-match draft source: a Python module (a class with state), no OpenMP.
 DRAFTER_SOURCES = [CSRC / "suffix_index.cpp"]
@@ -48,7 +50,7 @@ def build_directory(sources: list[Path] = SOURCES, cflags: list[str] = CFLAGS) -
     from nasd_core.models import default_cache_dir
 
     digest = hashlib.sha256()
-    for source in sources:
+    for source in [*sources, *HEADERS]:
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(" ".join(cflags).encode())

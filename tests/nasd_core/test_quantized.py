@@ -29,11 +29,6 @@ KINDS = sorted(BLOCK_FORMATS)
 
 
 @pytest.fixture(scope="module")
-def gguf_model():
-    return load_model(config=ModelConfig(dtype="gguf"))[0]
-
-
-@pytest.fixture(scope="module")
 def invariant_threads_only(gguf_model):
     """Deterministic mode's thread bound for this model (cpu_kernels.invariant_threads)."""
     before = torch.get_num_threads()
@@ -109,6 +104,9 @@ def test_the_quantized_model_holds_the_converted_weights_bit_for_bit(gguf_model,
     """Every Linear (q and k rows back in transformers' rotary order) and the tied embedding."""
     modules = gguf_model.named_modules()
     quantized = {name: module for name, module in modules if isinstance(module, QuantLinear)}
+    # The lean decoder's merged projections, whose parts are views of them.
+    merged = [quantized.pop(name) for name in list(quantized) if name.endswith(("qkv_proj", "gate_up_proj"))]
+    assert len(merged) == 2 * gguf_model.config.num_hidden_layers
     assert len(quantized) == 7 * gguf_model.config.num_hidden_layers + 1
     for name, module in quantized.items():
         weight = stock_model.get_submodule(name).weight

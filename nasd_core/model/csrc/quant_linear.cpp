@@ -5,8 +5,10 @@
 // quarter to an eighth of float32's bytes. PyTorch's own weight-only CPU kernels reread the
 // weights for every input row (benchmarks/quant_matmul.py), which is what verification must not
 // do. Here each block is turned into floats in registers and multiplied by 4 input rows while it
-// is there; a thread's slice of the weights is read once per 4 rows (reading it once per call,
-// whatever the rows, is the next step).
+// is there; a thread's slice of the weights is read once per 4 rows. From 9 rows on (long
+// verifications, prompt chunks) each weight is decoded once into a float panel that every row
+// then reads: the multiply is then bound by the float multiply-adds (about 1.8 ms a row for the
+// embedded model on 2 AVX2 cores), no longer by decoding.
 //
 // Exactness: block values are computed as the GGUF reference does (q * d + m, exact in float32),
 // and each output's sum runs in one fixed order (8 float32 lanes over the blocks, then the lanes
@@ -19,16 +21,18 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define NASD_AVX2 1
-#endif
+#include "simd.h"
 
 namespace {
 
 constexpr int64_t kBlock = 32;  // weights per block, in every format here
 constexpr int64_t kRowTile = 4;  // input rows multiplied per pass over a tile of outputs
+// From this many rows on, dequantizing each weight once into a float panel beats dequantizing it
+// in registers once per row tile (benchmarks/quant_matmul.py: 1.1x at 17 rows, 1.3x at 64-256;
+// 0.8x at 8, where the panel's stores and loads cost more than the repeated decoding).
+constexpr int64_t kPanelMinRows = 9;
 
 // ggml's type ids (gguf.GGMLQuantizationType).
 enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
@@ -114,12 +118,7 @@ inline void dequantize_block(const uint8_t* block, __m256* w) {
   }
 }
 
-inline float lanes_sum(__m256 v) {  // a fixed tree: (0+4, 1+5, 2+6, 3+7), then pairs
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-  return _mm_cvtss_f32(sum);
-}
+using nasd_simd::lanes_sum;
 
 // Outs consecutive outputs times Rows rows of `x`. Each (output, row) sum is one chain of
 // fused multiply-adds in input order whatever the tile, so tiling changes speed, not bits;
@@ -145,6 +144,82 @@ inline void dot_tile(const uint8_t* blocks, int64_t row_bytes, int64_t num_block
   }
   _Pragma("GCC unroll 16") for (int o = 0; o < Outs; ++o)
     for (int r = 0; r < Rows; ++r) out[r * out_stride + o] = lanes_sum(acc[o][r]);
+}
+
+// Outputs [0, count) of a weight slice as floats, `in_features` per output: the values
+// dequantize_block gives in registers, so a sum over them is the same bits as one over those.
+template <int64_t Kind>
+void dequantize_outputs(const uint8_t* blocks, int64_t row_bytes, int64_t num_blocks, int64_t count,
+                        float* panel) {
+  constexpr int64_t stride = Kind == kQ4_0 ? 18 : Kind == kQ4_1 ? 20 : 34;
+  for (int64_t o = 0; o < count; ++o) {
+    float* dst = panel + o * num_blocks * kBlock;
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      __m256 w[4];
+      dequantize_block<Kind>(blocks + o * row_bytes + b * stride, w);
+      _Pragma("GCC unroll 4") for (int part = 0; part < 4; ++part) _mm256_storeu_ps(dst + b * kBlock + 8 * part, w[part]);
+    }
+  }
+}
+
+// dot_tile's sums over weights already in floats (a panel from dequantize_outputs): the same
+// chain of fused multiply-adds per (output, row), so the same bits.
+template <int Outs, int Rows>
+inline void panel_tile(const float* w, int64_t in_features, const float* x, int64_t x_stride, float* out,
+                       int64_t out_stride) {
+  __m256 acc[Outs][Rows];
+  _Pragma("GCC unroll 16") for (int o = 0; o < Outs; ++o)
+    for (int r = 0; r < Rows; ++r) acc[o][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < in_features; k += 8) {
+    __m256 wv[Outs];
+    _Pragma("GCC unroll 4") for (int o = 0; o < Outs; ++o) wv[o] = _mm256_loadu_ps(w + o * in_features + k);
+    _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * x_stride + k);
+      _Pragma("GCC unroll 4") for (int o = 0; o < Outs; ++o) acc[o][r] = _mm256_fmadd_ps(wv[o], xv, acc[o][r]);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int o = 0; o < Outs; ++o)
+    for (int r = 0; r < Rows; ++r) out[r * out_stride + o] = lanes_sum(acc[o][r]);
+}
+
+template <int Rows>
+void panel_outputs(int64_t count, const float* panel, int64_t in_features, const float* x, float* out,
+                   int64_t out_stride) {
+  int64_t o = 0;
+  for (; o + 2 <= count; o += 2)
+    panel_tile<2, Rows>(panel + o * in_features, in_features, x, in_features, out + o, out_stride);
+  for (; o < count; ++o)
+    panel_tile<1, Rows>(panel + o * in_features, in_features, x, in_features, out + o, out_stride);
+}
+
+// More rows than one tile: each thread turns kPanel outputs at a time into floats once (an L2-sized
+// panel) and multiplies every row by them, instead of dequantizing every block once per 4 rows.
+template <int64_t Kind>
+void quant_linear_panels(const float* x, int64_t rows, int64_t in_features, const uint8_t* weight,
+                         int64_t out_features, float* out) {
+  constexpr int64_t kPanel = 16;
+  constexpr int64_t kPanelRows = 6;  // 2 outputs x 6 rows: 12 accumulators of the 16 registers
+  const int64_t num_blocks = in_features / kBlock;
+  const int64_t row_bytes = num_blocks * block_bytes(Kind);
+  at::parallel_for(0, out_features, 32, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(kPanel * in_features);
+    for (int64_t o = begin; o < end; o += kPanel) {
+      const int64_t count = std::min(kPanel, end - o);
+      dequantize_outputs<Kind>(weight + o * row_bytes, row_bytes, num_blocks, count, panel.data());
+      for (int64_t r = 0; r < rows; r += kPanelRows) {
+        const float* xs = x + r * in_features;
+        float* os = out + r * out_features + o;
+        switch (std::min(kPanelRows, rows - r)) {
+          case 1: panel_outputs<1>(count, panel.data(), in_features, xs, os, out_features); break;
+          case 2: panel_outputs<2>(count, panel.data(), in_features, xs, os, out_features); break;
+          case 3: panel_outputs<3>(count, panel.data(), in_features, xs, os, out_features); break;
+          case 4: panel_outputs<4>(count, panel.data(), in_features, xs, os, out_features); break;
+          case 5: panel_outputs<5>(count, panel.data(), in_features, xs, os, out_features); break;
+          default: panel_outputs<6>(count, panel.data(), in_features, xs, os, out_features);
+        }
+      }
+    }
+  });
 }
 #else
 template <int64_t Kind, int Outs, int Rows>
@@ -185,6 +260,9 @@ void dot_outputs(int64_t begin, int64_t end, const uint8_t* weight, int64_t row_
 template <int64_t Kind>
 void quant_linear_impl(const float* x, int64_t rows, int64_t in_features, const uint8_t* weight,
                        int64_t out_features, float* out) {
+#ifdef NASD_AVX2
+  if (rows >= kPanelMinRows) return quant_linear_panels<Kind>(x, rows, in_features, weight, out_features, out);
+#endif
   const int64_t num_blocks = in_features / kBlock;
   const int64_t row_bytes = num_blocks * block_bytes(Kind);
   // Each output is one thread's whole sum (threads split outputs, never a sum), so the result

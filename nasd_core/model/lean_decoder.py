@@ -1,0 +1,106 @@
+"""A llama-type model's step on a CPU as a short loop of fused calls (the GGUF path's forward).
+
+Why: on a CPU a small tensor op's dispatch costs more than its arithmetic, and transformers runs
+about forty a decoder layer (RMSNorm's five, rotary's dozen, views, transposes, the residual
+adds, seven module calls). A one-token step of the embedded model on its GGUF blocks took 16 ms,
+of which the quantized matmuls were 7.3 and attention 1.1; most of the rest was those ops. Here a
+layer is eight calls: RMSNorm with the residual add before it, one q/k/v matmul, rotary with the
+split into heads, paged attention, the output matmul, RMSNorm again, one gate/up matmul, SiLU times
+up, the down matmul (``csrc/decoder_ops.cpp`` for the pointwise ones). The last norm and the
+vocabulary projection run on the positions that need logits only.
+
+The arithmetic is transformers' up to the order of its sums (each fused kernel computes a token
+with one thread and one fixed sequence of instructions, so a token's values do not depend on what
+else is in the step). transformers' own forward stays in place for every call that is not a step
+of the model runner (``generate``, tests' references).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from nasd_core.model.attention import StepLayout, paged_attention
+from nasd_core.model.compiled_layers import merge_projections
+from nasd_core.model.quantized import QuantLinear
+
+logger = logging.getLogger(__name__)
+
+LEAN_MODEL_TYPES = frozenset({"llama"})
+_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+
+
+def lean_decoder_fits(model) -> bool:
+    """Whether ``model`` is one ``lean_forward`` computes: a Llama on a CPU, SiLU MLP, its
+    projections GGUF blocks (``quantized.use_gguf_weights``) and the C++ kernels built here."""
+    from nasd_core.model import native
+
+    config = model.config
+    if config.model_type not in LEAN_MODEL_TYPES or getattr(config, "hidden_act", None) != "silu":
+        return False
+    if next(model.parameters()).device.type != "cpu" or not native.load():
+        return False
+    if not hasattr(torch.ops.nasd, "rotary_split"):
+        return False
+    layers = model.get_decoder().layers
+    projections = [layer.get_submodule(name) for layer in layers for name in _PROJECTIONS]
+    return all(isinstance(projection, QuantLinear) for projection in projections)
+
+
+def use_lean_decoder(model) -> bool:
+    """Merge ``model``'s projections and mark it for ``lean_forward`` where it fits (idempotent).
+    Returns whether the model runner's steps now take it."""
+    if getattr(model, "nasd_lean_decoder", False):
+        return True
+    if not lean_decoder_fits(model):
+        return False
+    merge_projections(model)
+    model.nasd_lean_decoder = True
+    logger.info("steps run the lean decoder (fused CPU kernels, merged projections)")
+    return True
+
+
+def lean_layer(
+    layer, hidden: torch.Tensor, residual: torch.Tensor | None, cos, sin, step: StepLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer over ``[tokens, hidden]``; returns (its output, the residual stream
+    before it), whose sum the next norm takes (transformers adds them at the layer's end)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    config = attention.config
+    norm = layer.input_layernorm
+    residual, normed = torch.ops.nasd.rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
+    query, key, value = torch.ops.nasd.rotary_split(
+        attention.qkv_proj(normed), cos, sin, config.num_attention_heads, config.num_key_value_heads
+    )
+    # [tokens, heads, D] -> [1, heads, tokens, D] views, transformers' layout for attention.
+    attended, _ = paged_attention(
+        attention,
+        query.transpose(0, 1).unsqueeze(0),
+        key.transpose(0, 1).unsqueeze(0),
+        value.transpose(0, 1).unsqueeze(0),
+        None,
+        scaling=attention.scaling,
+        nasd_step=step,
+    )
+    hidden = attention.o_proj(attended.reshape(hidden.shape[0], -1))
+    norm = layer.post_attention_layernorm
+    residual, normed = torch.ops.nasd.rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
+    return mlp.down_proj(torch.ops.nasd.silu_mul(mlp.gate_up_proj(normed))), residual
+
+
+@torch.inference_mode()
+def lean_forward(
+    model, input_ids: torch.Tensor, position_ids: torch.Tensor, step: StepLayout, keep: torch.Tensor
+) -> torch.Tensor:
+    """Logits ``[len(keep), vocab]`` of the step's positions ``keep`` (``input_ids`` and
+    ``position_ids``: ``[tokens]``, the rows' packed new positions)."""
+    decoder = model.get_decoder()
+    hidden = decoder.embed_tokens(input_ids)
+    cos, sin = decoder.rotary_emb(hidden, position_ids.unsqueeze(0))
+    residual = None
+    for layer in decoder.layers:
+        hidden, residual = lean_layer(layer, hidden, residual, cos[0], sin[0], step)
+    norm = decoder.norm
+    _, normed = torch.ops.nasd.rms_norm(hidden[keep], residual[keep], norm.weight, norm.variance_epsilon)
+    return model.lm_head(normed)

@@ -1,0 +1,120 @@
+"""The lean decoder (``model/lean_decoder.py``): the GGUF path's step as fused CPU calls.
+
+Its kernels (``csrc/decoder_ops.cpp``) compute transformers' RMSNorm, rotary embedding and
+SiLU-times-up up to the order of their sums, and a token's values are the same bits alone and
+among other tokens, on one thread or two. The runner's steps on the GGUF model take it and give
+the logits of transformers' own forward of the same model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+from nasd_core.model import native
+from nasd_core.model.lean_decoder import lean_decoder_fits, use_lean_decoder
+from nasd_core.model.model_runner import ModelRunner, StepRow
+from tests.nasd_core.test_quantized import with_threads
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kernels():
+    assert native.load(), "the C++ kernels did not build"
+
+
+def rms_norm_case(rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    weight = torch.linspace(-2, 2, rows.shape[-1])
+    return torch.ops.nasd.rms_norm(rows, rows.flip(0) * 0.5, weight, 1e-5)
+
+
+def rotary_case(gguf_model, rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    positions = torch.arange(rows.shape[0]) * 37
+    cos, sin = gguf_model.get_decoder().rotary_emb(rows, positions.unsqueeze(0))
+    return torch.ops.nasd.rotary_split(rows, cos[0], sin[0], HEADS, KV_HEADS)
+
+
+def test_rms_norm_is_transformers_with_the_residual_added_first():
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    inputs, residual = torch.randn(7, 96), torch.randn(7, 96)
+    summed, normed = torch.ops.nasd.rms_norm(inputs, residual, norm.weight, 1e-5)
+    assert torch.equal(summed, inputs + residual)
+    torch.testing.assert_close(normed, norm(inputs + residual))
+    same, normed = torch.ops.nasd.rms_norm(inputs, None, norm.weight, 1e-5)
+    assert torch.equal(same, inputs)
+    torch.testing.assert_close(normed, norm(inputs))
+
+
+def test_rotary_split_is_transformers_rotary_on_the_fused_projection(gguf_model):
+    tokens = 6
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM)
+    query, key, value = rotary_case(gguf_model, qkv)
+    positions = torch.arange(tokens) * 37
+    cos, sin = gguf_model.get_decoder().rotary_emb(qkv, positions.unsqueeze(0))
+
+    def heads(start: int, count: int) -> torch.Tensor:  # transformers' [1, heads, tokens, D]
+        columns = qkv[:, start * HEAD_DIM : (start + count) * HEAD_DIM]
+        return columns.view(1, tokens, count, HEAD_DIM).transpose(1, 2)
+
+    expected_query, expected_key = apply_rotary_pos_emb(heads(0, HEADS), heads(HEADS, KV_HEADS), cos, sin)
+    torch.testing.assert_close(query, expected_query[0].transpose(0, 1))
+    torch.testing.assert_close(key, expected_key[0].transpose(0, 1))
+    assert torch.equal(value, heads(HEADS + KV_HEADS, KV_HEADS)[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("width", [1536, 37])  # a width that leaves a tail past the 8-float vectors
+def test_silu_mul_is_silu_of_the_gate_times_up(width):
+    gate_up = torch.randn(5, 2 * width) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -87.5])  # where exp over- or underflows
+    expected = functional.silu(gate_up[:, :width]) * gate_up[:, width:]
+    torch.testing.assert_close(torch.ops.nasd.silu_mul(gate_up), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kernel", ["rms_norm", "rotary_split", "silu_mul"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_tokens_values_are_the_same_bits_alone_and_among_others(gguf_model, kernel, threads):
+    widths = {"rms_norm": 576, "rotary_split": (HEADS + 2 * KV_HEADS) * HEAD_DIM, "silu_mul": 2 * 1536}
+    rows = torch.randn(40, widths[kernel])
+
+    def run(part: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if kernel == "rms_norm":
+            weight = torch.linspace(-2, 2, part.shape[-1])
+            return torch.ops.nasd.rms_norm(part, part * 0.5, weight, 1e-5)
+        if kernel == "rotary_split":
+            return rotary_case(gguf_model, part)
+        return (torch.ops.nasd.silu_mul(part),)
+
+    every = with_threads(threads, lambda: run(rows))
+    for count in (1, 3, 17):
+        some = with_threads(threads, lambda count=count: run(rows[:count]))
+        for whole, part in zip(every, some):
+            assert torch.equal(part, whole[:count]), (kernel, count)
+
+
+def test_the_gguf_model_takes_the_lean_decoder_and_others_do_not(gguf_model, model):
+    assert gguf_model.nasd_lean_decoder and lean_decoder_fits(gguf_model)
+    assert use_lean_decoder(gguf_model)  # idempotent
+    assert not lean_decoder_fits(model) and not use_lean_decoder(model)  # float32 projections
+
+
+def test_lean_steps_give_the_logits_of_transformers_forward(gguf_model):
+    """A prompt chunk beside another row's verification-shaped step, then one more position
+    each: every logit against transformers' forward of the same model over the whole sequence."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (40, 75)]
+    runner = ModelRunner(gguf_model, kv_cache_tokens=512, block_size=16)
+    for row, prompt in enumerate(prompts):
+        runner.cache.allocate(row, len(prompt))
+    runner.forward([StepRow(0, prompts[0][:35], 0)])
+    first = runner.forward([StepRow(0, prompts[0][35:39], 4), StepRow(1, prompts[1][:74], 74)])
+    second = runner.forward([StepRow(0, prompts[0][39:], 1), StepRow(1, prompts[1][74:], 1)])
+    with torch.inference_mode():
+        expected = [gguf_model(torch.tensor([prompt])).logits[0] for prompt in prompts]
+    torch.testing.assert_close(first[:4], expected[0][35:39], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(first[4:], expected[1][:74], atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(second, torch.stack([expected[0][39], expected[1][74]]), atol=2e-4, rtol=1e-4)
