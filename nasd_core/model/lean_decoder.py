@@ -6,8 +6,12 @@ adds, seven module calls). A one-token step of the embedded model on its GGUF bl
 of which the quantized matmuls were 7.3 and attention 1.1; most of the rest was those ops. Here a
 layer is eight calls: RMSNorm with the residual add before it, one q/k/v matmul, rotary with the
 split into heads, paged attention, the output matmul, RMSNorm again, one gate/up matmul, SiLU times
-up, the down matmul (``csrc/decoder_ops.cpp`` for the pointwise ones). The last norm and the
-vocabulary projection run on the positions that need logits only.
+up, the down matmul (``csrc/decoder_ops.cpp`` for the pointwise ones). A step whose rows all go
+to the paged attention kernel (decode and verification: the bulk of generation) makes the same
+calls for every layer in one C++ call (``decoder_layers``), with no Python between them; steps
+with a prompt chunk loop over ``lean_layer`` in Python. The last norm and the vocabulary
+projection run on the positions that need logits only. One-token step of the embedded model on 2
+cores: 16.2 ms through transformers, 11.8 with the Python loop, 9.6 with the C++ one.
 
 The arithmetic is transformers' up to the order of its sums (each fused kernel computes a token
 with one thread and one fixed sequence of instructions, so a token's values do not depend on what
@@ -89,6 +93,55 @@ def lean_layer(
     return mlp.down_proj(torch.ops.nasd.silu_mul(mlp.gate_up_proj(normed))), residual
 
 
+def layer_weights(model) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """Every layer's norms (input, post-attention), blocks and block kinds (q/k/v, output, gate/up,
+    down): ``decoder_layers``' arguments, gathered once per model."""
+    cached = getattr(model, "nasd_layer_weights", None)
+    if cached is None:
+        norms, blocks, kinds = [], [], []
+        for layer in model.get_decoder().layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                blocks.append(linear.blocks)
+                kinds.append(linear.kind)
+        cached = model.nasd_layer_weights = (norms, blocks, kinds)
+    return cached
+
+
+def all_layers_fused(
+    model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepLayout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lean_layer`` over every layer in one C++ call (``csrc/decoder_ops.cpp``), for a step
+    whose rows all go to the paged attention kernel."""
+    config, kernel_rows, cache = model.config, step.kernel_rows, step.cache
+    norms, blocks, kinds = layer_weights(model)
+    attention = model.get_decoder().layers[0].self_attn
+    return torch.ops.nasd.decoder_layers(
+        hidden,
+        cos,
+        sin,
+        norms,
+        blocks,
+        kinds,
+        config.rms_norm_eps,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        cache.keys,
+        cache.values,
+        step.write_slots,
+        kernel_rows.block_table,
+        kernel_rows.info,
+        attention.scaling,
+        cache.block_size,
+        kernel_rows.keys_per_unit,
+    )
+
+
+# False sends every step through ``lean_layer`` from Python (the fused loop's reference in tests).
+FUSED_LAYERS = True
+
+
 @torch.inference_mode()
 def lean_forward(
     model, input_ids: torch.Tensor, position_ids: torch.Tensor, step: StepLayout, keep: torch.Tensor
@@ -98,9 +151,13 @@ def lean_forward(
     decoder = model.get_decoder()
     hidden = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(hidden, position_ids.unsqueeze(0))
-    residual = None
-    for layer in decoder.layers:
-        hidden, residual = lean_layer(layer, hidden, residual, cos[0], sin[0], step)
+    fused = step.kernel_rows is not None and not step.segments and step.batched_rows is None
+    if FUSED_LAYERS and fused and step.paged_rows is None:
+        hidden, residual = all_layers_fused(model, hidden, cos[0], sin[0], step)
+    else:
+        residual = None
+        for layer in decoder.layers:
+            hidden, residual = lean_layer(layer, hidden, residual, cos[0], sin[0], step)
     norm = decoder.norm
     _, normed = torch.ops.nasd.rms_norm(hidden[keep], residual[keep], norm.weight, norm.variance_epsilon)
     return model.lm_head(normed)

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "quant_linear.cpp", CSRC / "decoder_ops.cpp"]
 # Included by the sources (their build must change when these do).
-HEADERS = [CSRC / "simd.h"]
+HEADERS = [CSRC / "kernels.h", CSRC / "simd.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 # The suffix-match draft source: a Python module (a class with state), no OpenMP.
 DRAFTER_SOURCES = [CSRC / "suffix_index.cpp"]

@@ -118,3 +118,32 @@ def test_lean_steps_give_the_logits_of_transformers_forward(gguf_model):
     torch.testing.assert_close(first[:4], expected[0][35:39], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(first[4:], expected[1][:74], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(second, torch.stack([expected[0][39], expected[1][74]]), atol=2e-4, rtol=1e-4)
+
+
+def test_the_fused_layer_loop_is_the_python_loop_bit_for_bit(gguf_model, monkeypatch):
+    """A decode/verification step (every row in the attention kernel) runs all layers in one C++
+    call; the same step from Python gives the same bits, and both write the same cache."""
+    from nasd_core.model import lean_decoder
+
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (30, 51, 9)]
+    runner = ModelRunner(gguf_model, kv_cache_tokens=512, block_size=16)
+    for row, prompt in enumerate(prompts):
+        runner.cache.allocate(row, len(prompt) + 8)
+    runner.forward([StepRow(row, prompt, 0) for row, prompt in enumerate(prompts)])
+    step = [StepRow(0, [5], 1), StepRow(1, [6, 7, 8, 9], 4), StepRow(2, [10, 11], 2)]
+    calls = []
+    fused_call = lean_decoder.all_layers_fused
+    monkeypatch.setattr(lean_decoder, "all_layers_fused", lambda *args: calls.append(1) or fused_call(*args))
+    fused = runner.forward(step)
+    assert calls == [1]  # the prompts' step ran from Python, this one in one call
+    lengths = [len(prompt) + len(row.token_ids) for prompt, row in zip(prompts, step)]
+    slots = torch.cat([runner.cache.slots(row, 0, length) for row, length in enumerate(lengths)])
+    pools = list(zip(runner.cache.keys, runner.cache.values))
+    cached = [(keys[:, slots], values[:, slots]) for keys, values in pools]
+    for row, prompt in enumerate(prompts):
+        runner.cache.set_length(row, len(prompt))
+    monkeypatch.setattr(lean_decoder, "FUSED_LAYERS", False)
+    assert torch.equal(runner.forward(step), fused)
+    for (keys, values), pool_keys, pool_values in zip(cached, runner.cache.keys, runner.cache.values):
+        assert torch.equal(keys, pool_keys[:, slots]) and torch.equal(values, pool_values[:, slots])

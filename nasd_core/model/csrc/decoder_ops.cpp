@@ -18,6 +18,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -45,6 +46,10 @@ float sum_of_squares(const float* x, int64_t n) {
 void check_float_rows(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), what, " must be a float32 CPU tensor");
 }
+
+}  // namespace
+
+namespace nasd {
 
 // (input + residual, RMSNorm(input + residual) * weight) over the last dimension; without a
 // residual, (input, RMSNorm(input) * weight).
@@ -163,13 +168,55 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out.view(shape);
 }
 
-}  // namespace
+// Every decoder layer of a step whose rows all go to the paged attention kernel (decode and
+// verification steps), the same calls in the same order as lean_decoder.lean_layer makes from
+// Python, without Python between them. Per layer: norms [input, post-attention], blocks and
+// kinds [qkv, o, gate_up, down]; pools [kv_heads, slots, head_dim]. Returns (the last layer's
+// output, the residual stream before it).
+std::tuple<at::Tensor, at::Tensor> decoder_layers(
+    const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
+    at::TensorList blocks, at::IntArrayRef kinds, double eps, int64_t heads, int64_t kv_heads,
+    at::TensorList key_pools, at::TensorList value_pools, const at::Tensor& write_slots,
+    const at::Tensor& block_table, const at::Tensor& rows, double scale, int64_t block_size,
+    int64_t keys_per_unit) {
+  const int64_t layers = static_cast<int64_t>(key_pools.size());
+  TORCH_CHECK(value_pools.size() == key_pools.size() && norms.size() == 2 * key_pools.size() &&
+                  blocks.size() == 4 * key_pools.size() && kinds.size() == 4 * key_pools.size(),
+              "decoder_layers: per layer, 2 norms, 4 blocks and kinds, a key and a value pool");
+  const int64_t tokens = hidden.size(0);
+  at::Tensor out = hidden;
+  c10::optional<at::Tensor> residual;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    auto [summed, normed] = rms_norm(out, residual, norms[2 * layer], eps);
+    auto [query, key, value] =
+        rotary_split(quant_linear(normed, blocks[4 * layer], kinds[4 * layer]), cos, sin, heads, kv_heads);
+    key_pools[layer].index_copy_(1, write_slots, key.transpose(0, 1));
+    value_pools[layer].index_copy_(1, write_slots, value.transpose(0, 1));
+    const at::Tensor attended = paged_attention(query, key_pools[layer], value_pools[layer], block_table, rows,
+                                                scale, block_size, keys_per_unit);
+    out = quant_linear(attended.reshape({tokens, -1}), blocks[4 * layer + 1], kinds[4 * layer + 1]);
+    std::tie(summed, normed) = rms_norm(out, summed, norms[2 * layer + 1], eps);
+    const at::Tensor gate_up = quant_linear(normed, blocks[4 * layer + 2], kinds[4 * layer + 2]);
+    out = quant_linear(silu_mul(gate_up), blocks[4 * layer + 3], kinds[4 * layer + 3]);
+    residual = summed;
+  }
+  TORCH_CHECK(residual.has_value(), "decoder_layers: no layers");
+  return {out, *residual};
+}
+
+}  // namespace nasd
 
 TORCH_LIBRARY_FRAGMENT(nasd, m) {
   m.def("rms_norm(Tensor input, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary_split(Tensor qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
-  m.impl("rotary_split", c10::DispatchKey::CPU, TORCH_FN(rotary_split));
-  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.def(
+      "decoder_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] blocks, int[] kinds, "
+      "float eps, int heads, int kv_heads, Tensor(a!)[] key_pools, Tensor(b!)[] value_pools, "
+      "Tensor write_slots, Tensor block_table, Tensor rows, float scale, int block_size, int keys_per_unit) "
+      "-> (Tensor, Tensor)");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(nasd::rms_norm));
+  m.impl("rotary_split", c10::DispatchKey::CPU, TORCH_FN(nasd::rotary_split));
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(nasd::silu_mul));
+  m.impl("decoder_layers", c10::DispatchKey::CPU, TORCH_FN(nasd::decoder_layers));
 }

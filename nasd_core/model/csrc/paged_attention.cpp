@@ -16,6 +16,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -207,6 +209,8 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
 // [kv_heads, slots, head_dim]. block_table [rows, max_blocks] int32. rows [rows, 3] int64:
 // (first packed position, number of new positions, cached length including them).
 // Returns [positions, heads, head_dim]; positions that belong to no row are zero.
+namespace nasd {
+
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& block_table, const at::Tensor& rows, double scale,
                            int64_t block_size, int64_t keys_per_unit) {
@@ -321,9 +325,11 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
   return out;
 }
 
+}  // namespace nasd
+
 TORCH_LIBRARY(nasd, m) {
   m.def(
       "paged_attention(Tensor query, Tensor keys, Tensor values, Tensor block_table, Tensor rows, "
       "float scale, int block_size, int keys_per_unit) -> Tensor");
-  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(paged_attention));
+  m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(nasd::paged_attention));
 }

@@ -23,6 +23,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace {
@@ -281,6 +282,10 @@ void quant_linear_impl(const float* x, int64_t rows, int64_t in_features, const 
   });
 }
 
+}  // namespace
+
+namespace nasd {
+
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64_t kind) {
   TORCH_CHECK(input.scalar_type() == at::kFloat, "quant_linear: input must be float32");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, "quant_linear: weight must be 2-d uint8 blocks");
@@ -308,9 +313,9 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
   return out.view(shape);
 }
 
-}  // namespace
+}  // namespace nasd
 
 TORCH_LIBRARY_FRAGMENT(nasd, m) {
   m.def("quant_linear(Tensor input, Tensor weight, int kind) -> Tensor");
-  m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(quant_linear));
+  m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(nasd::quant_linear));
 }

@@ -1,0 +1,27 @@
+// The CPU kernels that call one another (decoder_ops.cpp's layer loop calls the others directly,
+// not through the dispatcher). Each is also registered as a torch.ops.nasd operator.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace nasd {
+
+// paged_attention.cpp
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
+                           const at::Tensor& block_table, const at::Tensor& rows, double scale,
+                           int64_t block_size, int64_t keys_per_unit);
+
+// quant_linear.cpp
+at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64_t kind);
+
+// decoder_ops.cpp
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& input, const c10::optional<at::Tensor>& residual,
+                                            const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rotary_split(const at::Tensor& qkv, const at::Tensor& cos,
+                                                            const at::Tensor& sin, int64_t heads,
+                                                            int64_t kv_heads);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+}  // namespace nasd
