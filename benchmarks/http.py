@@ -140,16 +140,18 @@ def summarise(results: list[dict], elapsed: float) -> dict:
     }
 
 
-def serve_apps(num_replicas: int, num_cpus: int, modes: Sequence[str] = MODES) -> dict[str, str]:
+def serve_apps(
+    num_replicas: int, num_cpus: int, modes: Sequence[str] = MODES, dtype: str = "float32"
+) -> dict[str, str]:
     """One application per mode (``/off``, ``/auto``), each ``num_replicas`` replicas over
     ``num_cpus`` CPUs; their API URLs. Only one of them is ever busy. A mode may name a
     second application of a mode as ``mode:name`` (``off:control``: a second ``off`` server,
-    the noise floor of a comparison)."""
+    the noise floor of a comparison). ``dtype``: float32 by default, as most results are
+    labelled (a CPU server's own default is the GGUF blocks, ``"gguf"``)."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cpus_per_replica = max(1, num_cpus // num_replicas)
-    # float32, as the results are labelled (a CPU server defaults to the GGUF blocks: vs_llamacpp).
-    args = {"num_replicas": num_replicas, "num_cpus_per_replica": cpus_per_replica, "dtype": "float32"}
+    args = {"num_replicas": num_replicas, "num_cpus_per_replica": cpus_per_replica, "dtype": dtype}
     names = {mode: mode.replace(":", "_") for mode in modes}
     serve.run_many(
         [
@@ -179,13 +181,15 @@ def cell_sizes(levels: Sequence[int]) -> list[int]:
 
 
 @contextmanager
-def served_modes(num_replicas: int, num_cpus: int, modes: Sequence[str] = MODES) -> Iterator[dict[str, str]]:
+def served_modes(
+    num_replicas: int, num_cpus: int, modes: Sequence[str] = MODES, dtype: str = "float32"
+) -> Iterator[dict[str, str]]:
     """A local Ray whose ``num_cpus`` CPUs each mode's application reserves in turn, one
     application per mode, each warmed up (code paths loaded, step times learned); their API
     URLs. Serve and Ray are shut down on the way out."""
     ray.init(address="local", num_cpus=num_cpus * len(modes), include_dashboard=False, log_to_driver=False)
     try:
-        urls = serve_apps(num_replicas, num_cpus, modes)
+        urls = serve_apps(num_replicas, num_cpus, modes, dtype)
         for url in urls.values():
             asyncio.run(run_cell(url, WARMUP * num_replicas, len(WARMUP) * num_replicas, "auto", 8))
         yield urls

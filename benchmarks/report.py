@@ -48,6 +48,8 @@ TABLE_BLOCKS = {
     "deterministic": ("deterministic_bfloat16", "deterministic", "markdown_table"),
     "quant_matmul": ("quant_matmul", "quant_matmul", "markdown_table"),
     "vs_llamacpp": ("vs_llamacpp_gguf", "vs_llamacpp", "markdown_table"),
+    "gguf_step": ("gguf_step", "gguf_step", "markdown_table"),
+    "http_categories": ("http_categories_gguf", "http_categories", "markdown_table"),
 }
 # Runs on a lent GPU (benchmarks/gpu_session.sh): README block -> (result file stem, suite, table).
 GPU_BLOCKS = {

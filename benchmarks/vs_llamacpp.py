@@ -43,7 +43,7 @@ from benchmarks.common import (
     run_metadata,
     write_result,
 )
-from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
+from benchmarks.workloads import REPETITIVE, WORKLOADS, chat_ids, long_chats, make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.generate import generate
@@ -51,6 +51,8 @@ from nasd_core.models import embedded_gguf_path, load_model
 from nasd_core.speculation.calibration import calibrate
 
 CONCURRENT = 8
+# Chats of 600-1600 prompt tokens (workloads.long_chats), beside the short workloads.
+LONG_CHAT = "long_chat"
 COMPARED_PREFIX = 32
 # One engine process's memory: load the model, answer once, report peak and current RSS (MB).
 # (VmHWM, not ru_maxrss: a child's ru_maxrss starts from its parent's at the fork.)
@@ -131,12 +133,9 @@ def run(num_prompts: int, max_tokens: int, threads: int, float32_modes: list[str
     gguf_model, tokenizer = load_model(config=ModelConfig(dtype="gguf"))
     float_model, _ = load_model(config=ModelConfig(dtype="float32"))
     prompts = {
-        name: [
-            tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
-            for conv in make_workload(name, num_prompts)
-        ]
-        for name in WORKLOADS
+        name: [chat_ids(tokenizer, conv) for conv in make_workload(name, num_prompts)] for name in WORKLOADS
     }
+    prompts[LONG_CHAT] = long_chats(tokenizer, num_prompts)
     longest = max(len(prompt) for group in prompts.values() for prompt in group)
     systems = llamacpp_systems(threads, longest + max_tokens + 64)
     for name, model, modes in (
@@ -192,6 +191,7 @@ def summary(payload: dict) -> dict:
     repetitive = [w for w in cells if w in REPETITIVE]
     other = [w for w in cells if w not in REPETITIVE]
     groups = {"repetitive": repetitive, "other": other, "all": list(cells)}
+    groups.update({name: [name] for name in ("creative", LONG_CHAT) if name in cells})
     rates = {system: {group: rate(system, ws) for group, ws in groups.items()} for system in systems}
 
     def outputs(system: str) -> list:
@@ -212,15 +212,19 @@ def summary(payload: dict) -> dict:
 def markdown_table(payload: dict) -> str:
     facts = summary(payload)
     rates, base = facts["rates"], facts["rates"]["llamacpp"]
+    groups = list(base)
     lines = [
-        "| system | repetitive tok/s | other tok/s | all tok/s | all / llama.cpp |",
-        "|---|---|---|---|---|",
+        "| system | "
+        + " | ".join(f"{group} tok/s" for group in groups)
+        + " | "
+        + " | ".join(f"{group} / llama.cpp" for group in groups)
+        + " |",
+        "|---|" + "---|" * 2 * len(groups),
     ]
     for system, rate in rates.items():
-        lines.append(
-            f"| {system} | {rate['repetitive']:.1f} | {rate['other']:.1f} | {rate['all']:.1f} | "
-            f"{rate['all'] / base['all']:.2f}x |"
-        )
+        values = " | ".join(f"{rate[group]:.1f}" for group in groups)
+        ratios = " | ".join(f"{rate[group] / base[group]:.2f}x" for group in groups)
+        lines.append(f"| {system} | {values} | {ratios} |")
     concurrent = payload["concurrent"]
     off, auto = concurrent["off"]["tok_s"], concurrent["auto"]["tok_s"]
     identical = facts["identical"]

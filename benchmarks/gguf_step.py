@@ -1,0 +1,92 @@
+"""One step of the embedded model on its GGUF blocks, three ways, in one run (issue 51).
+
+The same runner, rows and cache; only the forward differs:
+- ``transformers``: transformers' own layers (the model without the lean decoder);
+- ``lean_python``: the lean decoder's layers looped from Python (``lean_decoder.lean_layer``);
+- ``lean_fused``: every layer in one C++ call (``nasd::decoder_layers``), what decode and
+  verification steps run.
+
+Each cell is the fastest mean of 5 timings of 10 steps, rows of 256 cached tokens, 2 threads.
+
+    python -m benchmarks.gguf_step
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import run_metadata, write_result
+from nasd_core.config import ModelConfig
+from nasd_core.model import lean_decoder
+from nasd_core.model.model_runner import StepRow
+from nasd_core.models import load_model
+from nasd_core.speculation.calibration import filled_runner, probe_row
+
+CONTEXT = 256
+SHAPES = ((1, 1), (1, 5), (8, 1), (8, 3))  # rows x positions per row
+VARIANTS = ("transformers", "lean_python", "lean_fused")
+
+
+def step_ms(runner, num_rows: int, width: int, repeats: int = 5, steps: int = 10) -> float:
+    step = [StepRow(probe_row(row), [7] * width, width) for row in range(num_rows)]
+
+    def run() -> None:
+        runner.forward(step)
+        for row in range(num_rows):
+            runner.cache.set_length(probe_row(row), CONTEXT)
+
+    for _ in range(3):
+        run()
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(steps):
+            run()
+        best = min(best, (time.perf_counter() - started) / steps)
+    return round(1000 * best, 2)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, _ = load_model(config=ModelConfig(dtype="gguf"))
+    runner = filled_runner(model, max(rows for rows, _ in SHAPES), CONTEXT, max(w for _, w in SHAPES))
+    cells: dict[str, dict[str, float]] = {}
+    for variant in VARIANTS:
+        model.nasd_lean_decoder = variant != "transformers"
+        lean_decoder.FUSED_LAYERS = variant == "lean_fused"
+        cells[variant] = {f"{rows}x{width}": step_ms(runner, rows, width) for rows, width in SHAPES}
+        print(variant, cells[variant], flush=True)
+    model.nasd_lean_decoder, lean_decoder.FUSED_LAYERS = True, True
+    payload = {
+        "benchmark": "gguf_step",
+        "meta": run_metadata(model, "gguf", "benchmarks.gguf_step"),
+        "threads": args.threads,
+        "context": CONTEXT,
+        "cells": cells,
+    }
+    print(markdown_table(payload))
+    print(f"results: {write_result('gguf_step', payload)}")
+
+
+def markdown_table(payload: dict) -> str:
+    cells = payload["cells"]
+    shapes = list(cells["transformers"])
+    lines = [
+        "| forward | " + " | ".join(f"{shape} (ms)" for shape in shapes) + " |",
+        "|---|" + "---|" * len(shapes),
+    ]
+    for variant, row in cells.items():
+        lines.append(f"| {variant} | " + " | ".join(f"{row[shape]:.1f}" for shape in shapes) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

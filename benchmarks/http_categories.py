@@ -1,0 +1,144 @@
+"""``auto`` against ``off`` by category through HTTP, on the server's CPU default (the GGUF blocks).
+
+Issue 51's check that AUTO never loses: a local Ray Serve runs ``deployments.build_app`` twice
+(speculation ``off`` and ``auto``, one replica each, ``dtype="gguf"``); the official OpenAI client
+streams greedy chat completions of each category, one request at a time (C=1) and eight at a
+time (C=8), to both servers in turn (each with the torch threads a lone replica gets by default:
+the cores but ``RAY_RESERVED_CPUS``) (the order rotating by category). Categories are this
+project's workloads (``benchmarks.workloads``: the repetitive ones and the others, multi-turn
+included) and long chats of 600-1600 prompt tokens. Every prompt is new to both servers, and
+both must give the same texts.
+
+    python -m benchmarks.http_categories            # 4 prompts per category at C=1, 8 at C=8
+    python -m benchmarks.http_categories --quick    # 2 and 8, fewer categories
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from statistics import geometric_mean
+
+from benchmarks.common import grouped_bars, new_figure, publish_run, rotated, run_metadata
+from benchmarks.http import counters_delta, engine_counters, run_cell, served_modes
+from benchmarks.workloads import REPETITIVE, WORKLOADS, distinct_prompts, long_chat_messages
+from deployments.builder import RAY_RESERVED_CPUS
+from nasd_core.config import ModelConfig
+from nasd_core.models import load_model
+
+MODES = ("off", "auto")
+LONG_CHAT = "long_chat"
+CATEGORIES = (*WORKLOADS, LONG_CHAT)
+QUICK_CATEGORIES = ("code_edit", "rag_quote", "creative", "multi_turn", LONG_CHAT)
+# Requests per category at each concurrency (C=8: one full wave).
+REQUESTS = {1: 4, 8: 8}
+QUICK_REQUESTS = {1: 2, 8: 8}
+
+
+def category_prompts(tokenizer, category: str, count: int, skip: int) -> list:
+    """``count`` conversations of ``category`` after its first ``skip`` (distinct across cells)."""
+    if category == LONG_CHAT:
+        return long_chat_messages(tokenizer, skip + count)[skip:]
+    return distinct_prompts([category], skip + count, seed=5)[skip:]
+
+
+def run(
+    tokenizer, categories: tuple[str, ...], requests: dict[int, int], max_tokens: int, num_cpus: int
+) -> dict:
+    cells: dict[str, dict] = {}
+    with served_modes(1, num_cpus, MODES, dtype="gguf") as urls:
+        for index, category in enumerate(categories):
+            skip = 0
+            for level, count in requests.items():
+                prompts = category_prompts(tokenizer, category, count, skip)
+                skip += count
+                row, texts = {}, {}
+                for mode in rotated(MODES, index + level):
+                    before = engine_counters(urls[mode])
+                    cell = run_cell(urls[mode], prompts, level, mode, max_tokens)
+                    row[mode], texts[mode] = asyncio.run(cell)
+                    row[mode]["engine"] = counters_delta(before, engine_counters(urls[mode]))
+                row["auto_over_off"] = round(row["auto"]["tokens_per_s"] / row["off"]["tokens_per_s"], 3)
+                row["identical"] = texts["auto"] == texts["off"]
+                cells.setdefault(category, {})[str(level)] = row
+                print(category, level, row["auto_over_off"], flush=True)
+    return cells
+
+
+def overall(cells: dict, level: str) -> dict[str, float]:
+    """Tokens/s of each mode over every category at one concurrency (tokens / seconds summed),
+    and the geometric mean of the categories' ratios."""
+    totals = {
+        mode: sum(c[level][mode]["tokens"] for c in cells.values())
+        / sum(c[level][mode]["seconds"] for c in cells.values())
+        for mode in MODES
+    }
+    return {
+        "off_tok_s": round(totals["off"], 2),
+        "auto_tok_s": round(totals["auto"], 2),
+        "auto_over_off": round(totals["auto"] / totals["off"], 3),
+        "geomean_ratio": round(geometric_mean(c[level]["auto_over_off"] for c in cells.values()), 3),
+        "lowest": min((c[level]["auto_over_off"], name) for name, c in cells.items())[1],
+    }
+
+
+def markdown_table(payload: dict) -> str:
+    cells = payload["cells"]
+    levels = list(next(iter(cells.values())))
+    header = " | ".join(f"C={level} off tok/s | C={level} auto / off" for level in levels)
+    lines = [f"| category | {header} |", "|---|" + "---|---|" * len(levels)]
+    for name, row in cells.items():
+        kind = " (repetitive)" if name in REPETITIVE else ""
+        values = " | ".join(
+            f"{row[level]['off']['tokens_per_s']:.1f} | {row[level]['auto_over_off']:.2f}x"
+            + ("" if row[level]["identical"] else " ≠")
+            for level in levels
+        )
+        lines.append(f"| {name}{kind} | {values} |")
+    sums = payload["overall"]
+    totals = " | ".join(
+        f"{sums[level]['off_tok_s']:.1f} | **{sums[level]['auto_over_off']:.2f}x**" for level in levels
+    )
+    lines.append(f"| all | {totals} |")
+    return "\n".join(lines)
+
+
+def plot(payload: dict):
+    figure, axes = new_figure(1, width=8.0)
+    cells = payload["cells"]
+    levels = list(next(iter(cells.values())))
+    series = {f"C={level}": [cells[name][level]["auto_over_off"] for name in cells] for level in levels}
+    grouped_bars(axes[0], list(cells), series, "auto tokens/s over off")
+    axes[0].axhline(1.0, color="grey", linewidth=0.8)
+    axes[0].set_title("HTTP, GGUF blocks: auto over off by category")
+    return figure
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    categories = QUICK_CATEGORIES if args.quick else CATEGORIES
+    requests = QUICK_REQUESTS if args.quick else REQUESTS
+    # The torch threads a lone replica gets by default (the cores Ray's own processes leave).
+    num_cpus = max(1, (os.cpu_count() or 2) - RAY_RESERVED_CPUS)
+    model, tokenizer = load_model(config=ModelConfig(dtype="gguf"))
+    cells = run(tokenizer, categories, requests, args.max_tokens, num_cpus)
+    payload = {
+        "benchmark": "http_categories",
+        "meta": run_metadata(model, "gguf", "benchmarks.http_categories"),
+        "max_tokens": args.max_tokens,
+        "requests": {str(level): count for level, count in requests.items()},
+        "cells": cells,
+        "overall": {str(level): overall(cells, str(level)) for level in requests},
+        "identical": all(row["identical"] for c in cells.values() for row in c.values()),
+    }
+    publish_run("http_categories", "gguf", args.quick, payload, plot, markdown_table)
+
+
+if __name__ == "__main__":
+    main()
