@@ -141,17 +141,23 @@ def summarise(results: list[dict], elapsed: float) -> dict:
 
 
 def serve_apps(
-    num_replicas: int, num_cpus: int, modes: Sequence[str] = MODES, dtype: str = "float32"
+    num_replicas: int,
+    num_cpus: int,
+    modes: Sequence[str] = MODES,
+    dtype: str = "float32",
+    app_args: dict | None = None,
 ) -> dict[str, str]:
     """One application per mode (``/off``, ``/auto``), each ``num_replicas`` replicas over
     ``num_cpus`` CPUs; their API URLs. Only one of them is ever busy. A mode may name a
     second application of a mode as ``mode:name`` (``off:control``: a second ``off`` server,
     the noise floor of a comparison). ``dtype``: float32 by default, as most results are
-    labelled (a CPU server's own default is the GGUF blocks, ``"gguf"``)."""
+    labelled (a CPU server's own default is the GGUF blocks, ``"gguf"``); ``app_args``: more
+    ``build_app`` arguments for every application."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     cpus_per_replica = max(1, num_cpus // num_replicas)
     args = {"num_replicas": num_replicas, "num_cpus_per_replica": cpus_per_replica, "dtype": dtype}
+    args.update(app_args or {})
     names = {mode: mode.replace(":", "_") for mode in modes}
     serve.run_many(
         [
@@ -182,14 +188,18 @@ def cell_sizes(levels: Sequence[int]) -> list[int]:
 
 @contextmanager
 def served_modes(
-    num_replicas: int, num_cpus: int, modes: Sequence[str] = MODES, dtype: str = "float32"
+    num_replicas: int,
+    num_cpus: int,
+    modes: Sequence[str] = MODES,
+    dtype: str = "float32",
+    app_args: dict | None = None,
 ) -> Iterator[dict[str, str]]:
     """A local Ray whose ``num_cpus`` CPUs each mode's application reserves in turn, one
     application per mode, each warmed up (code paths loaded, step times learned); their API
     URLs. Serve and Ray are shut down on the way out."""
     ray.init(address="local", num_cpus=num_cpus * len(modes), include_dashboard=False, log_to_driver=False)
     try:
-        urls = serve_apps(num_replicas, num_cpus, modes, dtype)
+        urls = serve_apps(num_replicas, num_cpus, modes, dtype, app_args)
         for url in urls.values():
             asyncio.run(run_cell(url, WARMUP * num_replicas, len(WARMUP) * num_replicas, "auto", 8))
         yield urls

@@ -44,10 +44,15 @@ def category_prompts(tokenizer, category: str, count: int, skip: int) -> list:
 
 
 def run(
-    tokenizer, categories: tuple[str, ...], requests: dict[int, int], max_tokens: int, num_cpus: int
+    tokenizer,
+    categories: tuple[str, ...],
+    requests: dict[int, int],
+    max_tokens: int,
+    num_cpus: int,
+    app_args: dict,
 ) -> dict:
     cells: dict[str, dict] = {}
-    with served_modes(1, num_cpus, MODES, dtype="gguf") as urls:
+    with served_modes(1, num_cpus, MODES, dtype="gguf", app_args=app_args) as urls:
         for index, category in enumerate(categories):
             skip = 0
             for level, count in requests.items():
@@ -121,17 +126,22 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--probe-max-rows", type=int, default=None, help="the servers' start-up probe (default: theirs)"
+    )
     args = parser.parse_args()
     categories = QUICK_CATEGORIES if args.quick else CATEGORIES
     requests = QUICK_REQUESTS if args.quick else REQUESTS
     # The torch threads a lone replica gets by default (the cores Ray's own processes leave).
     num_cpus = max(1, (os.cpu_count() or 2) - RAY_RESERVED_CPUS)
     model, tokenizer = load_model(config=ModelConfig(dtype="gguf"))
-    cells = run(tokenizer, categories, requests, args.max_tokens, num_cpus)
+    app_args = {} if args.probe_max_rows is None else {"probe_max_rows": args.probe_max_rows}
+    cells = run(tokenizer, categories, requests, args.max_tokens, num_cpus, app_args)
     payload = {
         "benchmark": "http_categories",
         "meta": run_metadata(model, "gguf", "benchmarks.http_categories"),
         "max_tokens": args.max_tokens,
+        "app_args": app_args,
         "requests": {str(level): count for level, count in requests.items()},
         "cells": cells,
         "overall": {str(level): overall(cells, str(level)) for level in requests},

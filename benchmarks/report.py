@@ -66,6 +66,20 @@ GPU_BLOCKS = {
 # The README's headline: (what, result file stem, suite, ratio key, docs/results.md anchor).
 HEADLINE = (
     (
+        "Laptop (`make serve`'s model), 1 client: engine plain decoding / llama.cpp plain, same GGUF",
+        "vs_llamacpp_gguf",
+        "vs_llamacpp",
+        "nasd_gguf_off/all",
+        "the-laptop-path-the-engine-on-the-gguf-blocks-against-llamacpp",
+    ),
+    (
+        "Laptop, 1 client: engine `auto` / llama.cpp plain, same GGUF",
+        "vs_llamacpp_gguf",
+        "vs_llamacpp",
+        "nasd_gguf_auto/all",
+        "the-laptop-path-the-engine-on-the-gguf-blocks-against-llamacpp",
+    ),
+    (
         "Through the server (HTTP), repetitive requests, 1 client: `auto` / plain decoding",
         "http_float32",
         "http",

@@ -209,6 +209,15 @@ def summary(payload: dict) -> dict:
     return {"rates": rates, "identical": identical, "llamacpp_prefix_match": round(prefix_match, 2)}
 
 
+def ratios(payload: dict) -> dict[str, float]:
+    """Each system's tokens/s over llama.cpp plain's, by workload group ("system/group")."""
+    rates = summary(payload)["rates"]
+    base = rates["llamacpp"]
+    return {
+        f"{system}/{group}": rate[group] / base[group] for system, rate in rates.items() for group in rate
+    }
+
+
 def markdown_table(payload: dict) -> str:
     facts = summary(payload)
     rates, base = facts["rates"], facts["rates"]["llamacpp"]

@@ -2,16 +2,16 @@
 
 Why: on a CPU a small tensor op's dispatch costs more than its arithmetic, and transformers runs
 about forty a decoder layer (RMSNorm's five, rotary's dozen, views, transposes, the residual
-adds, seven module calls). A one-token step of the embedded model on its GGUF blocks took 16 ms,
-of which the quantized matmuls were 7.3 and attention 1.1; most of the rest was those ops. Here a
-layer is eight calls: RMSNorm with the residual add before it, one q/k/v matmul, rotary with the
-split into heads, paged attention, the output matmul, RMSNorm again, one gate/up matmul, SiLU times
-up, the down matmul (``csrc/decoder_ops.cpp`` for the pointwise ones). A step whose rows all go
-to the paged attention kernel (decode and verification: the bulk of generation) makes the same
-calls for every layer in one C++ call (``decoder_layers``), with no Python between them; steps
-with a prompt chunk loop over ``lean_layer`` in Python. The last norm and the vocabulary
-projection run on the positions that need logits only. One-token step of the embedded model on 2
-cores: 16.2 ms through transformers, 11.8 with the Python loop, 9.6 with the C++ one.
+adds, seven module calls): they were about 40% of a one-token step of the embedded model on its
+GGUF blocks. Here a layer is nine calls: RMSNorm with the residual add before it, one q/k/v
+matmul, rotary with the split into heads, paged attention, the output matmul, RMSNorm again, one
+gate/up matmul, SiLU times up, the down matmul (``csrc/decoder_ops.cpp`` for the pointwise
+ones). A step whose rows all go to the paged attention kernel (decode and verification: the bulk
+of generation) makes the same calls for every layer in one C++ call (``decoder_layers``), with no
+Python between them; steps with a prompt chunk loop over ``lean_layer`` in Python. The last norm
+and the vocabulary projection run on the positions that need logits only. A one-token step went
+from 16.2 ms (transformers) to 11.7 (Python loop) and 9.4 (C++ loop) on 2 cores
+(``python -m benchmarks.gguf_step``).
 
 The arithmetic is transformers' up to the order of its sums (each fused kernel computes a token
 with one thread and one fixed sequence of instructions, so a token's values do not depend on what
