@@ -1,13 +1,14 @@
 """``auto`` against ``off`` by category through HTTP, on the server's CPU default (the GGUF blocks).
 
-Issue 51's check that AUTO never loses: a local Ray Serve runs ``deployments.build_app`` twice
-(speculation ``off`` and ``auto``, one replica each, ``dtype="gguf"``); the official OpenAI client
-streams greedy chat completions of each category, one request at a time (C=1) and eight at a
-time (C=8), to both servers in turn (each with the torch threads a lone replica gets by default:
-the cores but ``RAY_RESERVED_CPUS``) (the order rotating by category). Categories are this
+Issue 51's check that AUTO never loses: a local Ray Serve runs ``deployments.build_app`` three
+times (speculation ``off``, ``auto`` and ``off`` again; one replica each, ``dtype="gguf"``, the
+torch threads a lone replica gets by default: the cores but ``RAY_RESERVED_CPUS``). The official
+OpenAI client streams greedy chat completions of each category, one request at a time (C=1) and
+eight at a time (C=8), to each server in turn, the order rotating by cell. Categories are this
 project's workloads (``benchmarks.workloads``: the repetitive ones and the others, multi-turn
-included) and long chats of 600-1600 prompt tokens. Every prompt is new to both servers, and
-both must give the same texts.
+included) and long chats of 600-1600 prompt tokens. Every prompt is new to each server, and all
+must give the same texts. The second ``off`` (``off:control``) is the noise floor: its tokens/s
+over the first ``off``'s is what two servers doing the same work differ by in that cell.
 
     python -m benchmarks.http_categories            # 4 prompts per category at C=1, 8 at C=8
     python -m benchmarks.http_categories --quick    # 2 and 8, fewer categories
@@ -21,13 +22,15 @@ import os
 from statistics import geometric_mean
 
 from benchmarks.common import grouped_bars, new_figure, publish_run, rotated, run_metadata
-from benchmarks.http import counters_delta, engine_counters, run_cell, served_modes
+from benchmarks.http import counters_delta, engine_counters, run_cell, served_modes, speculation_of
 from benchmarks.workloads import REPETITIVE, WORKLOADS, distinct_prompts, long_chat_messages
 from deployments.builder import RAY_RESERVED_CPUS
 from nasd_core.config import ModelConfig
 from nasd_core.models import load_model
 
-MODES = ("off", "auto")
+# ``off:control``: a second ``off`` server; its tokens/s over the first's is the noise floor of a
+# cell (two servers doing the same work), which a ratio of auto over off must be read against.
+MODES = ("off", "auto", "off:control")
 LONG_CHAT = "long_chat"
 CATEGORIES = (*WORKLOADS, LONG_CHAT)
 QUICK_CATEGORIES = ("code_edit", "rag_quote", "creative", "multi_turn", LONG_CHAT)
@@ -61,13 +64,15 @@ def run(
                 row, texts = {}, {}
                 for mode in rotated(MODES, index + level):
                     before = engine_counters(urls[mode])
-                    cell = run_cell(urls[mode], prompts, level, mode, max_tokens)
+                    cell = run_cell(urls[mode], prompts, level, speculation_of(mode), max_tokens)
                     row[mode], texts[mode] = asyncio.run(cell)
                     row[mode]["engine"] = counters_delta(before, engine_counters(urls[mode]))
-                row["auto_over_off"] = round(row["auto"]["tokens_per_s"] / row["off"]["tokens_per_s"], 3)
-                row["identical"] = texts["auto"] == texts["off"]
+                off = row["off"]["tokens_per_s"]
+                row["auto_over_off"] = round(row["auto"]["tokens_per_s"] / off, 3)
+                row["control_over_off"] = round(row["off:control"]["tokens_per_s"] / off, 3)
+                row["identical"] = texts["auto"] == texts["off"] == texts["off:control"]
                 cells.setdefault(category, {})[str(level)] = row
-                print(category, level, row["auto_over_off"], flush=True)
+                print(category, level, row["auto_over_off"], row["control_over_off"], flush=True)
     return cells
 
 
@@ -83,6 +88,7 @@ def overall(cells: dict, level: str) -> dict[str, float]:
         "off_tok_s": round(totals["off"], 2),
         "auto_tok_s": round(totals["auto"], 2),
         "auto_over_off": round(totals["auto"] / totals["off"], 3),
+        "control_over_off": round(totals["off:control"] / totals["off"], 3),
         "geomean_ratio": round(geometric_mean(c[level]["auto_over_off"] for c in cells.values()), 3),
         "lowest": min((c[level]["auto_over_off"], name) for name, c in cells.items())[1],
     }
@@ -91,21 +97,25 @@ def overall(cells: dict, level: str) -> dict[str, float]:
 def markdown_table(payload: dict) -> str:
     cells = payload["cells"]
     levels = list(next(iter(cells.values())))
-    header = " | ".join(f"C={level} off tok/s | C={level} auto / off" for level in levels)
-    lines = [f"| category | {header} |", "|---|" + "---|---|" * len(levels)]
+    control = "control_over_off" in next(iter(cells.values()))[levels[0]]
+    names = ["off tok/s", "auto / off"] + (["control / off"] if control else [])
+    header = " | ".join(f"C={level} {name}" for level in levels for name in names)
+    lines = [f"| category | {header} |", "|---|" + "---|" * len(names) * len(levels)]
+
+    def values(row: dict, key: str) -> str:
+        bold = "**" if key == "all" else ""
+        parts = [f"{row['off_tok_s'] if 'off_tok_s' in row else row['off']['tokens_per_s']:.1f}"]
+        parts.append(f"{bold}{row['auto_over_off']:.2f}x{bold}")
+        if control:
+            parts.append(f"{row['control_over_off']:.2f}x")
+        if key != "all" and not row["identical"]:
+            parts[1] += " ≠"
+        return " | ".join(parts)
+
     for name, row in cells.items():
         kind = " (repetitive)" if name in REPETITIVE else ""
-        values = " | ".join(
-            f"{row[level]['off']['tokens_per_s']:.1f} | {row[level]['auto_over_off']:.2f}x"
-            + ("" if row[level]["identical"] else " ≠")
-            for level in levels
-        )
-        lines.append(f"| {name}{kind} | {values} |")
-    sums = payload["overall"]
-    totals = " | ".join(
-        f"{sums[level]['off_tok_s']:.1f} | **{sums[level]['auto_over_off']:.2f}x**" for level in levels
-    )
-    lines.append(f"| all | {totals} |")
+        lines.append(f"| {name}{kind} | " + " | ".join(values(row[level], name) for level in levels) + " |")
+    lines.append("| all | " + " | ".join(values(payload["overall"][level], "all") for level in levels) + " |")
     return "\n".join(lines)
 
 
