@@ -103,11 +103,14 @@ def merged_mlp_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def merge_projections(model) -> None:
-    """Rewrite each decoder layer to run one q, k, v matmul and one gate, up matmul."""
+    """Rewrite each decoder layer to run one q, k, v matmul and one gate, up matmul (idempotent:
+    the lean decoder merges them at load, compiled layers again at the runner)."""
     if model.config.model_type not in COMPILED_MODEL_TYPES:
         served = sorted(COMPILED_MODEL_TYPES)
         raise ValueError(f"compiled layers serve model types {served}, not {model.config.model_type!r}")
     layers = model.get_decoder().layers
+    if all(hasattr(layer.self_attn, "qkv_proj") for layer in layers):
+        return
     for layer in layers:  # all checked before any is changed
         attention, mlp = layer.self_attn, layer.mlp
         linears = [attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj]

@@ -47,9 +47,19 @@ def lean_decoder_fits(model) -> bool:
         return False
     if not hasattr(torch.ops.nasd, "rotary_split"):
         return False
-    layers = model.get_decoder().layers
-    projections = [layer.get_submodule(name) for layer in layers for name in _PROJECTIONS]
-    return all(isinstance(projection, QuantLinear) for projection in projections)
+    decoder = model.get_decoder()
+    for layer in decoder.layers:
+        # merge_projections needs one block kind across q, k, v, gate and up.
+        projections = [layer.get_submodule(name) for name in _PROJECTIONS]
+        if not all(isinstance(projection, QuantLinear) for projection in projections):
+            return False
+        if len({projection.kind for projection in projections}) != 1:
+            return False
+    # decoder_layers takes one epsilon for every norm.
+    norms = [decoder.norm] + [
+        norm for layer in decoder.layers for norm in (layer.input_layernorm, layer.post_attention_layernorm)
+    ]
+    return len({norm.variance_epsilon for norm in norms}) == 1
 
 
 def use_lean_decoder(model) -> bool:
@@ -124,7 +134,7 @@ def all_layers_fused(
         norms,
         blocks,
         kinds,
-        config.rms_norm_eps,
+        model.get_decoder().norm.variance_epsilon,
         config.num_attention_heads,
         config.num_key_value_heads,
         cache.keys,

@@ -131,7 +131,8 @@ def test_the_fused_layer_loop_is_the_python_loop_bit_for_bit(gguf_model, monkeyp
     for row, prompt in enumerate(prompts):
         runner.cache.allocate(row, len(prompt) + 8)
     runner.forward([StepRow(row, prompt, 0) for row, prompt in enumerate(prompts)])
-    step = [StepRow(0, [5], 1), StepRow(1, [6, 7, 8, 9], 4), StepRow(2, [10, 11], 2)]
+    # 11 positions: the multiplies take the float panel (9 rows and more) inside the C++ loop.
+    step = [StepRow(0, [5], 1), StepRow(1, [6, 7, 8, 9, 10, 11], 6), StepRow(2, [12, 13, 14, 15], 4)]
     calls = []
     fused_call = lean_decoder.all_layers_fused
     monkeypatch.setattr(lean_decoder, "all_layers_fused", lambda *args: calls.append(1) or fused_call(*args))
