@@ -97,8 +97,7 @@ def overall(cells: dict, level: str) -> dict[str, float]:
 def markdown_table(payload: dict) -> str:
     cells = payload["cells"]
     levels = list(next(iter(cells.values())))
-    control = "control_over_off" in next(iter(cells.values()))[levels[0]]
-    names = ["off tok/s", "auto / off"] + (["control / off"] if control else [])
+    names = ["off tok/s", "auto / off", "control / off"]
     header = " | ".join(f"C={level} {name}" for level in levels for name in names)
     lines = [f"| category | {header} |", "|---|" + "---|" * len(names) * len(levels)]
 
@@ -106,8 +105,7 @@ def markdown_table(payload: dict) -> str:
         bold = "**" if key == "all" else ""
         parts = [f"{row['off_tok_s'] if 'off_tok_s' in row else row['off']['tokens_per_s']:.1f}"]
         parts.append(f"{bold}{row['auto_over_off']:.2f}x{bold}")
-        if control:
-            parts.append(f"{row['control_over_off']:.2f}x")
+        parts.append(f"{row['control_over_off']:.2f}x")
         if key != "all" and not row["identical"]:
             parts[1] += " ≠"
         return " | ".join(parts)

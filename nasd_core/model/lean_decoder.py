@@ -161,8 +161,9 @@ def lean_forward(
     decoder = model.get_decoder()
     hidden = decoder.embed_tokens(input_ids)
     cos, sin = decoder.rotary_emb(hidden, position_ids.unsqueeze(0))
-    fused = step.kernel_rows is not None and not step.segments and step.batched_rows is None
-    if FUSED_LAYERS and fused and step.paged_rows is None:
+    # Every row in the paged attention kernel: no prompt chunk, padded batch or graph layout.
+    all_kernel_rows = step.kernel_rows is not None and not step.segments
+    if FUSED_LAYERS and all_kernel_rows and step.batched_rows is None and step.paged_rows is None:
         hidden, residual = all_layers_fused(model, hidden, cos[0], sin[0], step)
     else:
         residual = None

@@ -398,14 +398,14 @@ class ModelRunner:
             self.deterministic,
         )
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
+        input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
         if getattr(self.model, "nasd_lean_decoder", False):
-            ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-            at = torch.tensor(positions, dtype=torch.long, device=self.device)
-            return lean_forward(self.model, ids, at, layout, keep)
+            return lean_forward(self.model, input_ids[0], position_ids[0], layout, keep)
         extra = {"logits_to_keep": keep} if self._takes_logits_to_keep else {}
         output = self.model(
-            input_ids=torch.tensor([token_ids], dtype=torch.long, device=self.device),
-            position_ids=torch.tensor([positions], dtype=torch.long, device=self.device),
+            input_ids=input_ids,
+            position_ids=position_ids,
             attention_mask=no_mask(self.device),
             use_cache=False,
             nasd_step=layout,

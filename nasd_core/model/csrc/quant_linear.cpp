@@ -38,11 +38,15 @@ constexpr int64_t kPanelMinRows = 9;
 // ggml's type ids (gguf.GGMLQuantizationType).
 enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
 
+// Bytes of one block: a float16 scale (Q4_1: and a float16 offset), then the 32 codes.
+template <int64_t Kind>
+constexpr int64_t kBlockBytes = Kind == kQ4_0 ? 2 + 16 : Kind == kQ4_1 ? 2 + 2 + 16 : 2 + 32;
+
 int64_t block_bytes(int64_t kind) {
   switch (kind) {
-    case kQ4_0: return 2 + 16;
-    case kQ4_1: return 2 + 2 + 16;
-    case kQ8_0: return 2 + 32;
+    case kQ4_0: return kBlockBytes<kQ4_0>;
+    case kQ4_1: return kBlockBytes<kQ4_1>;
+    case kQ8_0: return kBlockBytes<kQ8_0>;
     default: TORCH_CHECK(false, "quant_linear: unsupported block type ", kind);
   }
   return 0;
@@ -127,7 +131,7 @@ using nasd_simd::lanes_sum;
 template <int64_t Kind, int Outs, int Rows>
 inline void dot_tile(const uint8_t* blocks, int64_t row_bytes, int64_t num_blocks, const float* x,
                      int64_t x_stride, float* out, int64_t out_stride) {
-  constexpr int64_t stride = Kind == kQ4_0 ? 18 : Kind == kQ4_1 ? 20 : 34;
+  constexpr int64_t stride = kBlockBytes<Kind>;
   __m256 acc[Outs][Rows];
   _Pragma("GCC unroll 16") for (int o = 0; o < Outs; ++o)
     for (int r = 0; r < Rows; ++r) acc[o][r] = _mm256_setzero_ps();
@@ -152,7 +156,7 @@ inline void dot_tile(const uint8_t* blocks, int64_t row_bytes, int64_t num_block
 template <int64_t Kind>
 void dequantize_outputs(const uint8_t* blocks, int64_t row_bytes, int64_t num_blocks, int64_t count,
                         float* panel) {
-  constexpr int64_t stride = Kind == kQ4_0 ? 18 : Kind == kQ4_1 ? 20 : 34;
+  constexpr int64_t stride = kBlockBytes<Kind>;
   for (int64_t o = 0; o < count; ++o) {
     float* dst = panel + o * num_blocks * kBlock;
     for (int64_t b = 0; b < num_blocks; ++b) {
