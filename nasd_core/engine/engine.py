@@ -458,6 +458,13 @@ class Engine:
                 request.first_token_time = now
             if request.on_tokens is not None:
                 self._tail.append(functools.partial(request.on_tokens, request, kept))
+        # After the streaming, with the step's other learning: no row's tokens wait for it.
+        self._tail.append(
+            lambda: [
+                request.learn_acceptance(draft, length, len(emitted))
+                for request, draft, length, emitted in zip(step.rows, drafts, lengths, emitted_rows)
+            ]
+        )
         if step.rows:
             share = (drafting_s + time.perf_counter() - learn_started) / len(step.rows)
             for request in step.rows:

@@ -130,17 +130,21 @@ class Request:
             self.mode, len(draft.tokens), draft.match_length, self.acceptance, draft.source, draft.splits
         )
 
+    def learn_acceptance(self, draft: Draft, num_drafted: int, num_emitted: int) -> None:
+        """Count how much of the verified draft was accepted (the engine defers this to the
+        step's tail: the next step's plan may read acceptance one step old)."""
+        self.acceptance.record(draft.match_length, num_drafted, num_emitted - 1, draft.source, draft.splits)
+
     def verify_row(self) -> VerifyRow:
         """What verification needs of this row this step."""
         return VerifyRow(self.params, self.draws, self.num_output, self.processors)
 
     def advance(self, draft: Draft, num_drafted: int, emitted: list[int]) -> list[int]:
         """Take one verified step: ``num_drafted`` tokens of ``draft`` were verified and
-        ``emitted`` came out. Updates the output, acceptance and counters (the drafter learns
-        the new tokens when it next looks up); returns the tokens actually kept (a stop
-        condition can cut the step short)."""
+        ``emitted`` came out. Updates the output and counters (the drafter learns the new tokens
+        when it next looks up, the acceptance in ``learn_acceptance``); returns the tokens
+        actually kept (a stop condition can cut the step short)."""
         num_accepted = len(emitted) - 1
-        self.acceptance.record(draft.match_length, num_drafted, num_accepted, draft.source, draft.splits)
         num_taken = self.stopper.extend(emitted)
         kept = emitted[:num_taken]
         self.tokens.extend(kept)

@@ -50,6 +50,7 @@ capture makes the runner fall back to gathered steps, with a warning.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -290,6 +291,8 @@ class FixedStep:
         )
         self.graph: torch.cuda.CUDAGraph | None = None
         self._idle = self._make_idle_inputs()  # every step starts from a copy
+        self._host = self._idle.copy()
+        self._host_parts = self.parts(self._host)
 
     def capture(self, pool) -> None:
         """Record the step as a CUDA graph, the buffers holding an idle step (every position
@@ -375,13 +378,18 @@ class FixedStep:
         positions``, in row order, at the start of ``logit_index``; returns how many."""
         shape = self.shape
         num_real = len(rows)
-        counts = np.array([len(row.token_ids) for row in rows])
-        lengths = np.array([row.cached for row in rows]) + counts
+        counts = np.fromiter((len(row.token_ids) for row in rows), dtype=np.int64, count=num_real)
+        lengths = np.fromiter((row.cached for row in rows), dtype=np.int64, count=num_real) + counts
         query_offset, last_key = padded_queries(counts, lengths, shape.num_positions)
-        host = self.idle_inputs()
-        tokens, positions, write_slots, last_keys, logit_index, *key_inputs = self.parts(host)
-        for index, row in enumerate(rows):
-            tokens[index] = np.asarray(row.token_ids)[query_offset[index]]
+        # One host array per shape, refilled each step (the copy below reads it before the next
+        # load: synchronously on a CPU, from a pinned copy on a GPU).
+        np.copyto(self._host, self._idle)
+        tokens, positions, write_slots, last_keys, logit_index, *key_inputs = self._host_parts
+        # Every row's tokens in one array; each query takes its row's token at its offset.
+        every_token = itertools.chain.from_iterable(row.token_ids for row in rows)
+        flat = np.fromiter(every_token, dtype=np.int64, count=int(counts.sum()))
+        row_starts = np.cumsum(counts) - counts
+        tokens[:num_real] = flat[row_starts[:, None] + query_offset]
         positions[:num_real] = (lengths - counts)[:, None] + query_offset
         last_keys[:num_real] = last_key
         real = np.arange(shape.num_positions)[None, :] < counts[:, None]
@@ -392,7 +400,7 @@ class FixedStep:
             own_slots = np.take_along_axis(key_slots, last_key, axis=1)
         else:
             block_size = self.cache.block_size
-            table = self.cache.block_table(row_ids).numpy().astype(np.int64)
+            table = self.cache.block_table(row_ids).numpy()
             num_held = -(-lengths // block_size)
             width = min(table.shape[1], self.tables.max_row_blocks)
             held = np.arange(width)[None, :] < num_held[:, None]
@@ -401,14 +409,14 @@ class FixedStep:
             # The first new position's keys and all before it are seen by every query of the row.
             num_full_rows[:num_real, 0] = (lengths - counts + 1) // block_size
             num_held_rows[:num_real, 0] = num_held
-            own_blocks = np.take_along_axis(table, last_key // block_size, axis=1)
+            own_blocks = np.take_along_axis(table, last_key // block_size, axis=1).astype(np.int64)
             own_slots = own_blocks * block_size + last_key % block_size
         # A real query's own key is where it is written; padded queries write the scratch slot.
         write_slots[:num_real] = np.where(real, own_slots, self.scratch_slot)
-        first_logit = counts - np.array([row.num_logits for row in rows])
+        first_logit = counts - np.fromiter((row.num_logits for row in rows), dtype=np.int64, count=num_real)
         wanted = np.flatnonzero(real & (np.arange(shape.num_positions)[None, :] >= first_logit[:, None]))
         logit_index.reshape(-1)[: len(wanted)] = wanted
-        self.buffer.copy_(to_device_source(host, self.buffer.device), non_blocking=True)
+        self.buffer.copy_(to_device_source(self._host, self.buffer.device), non_blocking=True)
         return len(wanted)
 
 

@@ -14,7 +14,9 @@ The step time t(rows, positions) is measured online (EWMA per batch shape) on to
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -200,6 +202,10 @@ class AcceptanceEstimator:
         """The chance that each of ``row``'s available draft tokens is reached and accepted
         (every earlier one accepted too): a falling product of per-token rates."""
         rates = {False: self.rates(row.match_length, row.source)}
+        if not any(row.splits[: row.num_available]):  # unanimous: one product, built in C
+            a_first, a_next = rates[False]
+            following = itertools.repeat(a_next, max(0, row.num_available - 1))
+            return list(itertools.accumulate(following, operator.mul, initial=a_first))[: row.num_available]
         reach, reaches = 1.0, []
         for position in range(row.num_available):
             split = _split_at(row.splits, position)
@@ -525,7 +531,8 @@ def plan_batch_drafts(
     forced = [row.num_available if row.mode == "on" else 0 for row in rows]
     base_positions = num_other_positions + len(rows) + sum(forced)
     base_tokens = float(len(rows))
-    gains: list[tuple[float, int]] = []
+    reach_lists: list[list[float]] = []
+    row_indices: list[int] = []
     for index, row in enumerate(rows):
         if row.mode == "off" or row.num_available == 0:
             continue
@@ -533,12 +540,16 @@ def plan_batch_drafts(
         if row.mode == "on":
             base_tokens += sum(reaches)
             continue
-        gains += [(reach, index) for reach in reaches]
-    if not gains:  # nothing to choose (every row off, forced or without a draft): no pricing
+        reach_lists.append(reaches)
+        row_indices.append(index)
+    if not reach_lists:  # nothing to choose (every row off, forced or without a draft): no pricing
         return DraftPlan(forced)
-    gains.sort(key=lambda gain: -gain[0])  # stable: equal gains keep row order
-    if max_draft_positions is not None:
-        gains = gains[:max_draft_positions]
+    # Every auto row's gains, largest first (a stable sort: equal gains keep row order).
+    sizes = [len(reaches) for reaches in reach_lists]
+    all_gains = np.fromiter(itertools.chain.from_iterable(reach_lists), dtype=float, count=sum(sizes))
+    order = np.argsort(-all_gains, kind="stable")[:max_draft_positions]
+    gain_values = all_gains[order]
+    row_of = np.repeat(np.asarray(row_indices, dtype=np.int64), sizes)[order]
     cost = step_time.curve(num_rows)
     base_seconds = cost(base_positions)
     # Prompt chunks riding along are work done anyway: what drafts add to this step is weighed
@@ -549,21 +560,17 @@ def plan_batch_drafts(
     decode_seconds = (
         step_time.estimate(len(rows), len(rows) + sum(forced)) if num_other_positions else base_seconds
     )
-    gain_values = np.fromiter((gain for gain, _ in gains), dtype=float, count=len(gains))
-    row_of = np.fromiter((index for _, index in gains), dtype=np.int64, count=len(gains))
-    first_of_row = np.zeros(len(gains), dtype=np.int64)
+    first_of_row = np.zeros(len(gain_values), dtype=np.int64)
     first_of_row[np.unique(row_of, return_index=True)[1]] = 1
-    # Per total of draft positions (0..len(gains)): expected tokens, rows drafting, seconds.
+    # Per total of draft positions (0..len(gain_values)): expected tokens, rows drafting, seconds.
     expected = base_tokens + np.concatenate(([0.0], np.cumsum(gain_values)))
     drafted_rows = np.concatenate(([0], np.cumsum(first_of_row)))
-    added = cost.many(base_positions + np.arange(len(gains) + 1)) - base_seconds
+    added = cost.many(base_positions + np.arange(len(gain_values) + 1)) - base_seconds
     tokens_per_s = expected / (decode_seconds + added + drafting_s_per_row * drafted_rows)
     best = _explored(tokens_per_s, num_rows, base_positions, step_time)
     if best and payoff * tokens_per_s[best] <= (1 + min_draft_gain(num_rows)) * tokens_per_s[0]:
         best = 0
-    lengths = list(forced)
-    for _, index in gains[:best]:
-        lengths[index] += 1
+    lengths = (np.asarray(forced) + np.bincount(row_of[:best], minlength=len(rows))).tolist()
     return DraftPlan(lengths, best, float(expected[best]), float(tokens_per_s[best] / tokens_per_s[0]))
 
 
