@@ -4,9 +4,12 @@ The same runner, rows and cache; only the forward differs:
 - ``transformers``: transformers' own layers (the model without the lean decoder);
 - ``lean_python``: the lean decoder's layers looped from Python (``lean_decoder.lean_layer``);
 - ``lean_fused``: every layer in one C++ call (``nasd::decoder_layers``), what decode and
-  verification steps run.
+  verification steps run;
+- ``lean_fused_q8``: the same with int8 activations in every matmul (``quantized.INT8_ACTIVATIONS``:
+  each row quantized per block of 32, integer dot products).
 
-Each cell is the fastest mean of 5 timings of 10 steps, rows of 256 cached tokens, 2 threads.
+Each cell is the fastest mean of 5 timings of 10 steps, rows of 256 cached tokens, 2 threads;
+a shape's timings take the variants in turn, so load on the machine moves them alike.
 
     python -m benchmarks.gguf_step
 """
@@ -20,17 +23,26 @@ import torch
 
 from benchmarks.common import run_metadata, write_result
 from nasd_core.config import ModelConfig
-from nasd_core.model import lean_decoder
+from nasd_core.model import lean_decoder, quantized
 from nasd_core.model.model_runner import StepRow
 from nasd_core.models import load_model
 from nasd_core.speculation.calibration import filled_runner, probe_row
 
 CONTEXT = 256
 SHAPES = ((1, 1), (1, 5), (8, 1), (8, 3))  # rows x positions per row
-VARIANTS = ("transformers", "lean_python", "lean_fused")
+VARIANTS = ("transformers", "lean_python", "lean_fused", "lean_fused_q8")
 
 
-def step_ms(runner, num_rows: int, width: int, repeats: int = 5, steps: int = 10) -> float:
+def use_variant(model, variant: str) -> None:
+    model.nasd_lean_decoder = variant != "transformers"
+    lean_decoder.FUSED_LAYERS = variant.startswith("lean_fused")
+    quantized.INT8_ACTIVATIONS = variant.endswith("_q8")
+
+
+def step_ms(
+    runner, model, num_rows: int, width: int, variants: list[str], repeats: int = 5, steps: int = 10
+) -> dict[str, float]:
+    """Each variant's fastest mean ms of ``steps`` steps, the variants' timings interleaved."""
     step = [StepRow(probe_row(row), [7] * width, width) for row in range(num_rows)]
 
     def run() -> None:
@@ -38,15 +50,19 @@ def step_ms(runner, num_rows: int, width: int, repeats: int = 5, steps: int = 10
         for row in range(num_rows):
             runner.cache.set_length(probe_row(row), CONTEXT)
 
-    for _ in range(3):
-        run()
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        for _ in range(steps):
+    for variant in variants:
+        use_variant(model, variant)
+        for _ in range(3):
             run()
-        best = min(best, (time.perf_counter() - started) / steps)
-    return round(1000 * best, 2)
+    best = dict.fromkeys(variants, float("inf"))
+    for _ in range(repeats):
+        for variant in variants:
+            use_variant(model, variant)
+            started = time.perf_counter()
+            for _ in range(steps):
+                run()
+            best[variant] = min(best[variant], (time.perf_counter() - started) / steps)
+    return {variant: round(1000 * ms, 2) for variant, ms in best.items()}
 
 
 def main() -> None:
@@ -54,17 +70,19 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_model(config=ModelConfig(dtype="gguf"))
     runner = filled_runner(model, max(rows for rows, _ in SHAPES), CONTEXT, max(w for _, w in SHAPES))
-    cells: dict[str, dict[str, float]] = {}
-    for variant in VARIANTS:
-        model.nasd_lean_decoder = variant != "transformers"
-        lean_decoder.FUSED_LAYERS = variant == "lean_fused"
-        cells[variant] = {f"{rows}x{width}": step_ms(runner, rows, width) for rows, width in SHAPES}
-        print(variant, cells[variant], flush=True)
-    model.nasd_lean_decoder, lean_decoder.FUSED_LAYERS = True, True
+    cells: dict[str, dict[str, float]] = {variant: {} for variant in args.variants}
+    for rows, width in SHAPES:
+        for variant, ms in step_ms(runner, model, rows, width, args.variants).items():
+            cells[variant][f"{rows}x{width}"] = ms
+        print(
+            f"{rows}x{width}", {variant: cells[variant][f"{rows}x{width}"] for variant in cells}, flush=True
+        )
+    use_variant(model, "lean_fused")
     payload = {
         "benchmark": "gguf_step",
         "meta": run_metadata(model, "gguf", "benchmarks.gguf_step"),
@@ -78,7 +96,7 @@ def main() -> None:
 
 def markdown_table(payload: dict) -> str:
     cells = payload["cells"]
-    shapes = list(cells["transformers"])
+    shapes = list(next(iter(cells.values())))
     lines = [
         "| forward | " + " | ".join(f"{shape} (ms)" for shape in shapes) + " |",
         "|---|" + "---|" * len(shapes),

@@ -12,7 +12,12 @@ verification widths), for each way torch can multiply on a CPU:
 - ``int4_group32``: ``_weight_int4pack_mm_for_cpu``, 4-bit weights in groups of 32 with a scale
   and an offset each: Q4_1's own layout, so the GGUF's blocks map onto it exactly;
 - ``nasd_q4_1``: the Q4_1 blocks as the GGUF holds them, through NASD's own kernel
-  (``nasd_core/model/csrc/quant_linear.cpp``), the one ``ModelConfig(dtype="gguf")`` uses.
+  (``nasd_core/model/csrc/quant_linear.cpp``), the one ``ModelConfig(dtype="gguf")`` uses;
+- ``nasd_q4_1_q8``: the same blocks through ``quant_linear_q8``, which quantizes each input row
+  to int8 per block of 32 and multiplies with integer dot products (``quantized.INT8_ACTIVATIONS``).
+
+The methods' passes are timed interleaved (each repeat runs every method once per row count),
+so a machine's load drifting during the run moves them all alike.
 
 Besides the time, each row says whether the kernel is batch-invariant (a row's output has the
 same bits multiplied alone and among 17 rows): greedy output with speculation on is then the
@@ -44,7 +49,7 @@ LAYER_SHAPES = [
     (INTERMEDIATE, HIDDEN),  # up
     (HIDDEN, INTERMEDIATE),  # down
 ]
-ROWS = (1, 2, 5, 9, 17)
+ROWS = (1, 2, 5, 8, 9, 17)
 GROUP = 32
 
 
@@ -119,6 +124,18 @@ class GGUFBlocks:
         return copy
 
 
+class GGUFBlocksQ8(GGUFBlocks):
+    """The Q4_1 blocks with int8 activations (``torch.ops.nasd.quant_linear_q8``)."""
+
+    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+        return torch.ops.nasd.quant_linear_q8(inputs, self.linear.blocks, self.linear.kind)
+
+    def clone(self) -> GGUFBlocksQ8:
+        copy = GGUFBlocksQ8.__new__(GGUFBlocksQ8)
+        copy.linear = QuantLinear(self.linear.blocks.clone(), 3, self.linear.in_features)
+        return copy
+
+
 def random_q4_1(out_features: int, in_features: int, generator: torch.Generator):
     codes = torch.randint(0, 16, (out_features, in_features), generator=generator)
     scale = torch.rand(out_features, in_features // GROUP, generator=generator) * 0.01 + 1e-3
@@ -138,6 +155,8 @@ def make_weight(method: str, codes: torch.Tensor, scale: torch.Tensor, offset: t
         return Int4Group32(codes, scale, offset)
     if method == "nasd_q4_1":
         return GGUFBlocks(codes, scale, offset)
+    if method == "nasd_q4_1_q8":
+        return GGUFBlocksQ8(codes, scale, offset)
     weight = dequantized(codes, scale, offset)
     if method == "int8_channel":
         return Int8Channel(weight)
@@ -161,17 +180,22 @@ def input_dtype(method: str) -> torch.dtype:
 
 @torch.inference_mode()
 def pass_ms(
-    weights: list, shapes: list[tuple[int, int]], rows: int, dtype: torch.dtype, repeats: int
-) -> float:
-    """Fastest ms of one pass over every weight at ``rows`` input rows."""
-    inputs = {width: torch.randn(rows, width, dtype=dtype) for width in {shape[1] for shape in shapes}}
-    fastest = float("inf")
+    methods: dict[str, list], shapes: list[tuple[int, int]], rows: int, repeats: int
+) -> dict[str, float]:
+    """Fastest ms of one pass over every weight at ``rows`` input rows, per method, the
+    methods' passes interleaved."""
+    widths = {shape[1] for shape in shapes}
+    inputs = {width: torch.randn(rows, width) for width in widths}
+    fastest = dict.fromkeys(methods, float("inf"))
     for _ in range(repeats):
-        started = time.perf_counter()
-        for weight, (_, width) in zip(weights, shapes):
-            weight(inputs[width])
-        fastest = min(fastest, time.perf_counter() - started)
-    return round(1000 * fastest, 2)
+        for method, weights in methods.items():
+            dtype = input_dtype(method)
+            typed = {width: inputs[width].to(dtype) for width in widths}
+            started = time.perf_counter()
+            for weight, (_, width) in zip(weights, shapes):
+                weight(typed[width])
+            fastest[method] = min(fastest[method], time.perf_counter() - started)
+    return {method: round(1000 * ms, 2) for method, ms in fastest.items()}
 
 
 @torch.inference_mode()
@@ -187,36 +211,39 @@ def batch_invariant(weights: list, shapes: list[tuple[int, int]], dtype: torch.d
     return True
 
 
+WEIGHT_BYTES = {
+    "float32": 4.0,
+    "bfloat16": 2.0,
+    "int8_channel": 1.0,
+    "int4_group32": 0.5 + 2 * 4 / GROUP,  # codes, then a float32 scale and zero per group
+    "nasd_q4_1": 20 / GROUP,  # the GGUF's own blocks: 16 bytes of codes, float16 d and m
+    "nasd_q4_1_q8": 20 / GROUP,  # the same blocks
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--methods", nargs="+", choices=list(WEIGHT_BYTES), default=list(WEIGHT_BYTES))
     args = parser.parse_args()
     shapes = model_shapes()
-    weight_bytes = {
-        "float32": 4.0,
-        "bfloat16": 2.0,
-        "int8_channel": 1.0,
-        "int4_group32": 0.5 + 2 * 4 / GROUP,  # codes, then a float32 scale and zero per group
-        "nasd_q4_1": 20 / GROUP,  # the GGUF's own blocks: 16 bytes of codes, float16 d and m
-    }
     result: dict = {
         "benchmark": "quant_matmul",
         "meta": run_metadata(None, "float32", "benchmarks.quant_matmul"),
     }
+    methods = {method: build(method, shapes) for method in args.methods}
+    pass_ms(methods, shapes, 1, 1)  # first calls pay for kernel selection
+    by_rows = {rows: pass_ms(methods, shapes, rows, args.repeats) for rows in ROWS}
     cells = {}
-    for method in weight_bytes:
-        weights = build(method, shapes)
-        dtype = input_dtype(method)
-        pass_ms(weights, shapes, 1, dtype, 1)  # first calls pay for kernel selection
+    for method, weights in methods.items():
         cells[method] = {
-            "weight_mb": round(sum(o * i for o, i in shapes) * weight_bytes[method] / 1e6, 1),
-            "ms_by_rows": {rows: pass_ms(weights, shapes, rows, dtype, args.repeats) for rows in ROWS},
-            "batch_invariant": batch_invariant(weights, shapes, dtype),
+            "weight_mb": round(sum(o * i for o, i in shapes) * WEIGHT_BYTES[method] / 1e6, 1),
+            "ms_by_rows": {rows: by_rows[rows][method] for rows in ROWS},
+            "batch_invariant": batch_invariant(weights, shapes, input_dtype(method)),
         }
         print(method, cells[method], flush=True)
-        del weights
     result["ms_per_pass"] = cells
     result["threads"] = torch.get_num_threads()
     print(f"results: {write_result('quant_matmul', result)}")

@@ -25,6 +25,7 @@ import logging
 
 import torch
 
+from nasd_core.model import quantized
 from nasd_core.model.attention import StepLayout, paged_attention
 from nasd_core.model.compiled_layers import merge_projections
 from nasd_core.model.quantized import QuantLinear
@@ -145,6 +146,7 @@ def all_layers_fused(
         attention.scaling,
         cache.block_size,
         kernel_rows.keys_per_unit,
+        quantized.INT8_ACTIVATIONS,
     )
 
 

@@ -13,10 +13,10 @@ import torch
 from torch.nn import functional
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from nasd_core.model import native
+from nasd_core.model import native, quantized
 from nasd_core.model.lean_decoder import lean_decoder_fits, use_lean_decoder
 from nasd_core.model.model_runner import ModelRunner, StepRow
-from tests.nasd_core.test_quantized import with_threads
+from tests.nasd_core.test_quantized import relative_error, with_threads
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
@@ -115,6 +115,14 @@ def test_lean_steps_give_the_logits_of_transformers_forward(gguf_model):
     second = runner.forward([StepRow(0, prompts[0][39:], 1), StepRow(1, prompts[1][74:], 1)])
     with torch.inference_mode():
         expected = [gguf_model(torch.tensor([prompt])).logits[0] for prompt in prompts]
+    if quantized.INT8_ACTIVATIONS:
+        # Both forwards round activations to int8, but from inputs that differ by float rounding,
+        # which can move a code by one step: they then differ by up to int8 rounding itself
+        # (measured 1.2% relative, against 1.5% between int8 and float32 activations).
+        actual = torch.cat([first, second])
+        reference = torch.cat([expected[0][35:39], expected[1][:74], expected[0][39:40], expected[1][74:75]])
+        assert relative_error(actual, reference) < 0.03
+        return
     torch.testing.assert_close(first[:4], expected[0][35:39], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(first[4:], expected[1][:74], atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(second, torch.stack([expected[0][39], expected[1][74]]), atol=2e-4, rtol=1e-4)

@@ -178,26 +178,28 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     at::TensorList blocks, at::IntArrayRef kinds, double eps, int64_t heads, int64_t kv_heads,
     at::TensorList key_pools, at::TensorList value_pools, const at::Tensor& write_slots,
     const at::Tensor& block_table, const at::Tensor& rows, double scale, int64_t block_size,
-    int64_t keys_per_unit) {
+    int64_t keys_per_unit, bool q8_activations) {
   const int64_t layers = static_cast<int64_t>(key_pools.size());
   TORCH_CHECK(value_pools.size() == key_pools.size() && norms.size() == 2 * key_pools.size() &&
                   blocks.size() == 4 * key_pools.size() && kinds.size() == 4 * key_pools.size(),
               "decoder_layers: per layer, 2 norms, 4 blocks and kinds, a key and a value pool");
   const int64_t tokens = hidden.size(0);
+  // q8_activations: every matmul quantizes its input rows to int8 (quant_linear_q8).
+  const auto linear = q8_activations ? quant_linear_q8 : quant_linear;
   at::Tensor out = hidden;
   c10::optional<at::Tensor> residual;
   for (int64_t layer = 0; layer < layers; ++layer) {
     auto [summed, normed] = rms_norm(out, residual, norms[2 * layer], eps);
     auto [query, key, value] =
-        rotary_split(quant_linear(normed, blocks[4 * layer], kinds[4 * layer]), cos, sin, heads, kv_heads);
+        rotary_split(linear(normed, blocks[4 * layer], kinds[4 * layer]), cos, sin, heads, kv_heads);
     key_pools[layer].index_copy_(1, write_slots, key.transpose(0, 1));
     value_pools[layer].index_copy_(1, write_slots, value.transpose(0, 1));
     const at::Tensor attended = paged_attention(query, key_pools[layer], value_pools[layer], block_table, rows,
                                                 scale, block_size, keys_per_unit);
-    out = quant_linear(attended.reshape({tokens, -1}), blocks[4 * layer + 1], kinds[4 * layer + 1]);
+    out = linear(attended.reshape({tokens, -1}), blocks[4 * layer + 1], kinds[4 * layer + 1]);
     std::tie(summed, normed) = rms_norm(out, summed, norms[2 * layer + 1], eps);
-    const at::Tensor gate_up = quant_linear(normed, blocks[4 * layer + 2], kinds[4 * layer + 2]);
-    out = quant_linear(silu_mul(gate_up), blocks[4 * layer + 3], kinds[4 * layer + 3]);
+    const at::Tensor gate_up = linear(normed, blocks[4 * layer + 2], kinds[4 * layer + 2]);
+    out = linear(silu_mul(gate_up), blocks[4 * layer + 3], kinds[4 * layer + 3]);
     residual = summed;
   }
   TORCH_CHECK(residual.has_value(), "decoder_layers: no layers");
@@ -213,7 +215,8 @@ TORCH_LIBRARY_FRAGMENT(nasd, m) {
   m.def(
       "decoder_layers(Tensor hidden, Tensor cos, Tensor sin, Tensor[] norms, Tensor[] blocks, int[] kinds, "
       "float eps, int heads, int kv_heads, Tensor(a!)[] key_pools, Tensor(b!)[] value_pools, "
-      "Tensor write_slots, Tensor block_table, Tensor rows, float scale, int block_size, int keys_per_unit) "
+      "Tensor write_slots, Tensor block_table, Tensor rows, float scale, int block_size, int keys_per_unit, "
+      "bool q8_activations=False) "
       "-> (Tensor, Tensor)");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(nasd::rms_norm));
   m.impl("rotary_split", c10::DispatchKey::CPU, TORCH_FN(nasd::rotary_split));

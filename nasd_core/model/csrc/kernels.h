@@ -15,6 +15,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
 
 // quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64_t kind);
+// The same with each row's activations quantized to int8 per block of 32 (integer dot products).
+at::Tensor quant_linear_q8(const at::Tensor& input, const at::Tensor& weight, int64_t kind);
 
 // decoder_ops.cpp
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& input, const c10::optional<at::Tensor>& residual,
