@@ -458,6 +458,10 @@ def main(argv: list[str] | None = None) -> dict:
     mixes = args.mixes or (("repetitive",) if args.quick else tuple(MIXES))
     from nasd_core.models import load_tokenizer
 
+    # The engine's host work is one thread; the stand-in's tensors are tiny. With a pool of
+    # threads, each op after a simulated wait woke it (~1 ms a step at 64 rows, the argmax
+    # mostly), a cost no GPU host pays for its device's tensors.
+    torch.set_num_threads(1)
     tokenizer = load_tokenizer()
     vocab, traces = compact_traces(json.loads(TRACES.read_text())["traces"])
     # An untimed run first: a process's first steps pay for imports and first calls.
