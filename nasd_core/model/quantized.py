@@ -3,13 +3,16 @@
 Why: a decode step on a CPU is bound by reading the weights. The embedded model ships as Q4_1
 blocks (its vocabulary as Q8_0): about 96 MB a step, where the dequantized float32 weights are
 540 MB. ``QuantLinear`` keeps a Linear's blocks exactly as the file holds them and multiplies
-by them with ``csrc/quant_linear.cpp``, which turns blocks into floats in registers and
-multiplies each by 4 of a step's rows at a time: a verification step reads the weights once per
-4 positions, not once per position. Activations, norms and attention stay float32.
+by them with ``csrc/quant_linear.cpp``. By default (``INT8_ACTIVATIONS``) each input row is
+rounded to int8 per block of 32, as llama.cpp does for these blocks, and multiplied with integer
+dot products (AVX-512 VNNI, AVX-VNNI or AVX2), 8 rows per pass over a tile of repacked weights: a
+verification step reads the weights once per 8 positions, not once per position. Otherwise the
+blocks are turned into floats in registers and multiplied by the float32 rows. Norms and
+attention stay float32.
 
-The block values are the GGUF reference's (``q * d + m``, exact in float32), so the model is the
-dequantized float32 model up to the order of each sum. That order is fixed per output, so a
-Linear's output for a row is the same bits whatever else the step multiplies; with
+The block values are the GGUF reference's (``q * d + m``, exact in float32). Each output's sum
+runs in one fixed order, and a row's int8 rounding reads that row alone, so a Linear's output for
+a row is the same bits whatever else the step multiplies; with
 ``EngineConfig(deterministic=True)`` (which fixes attention's split too) greedy speculation is
 token-identical to plain decoding of this model.
 
@@ -83,15 +86,14 @@ def quant_kernel_available() -> bool:
     return True
 
 
-# Whether QuantLinear (and the lean decoder's fused layer loop) quantizes each input row to int8
-# per block of 32 and multiplies with integer dot products (``quant_linear_q8``, llama.cpp's
-# scheme) instead of multiplying the float32 rows. Faster (benchmarks.quant_matmul's
-# ``nasd_q4_1_q8``, benchmarks.gguf_step's ``lean_fused_q8``) and still batch-invariant (greedy
-# speculation stays token-identical to plain decoding), but no longer the dequantized float32
-# model: on the embedded model a Linear's output moves by 0.6-1.2% (relative), the logits by
-# 1.5%; perplexity on a short English/code text 9.50 -> 9.54, top-1 agreement 98.5%. Off until
-# the engine's configuration decides.
-INT8_ACTIVATIONS = False
+# Whether QuantLinear (and the lean decoder's fused layer loop) rounds each input row to int8 per
+# block of 32 and multiplies with integer dot products (``quant_linear_q8``), as llama.cpp does
+# for these blocks, instead of multiplying the float32 rows. On by default: 1.6-2x faster steps
+# (benchmarks.gguf_step), still batch-invariant (greedy speculation stays token-identical to plain
+# decoding, sampling keeps the distribution); the arithmetic is then llama.cpp's, not the
+# dequantized float32 model's (a Linear's output moves by 0.6-1.2%, perplexity on a short
+# English/code text 9.50 -> 9.54). Benchmarks and tests switch it to compare the two.
+INT8_ACTIVATIONS = True
 
 
 class QuantLinear(nn.Module):
