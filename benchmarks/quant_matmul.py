@@ -106,7 +106,7 @@ class Int4Group32:
 
 
 class GGUFBlocks:
-    """The weight as Q4_1 blocks, multiplied by NASD's kernel (``nasd_core/model/quantized.py``)."""
+    """The weight as Q4_1 blocks, multiplied by NASD's kernel with float32 activations."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> None:
         out_features, in_features = codes.shape
@@ -116,7 +116,7 @@ class GGUFBlocks:
         self.linear = QuantLinear(torch.cat([halves, nibbles], dim=-1).view(out_features, -1), 3, in_features)
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        return self.linear(inputs)
+        return torch.ops.nasd.quant_linear(inputs, self.linear.blocks, self.linear.kind)
 
     def clone(self) -> GGUFBlocks:
         copy = GGUFBlocks.__new__(GGUFBlocks)

@@ -1,10 +1,11 @@
 """The speculator: each step's drafts and how far to verify them, priced by what steps cost.
 
-On the packed path drafts are built only for the rows whose best case could get draft positions
-(a large batch of poorly matching rows drafts little or nothing: building every row's draft each
-step cost 1% of a creative-text step at 16 rows, for ~1% more tokens); a fixed-shape step builds
-every looked-up row's draft at once and prices them once (pricing best cases first doubled the
-host work of a step, a tenth of a ~6 ms GPU step at 64 rows). A row that got no draft position
+On a runner without fixed shapes (a CPU) drafts are built only for the rows whose best case could
+get draft positions (a large batch of poorly matching rows drafts little or nothing: building
+every row's draft each step cost 1% of a creative-text step at 16 rows, for ~1% more tokens); a
+runner with fixed shapes (a GPU) builds every looked-up row's draft at once and prices them once,
+in steps with prompt chunks too (pricing best cases first doubled the host work of a step, a
+tenth of a ~6 ms GPU step at 64 rows). A row that got no draft position
 rests a few steps before its next lookup (``policy.dormant_steps``). A step of fixed shapes (CUDA
 graphs) is priced by its width (``graph_plan``), any other by its rows and positions
 (``policy.plan_batch_drafts``); after the step, its time goes to the model of the path that ran
@@ -72,8 +73,10 @@ class Speculator:
     def propose(self, step: ScheduledStep) -> tuple[list[Draft], DraftPlan]:
         """Each running row's draft and the plan of how much of it this step verifies."""
         rows = step.rows
-        fixed_shape = self.runner.graph_widths is not None and not step.chunks
-        if fixed_shape:
+        # A runner with fixed-shape steps (a GPU) builds every looked-up row's draft at once and
+        # prices them once, prompt chunks or not: its host time is the step's bound.
+        builds_all = self.runner.graph_widths is not None
+        if builds_all:
             drafts = self._build(rows, [request.looks_up for request in rows])
         else:
             drafts = self._drafts(rows, len(step.chunks), step.num_chunk_positions)
@@ -82,9 +85,9 @@ class Speculator:
             len(step.chunks),
             step.num_chunk_positions,
         )
-        if fixed_shape:  # priced once, on the drafts themselves: rows that got none rest
+        if builds_all:  # priced on the drafts themselves: rows that got none rest
             for request, length in zip(rows, plan.lengths):
-                request.rest(length, len(rows))
+                request.rest(length, len(rows) + len(step.chunks))
         if rows:
             widest = max(plan.lengths)
             self.width_histogram[widest] = self.width_histogram.get(widest, 0) + 1

@@ -396,6 +396,10 @@ class ModelRunner:
             self.use_kernel,
             self.batch_attention,
             self.deterministic,
+            # The GGUF path's multiplies are batch-invariant and round activations to int8, which
+            # turns attention's last-bit differences into whole steps: its rows are attended in
+            # fixed units, so greedy speculation is its plain decoding token for token.
+            invariant=getattr(self.model, "nasd_lean_decoder", False),
         )
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
