@@ -54,10 +54,16 @@ bench-grammar-engines: install
 	PYTHONPATH=$(PEERS) $(PY) -m benchmarks.grammar_engines
 
 # llama.cpp (llama-cpp-python, built from source for this CPU: about 11 minutes on 2 cores) beside
-# the venv, only for benchmarks.vs_llamacpp.
+# the venv, only for benchmarks.vs_llamacpp. On a CPU that reports AMX it is built for AVX-512
+# without AMX: its AMX build crashed in its first decode on such a Xeon (a VM, 2026-11-28).
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+LLAMA_CPP_CMAKE := $(if $(shell grep -m1 -o amx_int8 /proc/cpuinfo 2>/dev/null),\
+	-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON \
+	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF,-DGGML_NATIVE=ON)
 bench-peers: install
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(PY) -m pip install -q --no-deps --target $(PEERS) "$(LLAMA_CPP_SPEC)" diskcache==5.6.3
+	CMAKE_ARGS="$(strip $(LLAMA_CPP_CMAKE))" $(PY) -m pip install -q --no-cache-dir --no-deps --target $(PEERS) \
+		"$(LLAMA_CPP_SPEC)" diskcache==5.6.3
 	PYTHONPATH=$(PEERS) $(PY) -m benchmarks.vs_llamacpp
 
 # Container image for k8s/ (docker/Dockerfile; CUDA torch by default). Needs Docker, not the venv.

@@ -119,7 +119,7 @@ class GGUFBlocks:
         return torch.ops.nasd.quant_linear(inputs, self.linear.blocks, self.linear.kind)
 
     def clone(self) -> GGUFBlocks:
-        copy = GGUFBlocks.__new__(GGUFBlocks)
+        copy = type(self).__new__(type(self))
         copy.linear = QuantLinear(self.linear.blocks.clone(), 3, self.linear.in_features)
         return copy
 
@@ -129,11 +129,6 @@ class GGUFBlocksQ8(GGUFBlocks):
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         return torch.ops.nasd.quant_linear_q8(inputs, self.linear.blocks, self.linear.kind)
-
-    def clone(self) -> GGUFBlocksQ8:
-        copy = GGUFBlocksQ8.__new__(GGUFBlocksQ8)
-        copy.linear = QuantLinear(self.linear.blocks.clone(), 3, self.linear.in_features)
-        return copy
 
 
 def random_q4_1(out_features: int, in_features: int, generator: torch.Generator):

@@ -17,7 +17,6 @@ from nasd_core.errors import InvalidRequestError
 # model a 17-token verification step costs ~2.5x a 1-token one, so `auto` is allowed up to
 # 16 and drafts less (or nothing) when the match is weak.
 DEFAULT_NUM_DRAFT_TOKENS = 16
-MAX_NUM_DRAFT_TOKENS = 64  # a request's widest verification is one more position
 DEFAULT_MAX_NGRAM = 3
 DEFAULT_MIN_NGRAM = 1
 DEFAULT_MAX_TOKENS = 128
@@ -161,9 +160,7 @@ class SpecConfig(_Config):
         description="off: plain decoding; on: always draft up to num_draft_tokens; auto: the policy decides "
         "(single-sequence generate uses the batch-1 row of the cold-start table, i.e. 'on').",
     )
-    num_draft_tokens: int = Field(
-        DEFAULT_NUM_DRAFT_TOKENS, ge=0, le=MAX_NUM_DRAFT_TOKENS, description="Draft length gamma."
-    )
+    num_draft_tokens: int = Field(DEFAULT_NUM_DRAFT_TOKENS, ge=0, le=64, description="Draft length gamma.")
     max_ngram: int = Field(DEFAULT_MAX_NGRAM, ge=1, le=16, description="Longest context matched (k).")
     min_ngram: int = Field(DEFAULT_MIN_NGRAM, ge=1, le=16, description="Shortest context matched.")
     local_index: LocalIndexKind = Field(

@@ -45,7 +45,6 @@ from torch import nn
 from torch.nn import functional
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from nasd_core.config import MAX_NUM_DRAFT_TOKENS
 from nasd_core.model import native
 from nasd_core.model.kv_cache import PagedKVCache
 
@@ -196,22 +195,17 @@ def plan_step(
     use_kernel: bool,
     batch_rows: bool = False,
     deterministic: bool = False,
-    invariant: bool = False,
 ) -> StepLayout:
     """The step's layout from the rows' spans (segments without masks): short rows to the
     kernel when ``use_kernel``, else to one padded SDPA call when ``batch_rows``, the rest to
     SDPA row by row with their causal masks. ``deterministic``: every row to the kernel, in
     units of ``DETERMINISTIC_KEYS_PER_UNIT`` keys (a query's output then depends on its own
-    keys only: not on the row's other queries, the other rows or the step's size).
-    ``invariant``: the same for every row no wider than a verification (``1 +
-    MAX_NUM_DRAFT_TOKENS`` positions); wider prompt chunks still go to SDPA, whose matrix kernels
-    prefill long prompts ~1.5x faster, and which attends each row alone."""
+    keys only: not on the row's other queries, the other rows or the step's size)."""
     to_kernel: list[Segment] = []
     to_batch: list[Segment] = []
     to_sdpa: list[Segment] = []
-    kernel_positions = 1 + MAX_NUM_DRAFT_TOKENS if invariant else KERNEL_MAX_POSITIONS
     for span in spans:
-        if deterministic or (use_kernel and span.num_positions <= kernel_positions):
+        if deterministic or (use_kernel and span.num_positions <= KERNEL_MAX_POSITIONS):
             to_kernel.append(span)
         elif batch_rows and span.num_positions <= BATCH_MAX_POSITIONS and span.length <= BATCH_MAX_KEYS:
             to_batch.append(span)
@@ -223,7 +217,7 @@ def plan_step(
             cache.block_table([span.row_id for span in to_kernel]),
             torch.tensor([[span.start, span.num_positions, span.length] for span in to_kernel]),
             DETERMINISTIC_KEYS_PER_UNIT
-            if deterministic or invariant
+            if deterministic
             else keys_per_unit(sum(span.length for span in to_kernel), torch.get_num_threads()),
         )
     segments = [

@@ -212,6 +212,11 @@ class ModelRunner:
         self.groups = heads // kv_heads
         self.device = model.device
         self.use_kernel = kernel_available(model.device, model.dtype)
+        # The GGUF path's multiplies are batch-invariant and round activations to int8, which turns
+        # attention's last-bit differences into whole rounding steps: its attention is always the
+        # deterministic one (every row in the kernel, fixed units), so greedy speculation is its
+        # plain decoding token for token whatever the batch or the prompts' chunking.
+        self.deterministic_attention = deterministic or getattr(model, "nasd_lean_decoder", False)
         # Off the CPU, short rows share one attention call per layer (see nasd_core/model/attention.py).
         self.batch_attention = model.device.type != "cpu" if batch_attention is None else batch_attention
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -395,11 +400,7 @@ class ModelRunner:
             self.groups,
             self.use_kernel,
             self.batch_attention,
-            self.deterministic,
-            # The GGUF path's multiplies are batch-invariant and round activations to int8, which
-            # turns attention's last-bit differences into whole steps: its rows are attended in
-            # fixed units, so greedy speculation is its plain decoding token for token.
-            invariant=getattr(self.model, "nasd_lean_decoder", False),
+            self.deterministic_attention,
         )
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)

@@ -4,9 +4,8 @@ The reference is the quantized model itself: its weights are the GGUF reference'
 equal bit for bit to the float32 weights the embedded model converts to; a row's logits do not
 depend on the step it rides in, so greedy speculation is token-identical to plain decoding, and
 sampled rows keep the quantized model's distribution. Greedy identity holds by default on this
-path: its rows no wider than a verification are attended in fixed units (``plan_step``'s
-``invariant``); the tests' prompt chunks are that narrow too (a wider chunk goes to SDPA, whose
-sums depend on where the chunk starts, and a batch shares its chunk budget among its prompts).
+path: its attention is the deterministic one (every row, prompt chunks too, in the kernel's fixed
+units), so neither the batch nor where a prompt's chunks start changes a row's logits.
 """
 
 from __future__ import annotations
