@@ -82,7 +82,7 @@ def main() -> None:
         print(
             f"{rows}x{width}", {variant: cells[variant][f"{rows}x{width}"] for variant in cells}, flush=True
         )
-    use_variant(model, "lean_fused")
+    use_variant(model, "lean_fused_q8")  # the default path
     payload = {
         "benchmark": "gguf_step",
         "meta": run_metadata(model, "gguf", "benchmarks.gguf_step"),

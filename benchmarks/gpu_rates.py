@@ -360,10 +360,13 @@ def run_once(setup: Setup, traces: list[dict], concurrency: int, mode: str) -> d
     gc.collect()
     gc.freeze()
     step_seconds = []
-    while not engine.is_finished():
-        step_started = time.perf_counter()
-        engine.step()
-        step_seconds.append(time.perf_counter() - step_started)
+    try:
+        while not engine.is_finished():
+            step_started = time.perf_counter()
+            engine.step()
+            step_seconds.append(time.perf_counter() - step_started)
+    finally:
+        gc.unfreeze()  # the next run's engine starts from a heap the collector can clear
     seconds = time.perf_counter() - started
     outputs = [engine.pop_result(request_id).token_ids for request_id in ids]
     num_tokens = sum(len(output) for output in outputs)

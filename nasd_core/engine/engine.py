@@ -459,16 +459,19 @@ class Engine:
             if request.on_tokens is not None:
                 self._tail.append(functools.partial(request.on_tokens, request, kept))
         # After the streaming, with the step's other learning: no row's tokens wait for it.
-        self._tail.append(
-            lambda: [
-                request.learn_acceptance(draft, length, len(emitted))
-                for request, draft, length, emitted in zip(step.rows, drafts, lengths, emitted_rows)
-            ]
-        )
+        self._tail.append(functools.partial(self._learn_acceptance, step.rows, drafts, lengths, emitted_rows))
         if step.rows:
             share = (drafting_s + time.perf_counter() - learn_started) / len(step.rows)
             for request in step.rows:
                 request.stats.drafting_time_s += share
+
+    @staticmethod
+    def _learn_acceptance(
+        rows: list[Request], drafts: list[Draft], lengths: list[int], emitted_rows: list[list[int]]
+    ) -> None:
+        """Each row's acceptance counts from its verified draft (the step's tail)."""
+        for request, draft, length, emitted in zip(rows, drafts, lengths, emitted_rows):
+            request.learn_acceptance(draft, length, len(emitted))
 
     @staticmethod
     def _score_prompts(chunks: list[tuple[Request, StepRow]], logits: torch.Tensor) -> None:

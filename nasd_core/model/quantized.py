@@ -5,16 +5,16 @@ blocks (its vocabulary as Q8_0): about 96 MB a step, where the dequantized float
 540 MB. ``QuantLinear`` keeps a Linear's blocks exactly as the file holds them and multiplies
 by them with ``csrc/quant_linear.cpp``. By default (``INT8_ACTIVATIONS``) each input row is
 rounded to int8 per block of 32, as llama.cpp does for these blocks, and multiplied with integer
-dot products (AVX-512 VNNI, AVX-VNNI or AVX2), 8 rows per pass over a tile of repacked weights: a
-verification step reads the weights once per 8 positions, not once per position. Otherwise the
+dot products (AVX-512 VNNI, AVX-VNNI or AVX2), every row of a step multiplied by each tile of
+repacked weights: a verification step reads the weights once, not once per position. Otherwise the
 blocks are turned into floats in registers and multiplied by the float32 rows. Norms and
 attention stay float32.
 
 The block values are the GGUF reference's (``q * d + m``, exact in float32). Each output's sum
 runs in one fixed order, and a row's int8 rounding reads that row alone, so a Linear's output for
-a row is the same bits whatever else the step multiplies; with
-``EngineConfig(deterministic=True)`` (which fixes attention's split too) greedy speculation is
-token-identical to plain decoding of this model.
+a row is the same bits whatever else the step multiplies. The runner gives this path the
+deterministic attention (fixed units whatever the batch), so greedy speculation is
+token-identical to plain decoding of this model by default.
 
 Where the C++ kernels are unavailable (no compiler, ``NASD_NATIVE=0``) ``load_model`` keeps the
 float32 weights instead (a dequantizing fallback would be slower than them); the modules then

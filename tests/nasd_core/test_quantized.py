@@ -138,7 +138,8 @@ def q8_reference(inputs: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch
     x = inputs.reshape(rows, num_blocks, 32)
     amax = x.abs().amax(-1)
     scale = amax / 127
-    inverse = torch.where(amax != 0, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
+    # Blocks below 1e-36 (where 127 / amax overflows float32) are taken as zeros.
+    inverse = torch.where(amax >= 1e-36, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
     q = torch.round(x * inverse[..., None])
     sums = q.sum(-1)
     name, size = BLOCK_FORMATS[kind]
@@ -180,12 +181,14 @@ def q8_paths():
 @pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_FORMATS[kind][0] for kind in KINDS])
 def test_int8_activations_are_their_definition_on_every_instruction_path(kind, q8_paths):
     """The scalar fallback, AVX2 and VNNI paths all give the reference's bits: 70 rows, an odd
-    number of outputs (a partial tile), a block of zeros and blocks of very different sizes."""
+    number of outputs (a partial tile), a block of zeros, blocks of very different sizes and one
+    too small to scale (1e-38: taken as zeros)."""
     blocks = random_blocks(kind, 101, 160, seed=2)
     inputs = torch.randn(70, 160, generator=torch.Generator().manual_seed(5))
     inputs[3, 32:64] = 0
     inputs[4, :32] *= 1e-30
     inputs[5, 64:96] *= 1e6
+    inputs[6, 96:128] *= 1e-38
     expected = q8_reference(inputs, blocks, kind)
     for path in q8_paths:
         torch.ops.nasd.quant_linear_q8_path(path)
@@ -213,13 +216,13 @@ def test_int8_activations_keep_a_rows_bits_alone_among_others_and_on_any_threads
     assert relative_error(single, torch.ops.nasd.quant_linear(inputs, blocks, kind)) < INT8_RELATIVE_ERROR
 
 
-def test_the_int8_switch_sends_quant_linear_to_the_int8_kernel(monkeypatch):
-    from nasd_core.model import quantized
-
+def test_the_int8_switch_picks_quant_linears_kernel(monkeypatch):
     linear = QuantLinear(random_blocks(3, 40, 96), 3, 96)
     inputs = torch.randn(2, 5, 96)
     monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", True)
     assert torch.equal(linear(inputs), torch.ops.nasd.quant_linear_q8(inputs, linear.blocks, 3))
+    monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", False)
+    assert torch.equal(linear(inputs), torch.ops.nasd.quant_linear(inputs, linear.blocks, 3))
     assert torch.ops.nasd.quant_linear_q8(torch.randn(0, 96), linear.blocks, 3).shape == (0, 40)
 
 

@@ -349,7 +349,11 @@ struct Q8Rows {
 template <int64_t Kind, int64_t Path>
 constexpr int32_t kStartPerSum = Kind == kQ4_0 ? -8 : Kind == kQ8_0 && Path == kQ8Vnni ? -128 : 0;
 
-// One block of 32 activations: codes into `q`, s into `sum`; returns d_x.
+// A block whose largest magnitude is below this is taken as zeros: 127 / amax would overflow
+// float32 (and the codes with it) below ~3.7e-37.
+constexpr float kQ8MinAmax = 1e-36f;
+
+// One block of 32 activations (finite): codes into `q`, s into `sum`; returns d_x.
 template <int64_t Path>
 inline float quantize_block_q8(const float* x, int8_t* q, int32_t* sum) {
 #ifdef NASD_AVX2
@@ -363,7 +367,7 @@ inline float quantize_block_q8(const float* x, int8_t* q, int32_t* sum) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-    const __m256 inverse = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+    const __m256 inverse = _mm256_set1_ps(amax >= kQ8MinAmax ? 127.0f / amax : 0.0f);
     __m256i c[4];
     for (int part = 0; part < 4; ++part)
       c[part] = _mm256_cvtps_epi32(
@@ -381,10 +385,11 @@ inline float quantize_block_q8(const float* x, int8_t* q, int32_t* sum) {
 #endif
   float amax = 0.0f;
   for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
-  const float inverse = amax != 0.0f ? 127.0f / amax : 0.0f;
+  const float inverse = amax >= kQ8MinAmax ? 127.0f / amax : 0.0f;
   int32_t total = 0;
   for (int i = 0; i < kBlock; ++i) {
-    // nearbyint rounds half to even in the default rounding mode, as _MM_FROUND_TO_NEAREST_INT.
+    // nearbyint rounds half to even in the default rounding mode (which the kernels never
+    // change), as _MM_FROUND_TO_NEAREST_INT does.
     q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
     total += q[i];
   }
@@ -708,9 +713,11 @@ void q8_simd(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t* 
       for (int64_t r = 0; r < rows; r += V::rows) {
         const int64_t n = std::min<int64_t>(V::rows, rows - r);
         switch (n) {
-#define NASD_Q8_ROWS(N)                                                                                    \
-  case N:                                                                                                  \
-    q8_tile<Kind, Path, V, N>(codes.data(), scales.data(), offsets.data(), num_blocks, q, r, tile_out); \
+// Only the row counts a tile of V takes are instantiated (n never exceeds V::rows).
+#define NASD_Q8_ROWS(N)                                                                                      \
+  case N:                                                                                                    \
+    if constexpr (N <= V::rows)                                                                              \
+      q8_tile<Kind, Path, V, N>(codes.data(), scales.data(), offsets.data(), num_blocks, q, r, tile_out);   \
     break;
           NASD_Q8_ROWS(1)
           NASD_Q8_ROWS(2)
