@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import openai
+import pytest
 import ray
 from ray import serve
 
@@ -125,6 +126,16 @@ def scrape(url: str, tags: Sequence[str] = ()) -> dict[str, float]:
         key = name + "".join(f"[{tag}={values[tag]}]" for tag in tags if tag in values)
         totals[key] = totals.get(key, 0.0) + float(value)
     return totals
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    """``condition()``'s first truthy value, polled until ``timeout_s``; fails the test after."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if result := condition():
+            return result
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def wait_for_samples(

@@ -14,7 +14,7 @@ from ray import serve
 
 from deployments.builder import REPLICA_DEPLOYMENT
 from nasd_core.config import EMBEDDED_MODEL
-from tests.deployments.conftest import ServedApp, serve_apps
+from tests.deployments.conftest import ServedApp, serve_apps, wait_for
 from tests.redis_server import MACHINE_REDIS_URL, is_up, require
 
 TURN_1 = [
@@ -51,15 +51,6 @@ def chat(app: ServedApp, messages: list[dict]) -> dict:
     )
     assert response.status == 200, response.body
     return response.body
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if result := condition():
-            return result
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def test_what_replica_a_finished_replica_b_drafts_from_the_pool(apps):
