@@ -14,6 +14,8 @@ import logging
 import pytest
 import torch
 
+from nasd_core.model import quantized
+
 
 class _DeprecationRecorder(logging.Handler):
     def __init__(self) -> None:
@@ -73,3 +75,10 @@ def gguf_model():
 @pytest.fixture(scope="session")
 def tokenizer(model_and_tokenizer):
     return model_and_tokenizer[1]
+
+
+@pytest.fixture(params=[False, True], ids=["float32_activations", "int8_activations"])
+def int8_activations(request, monkeypatch) -> bool:
+    """Each QuantLinear kernel in turn (quantized.INT8_ACTIVATIONS), whatever the default."""
+    monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", request.param)
+    return request.param

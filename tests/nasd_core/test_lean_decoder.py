@@ -13,7 +13,7 @@ import torch
 from torch.nn import functional
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from nasd_core.model import native, quantized
+from nasd_core.model import native
 from nasd_core.model.lean_decoder import lean_decoder_fits, use_lean_decoder
 from nasd_core.model.model_runner import ModelRunner, StepRow
 from tests.nasd_core.test_quantized import relative_error, with_threads
@@ -102,7 +102,7 @@ def test_the_gguf_model_takes_the_lean_decoder_and_others_do_not(gguf_model, mod
     assert not lean_decoder_fits(model) and not use_lean_decoder(model)  # float32 projections
 
 
-def test_lean_steps_give_the_logits_of_transformers_forward(gguf_model):
+def test_lean_steps_give_the_logits_of_transformers_forward(gguf_model, int8_activations):
     """A prompt chunk beside another row's verification-shaped step, then one more position
     each: every logit against transformers' forward of the same model over the whole sequence."""
     generator = torch.Generator().manual_seed(3)
@@ -115,7 +115,7 @@ def test_lean_steps_give_the_logits_of_transformers_forward(gguf_model):
     second = runner.forward([StepRow(0, prompts[0][39:], 1), StepRow(1, prompts[1][74:], 1)])
     with torch.inference_mode():
         expected = [gguf_model(torch.tensor([prompt])).logits[0] for prompt in prompts]
-    if quantized.INT8_ACTIVATIONS:
+    if int8_activations:
         # Both forwards round activations to int8, but from inputs that differ by float rounding,
         # which can move a code by one step: they then differ by up to int8 rounding itself
         # (measured 1.2% relative, against 1.5% between int8 and float32 activations).

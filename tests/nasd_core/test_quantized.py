@@ -70,13 +70,13 @@ def with_threads(count: int, compute):
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_FORMATS[kind][0] for kind in KINDS])
-def test_kernel_multiplies_by_the_block_values_exactly(kind):
+def test_kernel_multiplies_by_the_block_values_exactly(kind, int8_activations):
     """One-hot inputs read each weight back: the kernel's block values are the reference's bits."""
     blocks = random_blocks(kind, 37, 96)
     linear = QuantLinear(blocks, kind, 96)
     assert linear.native, "the C++ kernel did not build"
     weights = dequantize(blocks, kind)
-    if quantized.INT8_ACTIVATIONS:
+    if int8_activations:
         # A one-hot row is exact in int8 (q = 127, d_x = fl(1/127)); only float rounding is left
         # (d_w * fl(1/127), fl(1/127) * 127 != 1): measured 1 ulp of the largest weight, bound 4.
         bound = 2**-22 * weights.abs().max()
@@ -86,7 +86,7 @@ def test_kernel_multiplies_by_the_block_values_exactly(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_FORMATS[kind][0] for kind in KINDS])
-def test_a_rows_output_bits_depend_neither_on_the_other_rows_nor_on_the_threads(kind):
+def test_a_rows_output_bits_depend_neither_on_the_other_rows_nor_on_the_threads(kind, int8_activations):
     """Every row count a step can have (1 to 17, and a prompt chunk's 70), on 1 and 2 threads, an
     odd number of outputs (a tile's leftover): each row's output is the same bits as that row
     multiplied alone on one thread, and equals float32 linear up to rounding."""
@@ -99,7 +99,7 @@ def test_a_rows_output_bits_depend_neither_on_the_other_rows_nor_on_the_threads(
             together = with_threads(threads, lambda rows=rows: linear(inputs[:rows]))
             assert torch.equal(together, alone[:rows]), f"{rows} rows on {threads} threads"
     floats = functional.linear(inputs, dequantize(linear.blocks, kind))
-    if quantized.INT8_ACTIVATIONS:
+    if int8_activations:
         assert relative_error(alone, floats) < INT8_RELATIVE_ERROR
     else:
         torch.testing.assert_close(alone, floats)
@@ -113,13 +113,13 @@ def test_kernel_keeps_leading_dimensions_and_takes_no_rows():
         QuantLinear(random_blocks(3, 8, 64), 3, 96)
 
 
-def test_without_the_kernel_the_same_module_dequantizes():
+def test_without_the_kernel_the_same_module_dequantizes(int8_activations):
     linear = QuantLinear(random_blocks(3, 40, 96), 3, 96)
     assert linear.native, "the C++ kernel did not build"
     inputs = torch.randn(5, 96)
     native = linear(inputs)
     linear.native = False
-    if quantized.INT8_ACTIVATIONS:  # the fallback multiplies the float32 rows
+    if int8_activations:  # the fallback multiplies the float32 rows
         assert relative_error(native, linear(inputs)) < INT8_RELATIVE_ERROR
     else:
         torch.testing.assert_close(linear(inputs), native)
