@@ -59,6 +59,8 @@ GPU_BLOCKS = {
     "gpu_single_stream_default": ("concurrency_cuda_bfloat16_h200_single", "concurrency", "runs_table"),
     "gpu_step_cost_chunks": ("step_cost_cuda_qwen2-1.5b_h200_chunks", "step_cost", "markdown_table"),
     "gpu_single_stream_chunks": ("concurrency_cuda_bfloat16_h200_chunks", "concurrency", "runs_table"),
+    "gpu_step_cost_host": ("step_cost_cuda_qwen2-1.5b_h200_host", "step_cost", "markdown_table"),
+    "gpu_single_stream_host": ("concurrency_cuda_bfloat16_h200_host", "concurrency", "runs_table"),
     "gpu_single_stream": ("single_stream_cuda_bfloat16", "single_stream", "markdown_table"),
     # Not a GPU run: a CPU simulation of one (benchmarks/gpu_rates.py), labelled as such.
     "gpu_rates_sim": ("gpu_rates_sim", "gpu_rates", "markdown_table"),
