@@ -86,6 +86,43 @@ def test_kernel_equals_sdpa_per_row(head_dim, unit_keys):
     assert not result[start:].any()  # positions of no row are left zero
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # 64, 128: the AVX2 loops; 40: the generic one
+@pytest.mark.parametrize("block_size", [32, 16])  # 16: key tiles shorter than the kernel's 32
+def test_a_querys_output_is_the_same_bits_alone_or_in_a_wide_row(head_dim, block_size):
+    """Deterministic attention's promise (fixed units of keys): a query's output depends on its
+    own keys only. A 70-position prompt chunk (210 query vectors, several of the kernel's blocks
+    of vectors, the causal diagonal inside a unit) must give each position what that position
+    gets alone, as a decode row, and stay within rounding of SDPA."""
+    generator = torch.Generator().manual_seed(head_dim + block_size)
+    num_kv_heads, groups, length, count, unit_keys = 3, 3, 300, 70, 256
+    num_blocks = -(-length // block_size)
+    keys = torch.randn(num_kv_heads, (num_blocks + 1) * block_size, head_dim, generator=generator)
+    values = torch.randn(num_kv_heads, (num_blocks + 1) * block_size, head_dim, generator=generator)
+    block_ids = torch.randperm(num_blocks + 1, generator=generator)[:num_blocks].to(torch.int32)
+    query = torch.randn(count, num_kv_heads * groups, head_dim, generator=generator)
+    scale = head_dim**-0.5
+    chunk = torch.ops.nasd.paged_attention(
+        query, keys, values, block_ids[None], torch.tensor([[0, count, length]]), scale, block_size, unit_keys
+    )
+    # Every position alone, as one batch of single-position rows over the same blocks.
+    alone_rows = torch.tensor([[j, 1, length - count + j + 1] for j in range(count)])
+    alone = torch.ops.nasd.paged_attention(
+        query,
+        keys,
+        values,
+        block_ids[None].expand(count, -1).contiguous(),
+        alone_rows,
+        scale,
+        block_size,
+        unit_keys,
+    )
+    assert torch.equal(chunk, alone)
+    expected = reference(
+        query, keys, values, block_ids[None], torch.tensor([[0, count, length]]), scale, block_size
+    )
+    torch.testing.assert_close(chunk, expected, atol=2e-6, rtol=1e-5)
+
+
 def test_kernel_rejects_malformed_input_with_an_error():
     keys = torch.zeros(1, 32, 8)
     query = torch.zeros(2, 1, 8)

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include "kernels.h"
+#include "simd.h"
 
 #include <algorithm>
 #include <atomic>
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -67,11 +69,13 @@ inline void add_scaled(float weight, const float* __restrict x, float* __restric
 }
 
 constexpr int64_t kTile = 32;  // keys per tile: the unit of prefetching
+constexpr int64_t kMaxTransposedDim = 256;  // the widest head score_tile transposes
 
 // Per-thread scratch, reused across units.
 struct Scratch {
-  std::vector<float> queries;  // [num_queries * groups, head_dim], pre-scaled
-  std::vector<float> scores;   // [num_queries * groups, keys_per_unit]
+  std::vector<float> queries;  // [kVectorBlock, head_dim], pre-scaled
+  std::vector<float> scores;   // [kVectorBlock, keys_per_unit]
+  alignas(32) float transposed[kMaxTransposedDim * kTile];  // a key tile, [head_dim, kTile]
 };
 
 // Calls `body(first key, keys in the tile, pointer to the tile's first slot)` for the unit's
@@ -110,9 +114,193 @@ inline void for_each_tile(const Unit& unit, const int32_t* block_row, int64_t bl
   }
 }
 
+#ifdef NASD_AVX2
+// Heads the AVX2 loops below take (whole 64-float chunks, a transposed tile within Scratch).
+template <int64_t HeadDim>
+constexpr bool kSimdHead = HeadDim > 0 && HeadDim % 64 == 0 && HeadDim <= kMaxTransposedDim;
+
+// fast_exp in 8 lanes.
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#else
+template <int64_t HeadDim>
+constexpr bool kSimdHead = false;
+#endif
+
+// scores[0, visible) <- exp(score - max) over the query's visible scores; returns (max, their
+// sum). With AVX2 the scores go 8 at a time, the last 8 padded (the buffer holds visible rounded
+// up to 8) and masked to 0, so each score's lane and the sum's order depend on `visible` alone.
+template <bool Simd>
+inline std::pair<float, float> softmax_scores(float* scores, int64_t visible) {
+#ifdef NASD_AVX2
+  if constexpr (Simd) {
+    const int64_t padded = (visible + 7) / 8 * 8;
+    std::fill(scores + visible, scores + padded, kNegativeInfinity);
+    __m256 top = _mm256_set1_ps(kNegativeInfinity);
+    for (int64_t i = 0; i < padded; i += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(scores + i));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, top);
+    const float max_score = *std::max_element(lanes, lanes + 8);
+    const __m256 shift = _mm256_set1_ps(max_score);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t i = 0; i < padded; i += 8) {
+      const __m256 seen = _mm256_cmp_ps(_mm256_set1_ps(float(visible - i)),
+                                        _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _CMP_GT_OQ);
+      const __m256 e = _mm256_and_ps(seen, fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift)));
+      _mm256_storeu_ps(scores + i, e);
+      total = _mm256_add_ps(total, e);
+    }
+    return {max_score, nasd_simd::lanes_sum(total)};
+  }
+#endif
+  float max_score = kNegativeInfinity;
+  for (int64_t i = 0; i < visible; ++i) max_score = std::max(max_score, scores[i]);
+  float total = 0.f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < visible; ++i) {
+    scores[i] = fast_exp(scores[i] - max_score);
+    total += scores[i];
+  }
+  return {max_score, total};
+}
+
+// acc[0, head_dim) += the tile's `run` values weighted by weights[0, run), key by key in order.
+template <int64_t HeadDim>
+inline void add_weighted_values(const float* weights, int64_t run, const float* tile, int64_t head_dim,
+                                float* acc) {
+#ifdef NASD_AVX2
+  if constexpr (kSimdHead<HeadDim>) {
+    // 64 dimensions at a time: 8 accumulators in registers while the tile's values stream past.
+    for (int64_t d0 = 0; d0 < HeadDim; d0 += 64) {
+      __m256 sum[8];
+      for (int64_t j = 0; j < 8; ++j) sum[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
+      for (int64_t i = 0; i < run; ++i) {
+        const __m256 weight = _mm256_broadcast_ss(weights + i);
+        const float* value = tile + i * HeadDim + d0;
+        for (int64_t j = 0; j < 8; ++j) sum[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * j), sum[j]);
+      }
+      for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(acc + d0 + 8 * j, sum[j]);
+    }
+    return;
+  }
+#endif
+  float local[HeadDim > 0 ? HeadDim : 1];
+  float* sum = HeadDim > 0 ? local : acc;
+  if (HeadDim > 0) std::copy(acc, acc + head_dim, local);
+  for (int64_t i = 0; i < run; ++i) {
+    const float weight = weights[i];
+    const float* value = tile + i * head_dim;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) sum[d] += weight * value[d];
+  }
+  if (HeadDim > 0) std::copy(local, local + head_dim, acc);
+}
+
+// The scores of `count` query vectors (pre-scaled, [count, D]) against a tile of `run` keys
+// ([run, D], run <= kTile) into target[v * target_stride + i]. Each score is one chain of fused
+// multiply-adds over the head's dimensions in order, the same bits whatever vectors or keys are
+// computed beside it. With AVX2 the tile is transposed into `kt` ([D, kTile]) so that a register
+// holds 8 keys' values of one dimension: two vectors' 32 scores then take 8 registers and no
+// horizontal sums (5x the lanes-over-dimensions loop this replaced).
+template <int64_t HeadDim>
+inline void score_tile(const float* q, int64_t count, int64_t head_dim, const float* tile, int64_t run,
+                       float* kt, float* target, int64_t target_stride) {
+  const int64_t dims = HeadDim > 0 ? HeadDim : head_dim;
+#ifdef NASD_AVX2
+  if constexpr (kSimdHead<HeadDim>) {
+    for (int64_t i0 = 0; i0 < kTile; i0 += 8) {
+      for (int64_t d0 = 0; d0 < HeadDim; d0 += 8) {
+        __m256 r[8];
+        for (int64_t k = 0; k < 8; ++k)
+          r[k] = i0 + k < run ? _mm256_loadu_ps(tile + (i0 + k) * HeadDim + d0) : _mm256_setzero_ps();
+        nasd_simd::transpose8(r);
+        for (int64_t j = 0; j < 8; ++j) _mm256_store_ps(kt + (d0 + j) * kTile + i0, r[j]);
+      }
+    }
+    alignas(32) float spill[2 * kTile];
+    const auto put = [&](int64_t vector, const __m256* acc, int64_t lines) {
+      for (int64_t line = 0; line < lines; ++line) {
+        float* out = target + (vector + line) * target_stride;
+        if (run == kTile) {
+          for (int64_t g = 0; g < 4; ++g) _mm256_storeu_ps(out + 8 * g, acc[line * 4 + g]);
+        } else {
+          for (int64_t g = 0; g < 4; ++g) _mm256_store_ps(spill + 8 * g, acc[line * 4 + g]);
+          std::memcpy(out, spill, sizeof(float) * run);
+        }
+      }
+    };
+    int64_t v = 0;
+    for (; v + 2 <= count; v += 2) {
+      const float* q0 = q + v * HeadDim;
+      const float* q1 = q0 + HeadDim;
+      __m256 acc[8];
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < HeadDim; ++d) {
+        const float* k = kt + d * kTile;
+        const __m256 k0 = _mm256_load_ps(k), k1 = _mm256_load_ps(k + 8), k2 = _mm256_load_ps(k + 16),
+                     k3 = _mm256_load_ps(k + 24);
+        const __m256 b0 = _mm256_broadcast_ss(q0 + d), b1 = _mm256_broadcast_ss(q1 + d);
+        acc[0] = _mm256_fmadd_ps(b0, k0, acc[0]);
+        acc[1] = _mm256_fmadd_ps(b0, k1, acc[1]);
+        acc[2] = _mm256_fmadd_ps(b0, k2, acc[2]);
+        acc[3] = _mm256_fmadd_ps(b0, k3, acc[3]);
+        acc[4] = _mm256_fmadd_ps(b1, k0, acc[4]);
+        acc[5] = _mm256_fmadd_ps(b1, k1, acc[5]);
+        acc[6] = _mm256_fmadd_ps(b1, k2, acc[6]);
+        acc[7] = _mm256_fmadd_ps(b1, k3, acc[7]);
+      }
+      put(v, acc, 2);
+    }
+    if (v < count) {
+      const float* q0 = q + v * HeadDim;
+      __m256 acc[4];
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < HeadDim; ++d) {
+        const float* k = kt + d * kTile;
+        const __m256 b0 = _mm256_broadcast_ss(q0 + d);
+        for (int64_t g = 0; g < 4; ++g) acc[g] = _mm256_fmadd_ps(b0, _mm256_load_ps(k + 8 * g), acc[g]);
+      }
+      put(v, acc, 1);
+    }
+    return;
+  }
+#endif
+  (void)kt;
+  for (int64_t i = 0; i < run; ++i) {
+    const float* key = tile + i * dims;
+    for (int64_t vector = 0; vector < count; ++vector) {
+      const float* qv = q + vector * dims;
+      float sum = 0.f;
+      for (int64_t d = 0; d < dims; ++d) sum = std::fma(qv[d], key[d], sum);
+      target[vector * target_stride + i] = sum;
+    }
+  }
+}
+
+// Query vectors a unit scores at a time: their queries (4 KB at D = 64) and their scores over a
+// unit of 256 keys (16 KB) stay in the L1 / L2 cache through the three passes below, where a
+// prompt chunk's hundreds of vectors at once spilled its scores to memory (3x slower prefill).
+constexpr int64_t kVectorBlock = 16;
+
 // One unit: for each query of its row that uses this key/value head, the softmax partial over
 // the unit's keys it may see: (max score, sum of exponentials, exponential-weighted values).
-// HeadDim > 0 fixes the head size at compile time (the loops then unroll into registers).
+// The vectors go in blocks, each block over the keys its last query sees. Each vector's numbers
+// are computed by the same loops whatever its block, so a query's partial does not depend on
+// the row's other queries. HeadDim > 0 fixes the head size at compile time (the loops then
+// unroll into registers).
 template <int64_t HeadDim>
 void attend_unit(const Unit& unit, const Shape& shape, const float* query, const float* keys,
                  const float* values, const int32_t* block_row, int64_t query_start,
@@ -125,82 +313,67 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
   const float* head_keys = keys + unit.kv_head * shape.num_slots * head_dim;
   const float* head_values = values + unit.kv_head * shape.num_slots * head_dim;
   const int64_t num_keys = unit.end_key - unit.first_key;
+  // Keys [first_key, first_key + visible) of the unit that the j-th new query may see (causal
+  // within the step: the row's j-th new query sees its keys up to position length - num_queries + j).
+  const auto visible_keys = [&](int64_t position) {
+    return std::min(num_keys, length - num_queries + position + 1 - unit.first_key);
+  };
 
-  scratch.queries.resize(num_vectors * head_dim);
-  scratch.scores.resize(num_vectors * keys_per_unit);
+  scratch.queries.resize(kVectorBlock * head_dim);
+  scratch.scores.resize(kVectorBlock * keys_per_unit + 8);  // softmax_scores' padding
   float* q = scratch.queries.data();
-  for (int64_t position = 0; position < num_queries; ++position) {
-    for (int64_t group = 0; group < groups; ++group) {
+  float* scores = scratch.scores.data();
+  for (int64_t block = 0; block < num_vectors; block += kVectorBlock) {
+    const int64_t block_vectors = std::min(kVectorBlock, num_vectors - block);
+    const int64_t block_keys = std::max<int64_t>(0, visible_keys((block + block_vectors - 1) / groups));
+    for (int64_t i = 0; i < block_vectors; ++i) {
+      const int64_t position = (block + i) / groups, group = (block + i) % groups;
       const float* source =
           query + ((query_start + position) * shape.num_heads + unit.kv_head * groups + group) * head_dim;
-      float* target = q + (position * groups + group) * head_dim;
+      float* target = q + i * head_dim;
       for (int64_t d = 0; d < head_dim; ++d) target[d] = source[d] * scale;
     }
-  }
+    const Unit seen{unit.row, unit.kv_head, unit.first_key, unit.first_key + block_keys, unit.first_partial};
 
-  // Scores: a dot product per key and query vector, the key loaded once for all vectors.
-  float* scores = scratch.scores.data();
-  for_each_tile(unit, block_row, shape.block_size, head_keys, head_dim, head_values,
-                [&](int64_t first, int64_t run, const float* tile) {
-                  float* tile_target = scores + first - unit.first_key;
-                  for (int64_t i = 0; i < run; ++i) {
-                    const float* key = tile + i * head_dim;
-                    for (int64_t vector = 0; vector < num_vectors; ++vector) {
-                      const float* qv = q + vector * head_dim;
-                      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-                      for (int64_t d = 0; d < head_dim; ++d) sum += qv[d] * key[d];
-                      tile_target[vector * keys_per_unit + i] = sum;
-                    }
-                  }
-                });
-
-  // Softmax partials; causal within the step: the row's j-th new query sees its keys up to
-  // position length - num_queries + j.
-  for (int64_t vector = 0; vector < num_vectors; ++vector) {
-    const int64_t position = vector / groups;
-    const int64_t visible = std::min(num_keys, length - num_queries + position + 1 - unit.first_key);
-    float* out = partials + (unit.first_partial + vector) * stride;
-    std::fill(out + 2, out + stride, 0.f);
-    float* row_scores = scores + vector * keys_per_unit;
-    if (visible <= 0) {
-      out[0] = kNegativeInfinity;
-      out[1] = 0.f;
-      std::fill(row_scores, row_scores + num_keys, 0.f);
-      continue;
+    // Scores: the block's vectors against each tile of the keys they see.
+    if (block_keys > 0) {
+      for_each_tile(seen, block_row, shape.block_size, head_keys, head_dim, head_values,
+                    [&](int64_t first, int64_t run, const float* tile) {
+                      score_tile<HeadDim>(q, block_vectors, head_dim, tile, run, scratch.transposed,
+                                          scores + first - unit.first_key, keys_per_unit);
+                    });
     }
-    float max_score = kNegativeInfinity;
-    for (int64_t i = 0; i < visible; ++i) max_score = std::max(max_score, row_scores[i]);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < visible; ++i) {
-      row_scores[i] = fast_exp(row_scores[i] - max_score);
-      total += row_scores[i];
-    }
-    std::fill(row_scores + visible, row_scores + num_keys, 0.f);
-    out[0] = max_score;
-    out[1] = total;
-  }
 
-  // Weighted values: per tile and query vector, the accumulator stays in registers while the
-  // tile's values (in cache after the first vector) stream past.
-  for_each_tile(unit, block_row, shape.block_size, head_values, head_dim, nullptr,
-                [&](int64_t first, int64_t run, const float* tile) {
-                  for (int64_t vector = 0; vector < num_vectors; ++vector) {
-                    const float* weights = scores + vector * keys_per_unit + first - unit.first_key;
-                    float* acc = partials + (unit.first_partial + vector) * stride + 2;
-                    float local[HeadDim > 0 ? HeadDim : 1];
-                    float* sum = HeadDim > 0 ? local : acc;
-                    if (HeadDim > 0) std::copy(acc, acc + head_dim, local);
-                    for (int64_t i = 0; i < run; ++i) {
-                      const float weight = weights[i];
-                      const float* value = tile + i * head_dim;
-#pragma omp simd
-                      for (int64_t d = 0; d < head_dim; ++d) sum[d] += weight * value[d];
-                    }
-                    if (HeadDim > 0) std::copy(local, local + head_dim, acc);
-                  }
-                });
+    // Softmax partials.
+    for (int64_t vector = 0; vector < block_vectors; ++vector) {
+      const int64_t visible = visible_keys((block + vector) / groups);
+      float* out = partials + (unit.first_partial + block + vector) * stride;
+      std::fill(out + 2, out + stride, 0.f);
+      float* row_scores = scores + vector * keys_per_unit;
+      if (visible <= 0) {
+        out[0] = kNegativeInfinity;
+        out[1] = 0.f;
+        std::fill(row_scores, row_scores + block_keys, 0.f);
+        continue;
+      }
+      const auto [max_score, total] = softmax_scores<kSimdHead<HeadDim>>(row_scores, visible);
+      std::fill(row_scores + visible, row_scores + block_keys, 0.f);
+      out[0] = max_score;
+      out[1] = total;
+    }
+
+    // Weighted values, per tile and query vector (the tile in cache after the first vector).
+    if (block_keys > 0) {
+      for_each_tile(seen, block_row, shape.block_size, head_values, head_dim, nullptr,
+                    [&](int64_t first, int64_t run, const float* tile) {
+                      for (int64_t vector = 0; vector < block_vectors; ++vector) {
+                        add_weighted_values<HeadDim>(scores + vector * keys_per_unit + first - unit.first_key, run,
+                                                     tile, head_dim,
+                                                     partials + (unit.first_partial + block + vector) * stride + 2);
+                      }
+                    });
+    }
+  }
 }
 
 }  // namespace
