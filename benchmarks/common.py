@@ -93,6 +93,23 @@ def rotated(items: Sequence[T], shift: int) -> list[T]:
     return [*items[shift:], *items[:shift]]
 
 
+def fastest_interleaved_ms(
+    setups: dict[str, Callable[[], Callable[[], object]]], repeats: int, calls: int = 1
+) -> dict[str, float]:
+    """Per case, the fastest mean ms of ``calls`` calls of what its setup returns, over
+    ``repeats`` rounds that take the cases in turn, so that load on the machine moves them alike
+    (each round's setup runs untimed first: a switch of kernels, inputs in the case's dtype)."""
+    fastest = dict.fromkeys(setups, float("inf"))
+    for _ in range(repeats):
+        for name, setup in setups.items():
+            body = setup()
+            started = time.perf_counter()
+            for _ in range(calls):
+                body()
+            fastest[name] = min(fastest[name], (time.perf_counter() - started) / calls)
+    return {name: round(1000 * seconds, 2) for name, seconds in fastest.items()}
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile, 0 for no values (a cell that produced none)."""
     return float(np.percentile(values, q)) if values else 0.0

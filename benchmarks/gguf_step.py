@@ -17,11 +17,11 @@ a shape's timings take the variants in turn, so load on the machine moves them a
 from __future__ import annotations
 
 import argparse
-import time
+from functools import partial
 
 import torch
 
-from benchmarks.common import run_metadata, write_result
+from benchmarks.common import fastest_interleaved_ms, run_metadata, write_result
 from nasd_core.config import ModelConfig
 from nasd_core.model import lean_decoder, quantized
 from nasd_core.model.model_runner import StepRow
@@ -50,19 +50,15 @@ def step_ms(
         for row in range(num_rows):
             runner.cache.set_length(probe_row(row), CONTEXT)
 
-    for variant in variants:
+    def setup(variant: str):
         use_variant(model, variant)
+        return run
+
+    for variant in variants:
+        setup(variant)
         for _ in range(3):
             run()
-    best = dict.fromkeys(variants, float("inf"))
-    for _ in range(repeats):
-        for variant in variants:
-            use_variant(model, variant)
-            started = time.perf_counter()
-            for _ in range(steps):
-                run()
-            best[variant] = min(best[variant], (time.perf_counter() - started) / steps)
-    return {variant: round(1000 * ms, 2) for variant, ms in best.items()}
+    return fastest_interleaved_ms({variant: partial(setup, variant) for variant in variants}, repeats, steps)
 
 
 def main() -> None:

@@ -29,12 +29,13 @@ python -m benchmarks.quant_matmul          # prints the table, writes results/qu
 from __future__ import annotations
 
 import argparse
-import time
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch.nn import functional
 
-from benchmarks.common import run_metadata, write_result
+from benchmarks.common import fastest_interleaved_ms, run_metadata, write_result
 from nasd_core.model.quantized import QuantLinear
 
 # SmolLM2-135M's widths (the embedded model): hidden 576, MLP 1536, 9 query and 3 key/value
@@ -181,16 +182,19 @@ def pass_ms(
     methods' passes interleaved."""
     widths = {shape[1] for shape in shapes}
     inputs = {width: torch.randn(rows, width) for width in widths}
-    fastest = dict.fromkeys(methods, float("inf"))
-    for _ in range(repeats):
-        for method, weights in methods.items():
-            dtype = input_dtype(method)
-            typed = {width: inputs[width].to(dtype) for width in widths}
-            started = time.perf_counter()
+
+    def setup(method: str, weights: list) -> Callable[[], None]:
+        typed = {width: inputs[width].to(input_dtype(method)) for width in widths}
+
+        def one_pass() -> None:
             for weight, (_, width) in zip(weights, shapes):
                 weight(typed[width])
-            fastest[method] = min(fastest[method], time.perf_counter() - started)
-    return {method: round(1000 * ms, 2) for method, ms in fastest.items()}
+
+        return one_pass
+
+    return fastest_interleaved_ms(
+        {method: partial(setup, method, weights) for method, weights in methods.items()}, repeats
+    )
 
 
 @torch.inference_mode()
