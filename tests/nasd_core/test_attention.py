@@ -86,15 +86,18 @@ def test_kernel_equals_sdpa_per_row(head_dim, unit_keys):
     assert not result[start:].any()  # positions of no row are left zero
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 40])  # 64, 128: the AVX2 loops; 40: the generic one
+@pytest.mark.parametrize(
+    "head_dim", [64, 128, 40]
+)  # 64, 128: the AVX2 loops where built; 40: the generic one
 @pytest.mark.parametrize("block_size", [32, 16])  # 16: key tiles shorter than the kernel's 32
-def test_a_querys_output_is_the_same_bits_alone_or_in_a_wide_row(head_dim, block_size):
+@pytest.mark.parametrize("unit_keys", [256, 100])  # 100: score rows not a multiple of the softmax's 8 lanes
+def test_a_querys_output_is_the_same_bits_alone_or_in_a_wide_row(head_dim, block_size, unit_keys):
     """Deterministic attention's promise (fixed units of keys): a query's output depends on its
     own keys only. A 70-position prompt chunk (210 query vectors, several of the kernel's blocks
     of vectors, the causal diagonal inside a unit) must give each position what that position
     gets alone, as a decode row, and stay within rounding of SDPA."""
-    generator = torch.Generator().manual_seed(head_dim + block_size)
-    num_kv_heads, groups, length, count, unit_keys = 3, 3, 300, 70, 256
+    generator = torch.Generator().manual_seed(head_dim + block_size + unit_keys)
+    num_kv_heads, groups, length, count = 3, 3, 300, 70
     num_blocks = -(-length // block_size)
     keys = torch.randn(num_kv_heads, (num_blocks + 1) * block_size, head_dim, generator=generator)
     values = torch.randn(num_kv_heads, (num_blocks + 1) * block_size, head_dim, generator=generator)

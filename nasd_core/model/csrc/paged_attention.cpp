@@ -69,12 +69,12 @@ inline void add_scaled(float weight, const float* __restrict x, float* __restric
 }
 
 constexpr int64_t kTile = 32;  // keys per tile: the unit of prefetching
-constexpr int64_t kMaxTransposedDim = 256;  // the widest head score_tile transposes
+constexpr int64_t kMaxTransposedDim = 128;  // the widest head score_tile transposes (64 and 128 dispatched)
 
 // Per-thread scratch, reused across units.
 struct Scratch {
   std::vector<float> queries;  // [kVectorBlock, head_dim], pre-scaled
-  std::vector<float> scores;   // [kVectorBlock, keys_per_unit]
+  std::vector<float> scores;   // [kVectorBlock, keys_per_unit rounded up to 8]
   alignas(32) float transposed[kMaxTransposedDim * kTile];  // a key tile, [head_dim, kTile]
 };
 
@@ -118,35 +118,18 @@ inline void for_each_tile(const Unit& unit, const int32_t* block_row, int64_t bl
 // Heads the AVX2 loops below take (whole 64-float chunks, a transposed tile within Scratch).
 template <int64_t HeadDim>
 constexpr bool kSimdHead = HeadDim > 0 && HeadDim % 64 == 0 && HeadDim <= kMaxTransposedDim;
-
-// fast_exp in 8 lanes.
-inline __m256 fast_exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.3981999507e-3f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 #else
 template <int64_t HeadDim>
 constexpr bool kSimdHead = false;
 #endif
 
 // scores[0, visible) <- exp(score - max) over the query's visible scores; returns (max, their
-// sum). With AVX2 the scores go 8 at a time, the last 8 padded (the buffer holds visible rounded
-// up to 8) and masked to 0, so each score's lane and the sum's order depend on `visible` alone.
-template <bool Simd>
+// sum). With AVX2 the scores go 8 at a time (nasd_simd::exp), the last 8 padded (the row holds
+// visible rounded up to 8) and masked to 0, so each score's lane and the sum's order depend on
+// `visible` alone; elsewhere in order, one at a time.
 inline std::pair<float, float> softmax_scores(float* scores, int64_t visible) {
 #ifdef NASD_AVX2
-  if constexpr (Simd) {
+  {
     const int64_t padded = (visible + 7) / 8 * 8;
     std::fill(scores + visible, scores + padded, kNegativeInfinity);
     __m256 top = _mm256_set1_ps(kNegativeInfinity);
@@ -159,7 +142,7 @@ inline std::pair<float, float> softmax_scores(float* scores, int64_t visible) {
     for (int64_t i = 0; i < padded; i += 8) {
       const __m256 seen = _mm256_cmp_ps(_mm256_set1_ps(float(visible - i)),
                                         _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _CMP_GT_OQ);
-      const __m256 e = _mm256_and_ps(seen, fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift)));
+      const __m256 e = _mm256_and_ps(seen, nasd_simd::exp(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift)));
       _mm256_storeu_ps(scores + i, e);
       total = _mm256_add_ps(total, e);
     }
@@ -168,12 +151,10 @@ inline std::pair<float, float> softmax_scores(float* scores, int64_t visible) {
 #endif
   float max_score = kNegativeInfinity;
   for (int64_t i = 0; i < visible; ++i) max_score = std::max(max_score, scores[i]);
+#pragma omp simd
+  for (int64_t i = 0; i < visible; ++i) scores[i] = fast_exp(scores[i] - max_score);
   float total = 0.f;
-#pragma omp simd reduction(+ : total)
-  for (int64_t i = 0; i < visible; ++i) {
-    scores[i] = fast_exp(scores[i] - max_score);
-    total += scores[i];
-  }
+  for (int64_t i = 0; i < visible; ++i) total += scores[i];
   return {max_score, total};
 }
 
@@ -214,7 +195,7 @@ inline void add_weighted_values(const float* weights, int64_t run, const float* 
 // multiply-adds over the head's dimensions in order, the same bits whatever vectors or keys are
 // computed beside it. With AVX2 the tile is transposed into `kt` ([D, kTile]) so that a register
 // holds 8 keys' values of one dimension: two vectors' 32 scores then take 8 registers and no
-// horizontal sums (5x the lanes-over-dimensions loop this replaced).
+// horizontal sums.
 template <int64_t HeadDim>
 inline void score_tile(const float* q, int64_t count, int64_t head_dim, const float* tile, int64_t run,
                        float* kt, float* target, int64_t target_stride) {
@@ -230,7 +211,7 @@ inline void score_tile(const float* q, int64_t count, int64_t head_dim, const fl
         for (int64_t j = 0; j < 8; ++j) _mm256_store_ps(kt + (d0 + j) * kTile + i0, r[j]);
       }
     }
-    alignas(32) float spill[2 * kTile];
+    alignas(32) float spill[kTile];
     const auto put = [&](int64_t vector, const __m256* acc, int64_t lines) {
       for (int64_t line = 0; line < lines; ++line) {
         float* out = target + (vector + line) * target_stride;
@@ -284,7 +265,7 @@ inline void score_tile(const float* q, int64_t count, int64_t head_dim, const fl
     for (int64_t vector = 0; vector < count; ++vector) {
       const float* qv = q + vector * dims;
       float sum = 0.f;
-      for (int64_t d = 0; d < dims; ++d) sum = std::fma(qv[d], key[d], sum);
+      for (int64_t d = 0; d < dims; ++d) sum += qv[d] * key[d];  // in order (no reassociation)
       target[vector * target_stride + i] = sum;
     }
   }
@@ -313,6 +294,8 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
   const float* head_keys = keys + unit.kv_head * shape.num_slots * head_dim;
   const float* head_values = values + unit.kv_head * shape.num_slots * head_dim;
   const int64_t num_keys = unit.end_key - unit.first_key;
+  // A vector's scores row: room for softmax_scores' last group of 8 within the row.
+  const int64_t score_stride = (keys_per_unit + 7) / 8 * 8;
   // Keys [first_key, first_key + visible) of the unit that the j-th new query may see (causal
   // within the step: the row's j-th new query sees its keys up to position length - num_queries + j).
   const auto visible_keys = [&](int64_t position) {
@@ -320,7 +303,7 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
   };
 
   scratch.queries.resize(kVectorBlock * head_dim);
-  scratch.scores.resize(kVectorBlock * keys_per_unit + 8);  // softmax_scores' padding
+  scratch.scores.resize(kVectorBlock * score_stride);
   float* q = scratch.queries.data();
   float* scores = scratch.scores.data();
   for (int64_t block = 0; block < num_vectors; block += kVectorBlock) {
@@ -340,7 +323,7 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
       for_each_tile(seen, block_row, shape.block_size, head_keys, head_dim, head_values,
                     [&](int64_t first, int64_t run, const float* tile) {
                       score_tile<HeadDim>(q, block_vectors, head_dim, tile, run, scratch.transposed,
-                                          scores + first - unit.first_key, keys_per_unit);
+                                          scores + first - unit.first_key, score_stride);
                     });
     }
 
@@ -349,26 +332,27 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
       const int64_t visible = visible_keys((block + vector) / groups);
       float* out = partials + (unit.first_partial + block + vector) * stride;
       std::fill(out + 2, out + stride, 0.f);
-      float* row_scores = scores + vector * keys_per_unit;
-      if (visible <= 0) {
+      float* row_scores = scores + vector * score_stride;
+      if (visible <= 0) {  // a unit wholly after this query's position: the merge skips it
         out[0] = kNegativeInfinity;
         out[1] = 0.f;
-        std::fill(row_scores, row_scores + block_keys, 0.f);
         continue;
       }
-      const auto [max_score, total] = softmax_scores<kSimdHead<HeadDim>>(row_scores, visible);
-      std::fill(row_scores + visible, row_scores + block_keys, 0.f);
+      const auto [max_score, total] = softmax_scores(row_scores, visible);
       out[0] = max_score;
       out[1] = total;
     }
 
-    // Weighted values, per tile and query vector (the tile in cache after the first vector).
+    // Weighted values, per tile and query vector over the keys it sees (the tile in cache after
+    // the first vector).
     if (block_keys > 0) {
       for_each_tile(seen, block_row, shape.block_size, head_values, head_dim, nullptr,
                     [&](int64_t first, int64_t run, const float* tile) {
                       for (int64_t vector = 0; vector < block_vectors; ++vector) {
-                        add_weighted_values<HeadDim>(scores + vector * keys_per_unit + first - unit.first_key, run,
-                                                     tile, head_dim,
+                        const int64_t offset = first - unit.first_key;
+                        const int64_t keys = std::min(run, visible_keys((block + vector) / groups) - offset);
+                        if (keys <= 0) continue;
+                        add_weighted_values<HeadDim>(scores + vector * score_stride + offset, keys, tile, head_dim,
                                                      partials + (unit.first_partial + block + vector) * stride + 2);
                       }
                     });
