@@ -57,9 +57,16 @@ int64_t block_bytes(int64_t kind) {
   return 0;
 }
 
+// A T at any byte address (blocks of 18 or 20 bytes leave their fields unaligned).
+template <typename T>
+inline T load_unaligned(const void* bytes) {
+  T value;
+  std::memcpy(&value, bytes, sizeof(value));
+  return value;
+}
+
 float half_to_float(const uint8_t* bytes) {
-  uint16_t h;
-  std::memcpy(&h, bytes, sizeof(h));
+  const uint16_t h = load_unaligned<uint16_t>(bytes);
 #ifdef NASD_AVX2
   return _cvtsh_ss(h);
 #else
@@ -461,32 +468,16 @@ void q8_scalar(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t
 }
 
 #ifdef NASD_AVX2
-uint16_t load_half(const uint8_t* bytes) {
-  uint16_t h;
-  std::memcpy(&h, bytes, sizeof(h));
-  return h;
-}
-
 // 8 float16 values, one per output, at `offset` in each output's block.
 inline __m256 tile_halves(const uint8_t* const* rows, int64_t offset) {
-  return _mm256_cvtph_ps(_mm_setr_epi16(load_half(rows[0] + offset), load_half(rows[1] + offset),
-                                        load_half(rows[2] + offset), load_half(rows[3] + offset),
-                                        load_half(rows[4] + offset), load_half(rows[5] + offset),
-                                        load_half(rows[6] + offset), load_half(rows[7] + offset)));
-}
-
-inline int32_t load_word(const uint8_t* bytes) {
-  int32_t v;
-  std::memcpy(&v, bytes, sizeof(v));
-  return v;
+  const auto half = [&](int j) { return load_unaligned<uint16_t>(rows[j] + offset); };
+  return _mm256_cvtph_ps(_mm_setr_epi16(half(0), half(1), half(2), half(3), half(4), half(5), half(6), half(7)));
 }
 
 // Q4_1's d and m of 8 outputs (one 4-byte load each) as two vectors of floats.
 inline void tile_scale_offset(const uint8_t* const* rows, int64_t offset, float* scales, float* offsets) {
-  const __m256i words = _mm256_setr_epi32(load_word(rows[0] + offset), load_word(rows[1] + offset),
-                                          load_word(rows[2] + offset), load_word(rows[3] + offset),
-                                          load_word(rows[4] + offset), load_word(rows[5] + offset),
-                                          load_word(rows[6] + offset), load_word(rows[7] + offset));
+  const auto word = [&](int j) { return load_unaligned<int32_t>(rows[j] + offset); };
+  const __m256i words = _mm256_setr_epi32(word(0), word(1), word(2), word(3), word(4), word(5), word(6), word(7));
   // Per 128-bit half, the 4 low float16 values (d), then the 4 high ones (m); then d, m of all 8.
   const __m256i split = _mm256_shuffle_epi8(words, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14,
                                                                     15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11,
@@ -613,12 +604,6 @@ struct Lanes16 {
 };
 #endif
 
-inline int32_t load4(const int8_t* bytes) {
-  int32_t v;
-  std::memcpy(&v, bytes, sizeof(v));
-  return v;
-}
-
 // The tile's V::outs outputs for `Rows` rows from `row` on, into out[r * V::outs + j].
 template <int64_t Kind, int64_t Path, typename V, int Rows>
 inline void q8_tile(const uint8_t* codes, const float* scales, const float* offsets, int64_t num_blocks,
@@ -647,7 +632,7 @@ inline void q8_tile(const uint8_t* codes, const float* scales, const float* offs
       _Pragma("GCC unroll 8") for (int g = 0; g < 8; ++g) {
         const __m256i w = V::load(panel + g * group);
         _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) pairs[r] = _mm256_add_epi16(
-            pairs[r], _mm256_maddubs_epi16(w, V::splat(load4(xb + r * in_features + 4 * g))));
+            pairs[r], _mm256_maddubs_epi16(w, V::splat(load_unaligned<int32_t>(xb + r * in_features + 4 * g))));
       }
       _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) isum[r] =
           _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
@@ -658,7 +643,7 @@ inline void q8_tile(const uint8_t* codes, const float* scales, const float* offs
         const __m256i w = V::load(panel + g * group);
         const __m256i magnitude = _mm256_sign_epi8(w, w);
         _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) {
-          const __m256i xs = _mm256_sign_epi8(V::splat(load4(xb + r * in_features + 4 * g)), w);
+          const __m256i xs = _mm256_sign_epi8(V::splat(load_unaligned<int32_t>(xb + r * in_features + 4 * g)), w);
           isum[r] = _mm256_add_epi32(isum[r],
                                      _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), _mm256_set1_epi16(1)));
         }
@@ -670,7 +655,7 @@ inline void q8_tile(const uint8_t* codes, const float* scales, const float* offs
         Int w = V::load(panel + g * group);
         if constexpr (Kind == kQ8_0) w = V::flip(w);  // code + 128 as an unsigned byte (isum starts at -128 s)
         _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) isum[r] =
-            V::dot4(isum[r], w, V::splat(load4(xb + r * in_features + 4 * g)));
+            V::dot4(isum[r], w, V::splat(load_unaligned<int32_t>(xb + r * in_features + 4 * g)));
       }
     }
 #endif
