@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import re
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -22,7 +24,6 @@ import ray
 from ray import serve
 
 from deployments import build_app
-from tests.redis_server import free_port
 
 
 @dataclass
@@ -77,12 +78,29 @@ class ServedApp:
             return RawResponse(response.status, text, received)
 
 
+def server_port() -> int:
+    """A free loopback port for a server a test starts, from below the kernel's ephemeral range
+    and above Ray's worker ports (10002-19999). Ray's own processes bind random ephemeral ports
+    as they start: a port taken from that range (bind to 0, then released) was once handed to
+    one of them before the test's server bound it, and the test read that process's bytes."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+        ephemeral_low = int(ports.read().split()[0])
+    for port in random.sample(range(20000, max(20001, ephemeral_low)), 64):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port between 20000 and the ephemeral range")
+
+
 @contextmanager
 def serve_apps(apps: dict[str, dict[str, Any]], num_cpus: int = 2) -> Iterator[dict[str, ServedApp]]:
     """Start a local Ray with ``num_cpus`` logical CPUs, Serve on a free loopback port, and one
     application per ``name: build_app args`` (a single app at "/", several at "/name"),
     deployed in parallel; shut everything down afterwards."""
-    metrics_port = free_port()
+    metrics_port = server_port()
     ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -92,7 +110,7 @@ def serve_apps(apps: dict[str, dict[str, Any]], num_cpus: int = 2) -> Iterator[d
         _system_config={"metrics_report_interval_ms": 1000},
     )
     try:
-        port = free_port()
+        port = server_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         prefixes = {name: "/" if len(apps) == 1 else f"/{name}" for name in apps}
         serve.run_many(

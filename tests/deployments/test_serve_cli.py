@@ -24,8 +24,8 @@ import pytest
 from deployments.builder import ENV_VARS, AppArgs
 from deployments.cli import app_args, parser
 from nasd_core.config import EMBEDDED_MODEL, EMBEDDED_MODEL_ALIASES
-from tests.deployments.conftest import ServedApp
-from tests.redis_server import free_port, require
+from tests.deployments.conftest import ServedApp, server_port
+from tests.redis_server import require
 from tests.test_readme import readme_python_blocks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -189,7 +189,7 @@ def test_nasd_serve_refuses_an_invalid_setting(capsys):
 
 
 def test_nasd_serve_serves_with_its_options_and_stops_on_sigint(tmp_path):
-    port = free_port()
+    port = server_port()
     command = [
         str(Path(sys.executable).parent / "nasd-serve"),
         "--port",
