@@ -91,6 +91,7 @@ ENV_VARS = {
     "gpu_memory_utilization": "NASD_GPU_MEMORY_UTILIZATION",
     "graph_warmup_budget_s": "NASD_GRAPH_WARMUP_BUDGET_S",
     "prefix_cache_tokens": "NASD_PREFIX_CACHE_TOKENS",
+    "kv_cache_dtype": "NASD_KV_CACHE_DTYPE",
     "tool_call_parser": "NASD_TOOL_CALL_PARSER",
     "autoscaling": "NASD_AUTOSCALING",
     "drain_timeout_s": "NASD_DRAIN_TIMEOUT_S",
@@ -190,6 +191,11 @@ class AppArgs(BaseModel):
         ge=0,
         description="Positions of finished requests' KV kept for later prompts with the same start "
         "(EngineConfig.prefix_cache_tokens; None: 8192 on a CPU, the whole pool on a GPU; 0: off).",
+    )
+    kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
+        "auto",
+        description="Element type of the KV-cache (EngineConfig.kv_cache_dtype): 'auto' is float16 on the "
+        "CPU's GGUF path, the model's dtype elsewhere; 'float16' under a float32 model on a CPU only.",
     )
     step_graphs: bool | None = Field(
         None,
@@ -311,6 +317,9 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     device = args.device or ("cuda" if args.num_gpus_per_replica > 0 else "cpu")
     if args.dtype == "gguf" and default_dtype(args, device) != "gguf":
         raise ValueError("dtype gguf serves the embedded model's own blocks on a CPU only")
+    dtype = args.dtype or default_dtype(args, device)
+    if args.kv_cache_dtype not in ("auto", dtype) and (device != "cpu" or dtype not in ("float32", "gguf")):
+        raise ValueError(f"kv_cache_dtype {args.kv_cache_dtype} needs a float32 or gguf model on a CPU")
     engine_limits = {
         name: value
         for name, value in (("max_batch_rows", args.max_batch_rows), ("max_waiting", args.max_waiting))
@@ -325,6 +334,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         gpu_memory_utilization=args.gpu_memory_utilization,
         graph_warmup_budget_s=args.graph_warmup_budget_s,
         prefix_cache_tokens=args.prefix_cache_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
         spec=SpecConfig(
             mode=args.speculation,
             num_draft_tokens=args.num_draft_tokens,
@@ -338,7 +348,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         else default_cpus_per_replica(args, device)
     )
     config = ReplicaConfig(
-        model=ModelConfig(name=args.model, dtype=args.dtype or default_dtype(args, device), device=device),
+        model=ModelConfig(name=args.model, dtype=dtype, device=device),
         served_model_name=served_model_name,
         num_threads=max(1, int(num_cpus)) if device == "cpu" else None,
         engine=engine,

@@ -242,6 +242,13 @@ class EngineConfig(_Config):
         "fit are refused at start.",
     )
     kv_block_size: int = Field(32, ge=1, le=4096, description="Positions per KV-cache block.")
+    kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
+        "auto",
+        description="Element type of the KV-cache. 'auto': float16 where the CPU attention kernel reads it "
+        "(the GGUF path, whose decode steps read more KV than weights once rows hold a few hundred "
+        "tokens; llama.cpp's default cache type), the model's dtype elsewhere. 'float16' on a float32 "
+        "model is for CPUs only (the kernel widens each element exactly as it reads it).",
+    )
     prefix_cache_tokens: int | None = Field(
         None,
         ge=0,

@@ -110,6 +110,7 @@ class Engine:
                 self.config.kv_cache_tokens,
                 self.config.kv_block_size,
                 self.config.max_batch_rows,
+                kv_cache_dtype=self.config.kv_cache_dtype,
                 step_graphs=self.config.step_graphs,
                 graph_attention=self.config.graph_attention,
                 compiled_layers=self.config.compiled_layers,

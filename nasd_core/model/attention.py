@@ -340,7 +340,9 @@ def paged_attention(
         out.index_copy_(0, batch.out_index, attended.index_select(0, batch.real_index))
     for segment in nasd_step.segments:
         start, count = segment.start, segment.num_positions
-        row_keys, row_values = cache.row_kv(layer, segment.row_id, segment.length)
+        # A float16 pool widens to the query's float32 here (the kernel widens as it reads).
+        row_kv = cache.row_kv(layer, segment.row_id, segment.length)
+        row_keys, row_values = (pool.to(query.dtype) for pool in row_kv)
         # [1, heads, n, D] -> [1, kv_heads, groups * n, D]: heads sharing a key/value head stack up.
         row_query = query[:, :, start : start + count].reshape(1, num_kv_heads, groups * count, head_dim)
         row_out = functional.scaled_dot_product_attention(

@@ -130,7 +130,7 @@ class PagedKVCache:
         num_layers, num_kv_heads, head_dim: the model's attention shape.
         num_blocks: blocks in the pool (its capacity is ``num_blocks * block_size`` positions).
         block_size: positions per block.
-        dtype, device: of the pool (the model's).
+        dtype, device: of the pool (the model's; float16 under a float32 model on a CPU).
         prefix_cache_blocks: most blocks kept for later prompts once no row holds them (0: none).
     """
 
@@ -386,9 +386,10 @@ class PagedKVCache:
         return keys.index_select(1, index).unsqueeze(0), values.index_select(1, index).unsqueeze(0)
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store a step's ``[kv_heads, positions, head_dim]`` keys and values at ``slots``."""
-        self.keys[layer].index_copy_(1, slots, keys)
-        self.values[layer].index_copy_(1, slots, values)
+        """Store a step's ``[kv_heads, positions, head_dim]`` keys and values at ``slots`` (rounded to
+        nearest into a float16 pool)."""
+        self.keys[layer].index_copy_(1, slots, keys.to(self.keys[layer].dtype))
+        self.values[layer].index_copy_(1, slots, values.to(self.values[layer].dtype))
 
     # ------------------------------------------------------------- reports
     def usage(self) -> dict[str, int]:

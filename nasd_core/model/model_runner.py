@@ -90,13 +90,25 @@ def attention_shape(model) -> tuple[int, int, int, int]:
     return config.num_hidden_layers, heads, kv_heads, head_dim
 
 
-def default_cpu_kv_tokens(model, max_rows: int) -> int:
+def kv_dtype_for(model, setting: str = "auto") -> torch.dtype:
+    """The KV-cache's element type for ``model`` (``EngineConfig.kv_cache_dtype``)."""
+    on_cpu_float32 = model.device.type == "cpu" and model.dtype == torch.float32
+    if setting == "auto":
+        lean = getattr(model, "nasd_lean_decoder", False)
+        return torch.float16 if on_cpu_float32 and lean else model.dtype
+    dtype = getattr(torch, setting)
+    if dtype != model.dtype and not on_cpu_float32:
+        raise ValueError(f"a {setting} KV-cache needs a float32 model on a CPU (this one: {model.dtype})")
+    return dtype
+
+
+def default_cpu_kv_tokens(model, max_rows: int, dtype: torch.dtype) -> int:
     """Positions of KV-cache a CPU's default budget holds: a share of the machine's memory, no
     more than ``max_rows`` rows of the model's full context could use."""
     budget = DEFAULT_CPU_KV_FRACTION * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     context = getattr(model.config, "max_position_embeddings", None) or 8192
     num_layers, _, kv_heads, head_dim = attention_shape(model)
-    bytes_per_token = 2 * num_layers * kv_heads * head_dim * model.dtype.itemsize
+    bytes_per_token = 2 * num_layers * kv_heads * head_dim * dtype.itemsize
     return int(min(budget // bytes_per_token, max_rows * context))
 
 
@@ -183,6 +195,7 @@ class ModelRunner:
         deterministic: batch-invariant steps (``use_batch_invariant_kernels``): a position's
             logits are the same bits whatever else its step computes, so greedy output does not
             depend on speculation or on the batch. CPU only; the model is changed in place.
+        kv_cache_dtype: the KV-cache's element type (``EngineConfig.kv_cache_dtype``; ``kv_dtype_for``).
     """
 
     def __init__(
@@ -199,6 +212,7 @@ class ModelRunner:
         prefill_chunk_tokens: int | None = None,
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         deterministic: bool = False,
+        kv_cache_dtype: str = "auto",
     ):
         self.model = model
         self.deterministic = deterministic
@@ -212,6 +226,7 @@ class ModelRunner:
         self.groups = heads // kv_heads
         self.device = model.device
         self.use_kernel = kernel_available(model.device, model.dtype)
+        self.kv_dtype = kv_dtype_for(model, kv_cache_dtype)
         # The GGUF path's multiplies are batch-invariant and round activations to int8, which turns
         # attention's last-bit differences into whole rounding steps: its attention is always the
         # deterministic one (every row in the kernel, fixed units), so greedy speculation is its
@@ -251,9 +266,9 @@ class ModelRunner:
         elif kv_cache_tokens is not None:
             tokens = kv_cache_tokens
         else:
-            tokens = default_cpu_kv_tokens(model, max_rows)
+            tokens = default_cpu_kv_tokens(model, max_rows, self.kv_dtype)
         self.cache = PagedKVCache(
-            num_layers, kv_heads, head_dim, -(-tokens // block_size), block_size, model.dtype, model.device
+            num_layers, kv_heads, head_dim, -(-tokens // block_size), block_size, self.kv_dtype, model.device
         )
         self.graphs = (
             StepGraphs(

@@ -96,6 +96,7 @@ def filled_runner(
     step_graphs: bool = False,
     graph_attention: str | None = None,
     compiled_layers: bool | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
     """A runner whose probe rows ``0..num_rows-1`` hold ``context_length`` cached tokens each,
     with room for steps of up to ``max_width`` positions per row (and the graphs' scratch block)."""
@@ -110,6 +111,7 @@ def filled_runner(
         step_graphs=step_graphs,
         graph_attention=graph_attention,
         compiled_layers=compiled_layers,
+        kv_cache_dtype=kv_cache_dtype,
     )
     fill_rows(runner, num_rows, context_length, row_tokens)
     return runner

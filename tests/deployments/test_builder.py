@@ -89,6 +89,17 @@ def test_string_arguments_from_the_cli_are_coerced():
     assert replica.max_ongoing_requests == 24
 
 
+def test_a_float16_kv_cache_is_for_float32_or_gguf_models_on_a_cpu():
+    assert replica_of(build_app({}))[1].engine.kv_cache_dtype == "auto"
+    assert replica_of(build_app({"kv_cache_dtype": "float32"}))[1].engine.kv_cache_dtype == "float32"
+    config = replica_of(build_app({"dtype": "float32", "kv_cache_dtype": "float16"}))[1]
+    assert config.engine.kv_cache_dtype == "float16"
+    with pytest.raises(ValueError, match="kv_cache_dtype float16"):
+        build_app({"device": "cuda", "dtype": "bfloat16", "kv_cache_dtype": "float16"})
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        build_app({"kv_cache_dtype": "int8"})
+
+
 def test_dtype_defaults_to_the_gguf_blocks_for_the_embedded_model_on_a_cpu_only():
     assert replica_of(build_app({"dtype": "float32"}))[1].model.dtype == "float32"
     assert replica_of(build_app({"device": "cuda"}))[1].model.dtype == "float32"

@@ -51,13 +51,19 @@ def reference(query, keys, values, block_table, rows, scale, block_size):
     return out
 
 
+# float16: the GGUF path's pool; the kernel widens each element exactly, so its reference is SDPA
+# over the same pool widened to float32, within the same rounding as a float32 pool.
+POOL_DTYPES = [torch.float32, torch.float16]
+
+
 @pytest.mark.parametrize("head_dim", [64, 40])  # 64: the unrolled path; 40: the generic one
 @pytest.mark.parametrize("unit_keys", [32, 96, 1024])
-def test_kernel_equals_sdpa_per_row(head_dim, unit_keys):
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
+def test_kernel_equals_sdpa_per_row(head_dim, unit_keys, pool_dtype):
     generator = torch.Generator().manual_seed(head_dim + unit_keys)
     num_kv_heads, groups, block_size, num_blocks = 3, 3, 16, 48
-    keys = torch.randn(num_kv_heads, num_blocks * block_size, head_dim, generator=generator)
-    values = torch.randn(num_kv_heads, num_blocks * block_size, head_dim, generator=generator)
+    keys = torch.randn(num_kv_heads, num_blocks * block_size, head_dim, generator=generator).to(pool_dtype)
+    values = torch.randn(num_kv_heads, num_blocks * block_size, head_dim, generator=generator).to(pool_dtype)
     # (positions this step, cached length, block ids): contiguous, fragmented and reversed rows,
     # lengths ending mid-block, a row with no new positions, a one-token row.
     layout = [
@@ -81,7 +87,7 @@ def test_kernel_equals_sdpa_per_row(head_dim, unit_keys):
     result = torch.ops.nasd.paged_attention(
         query, keys, values, block_table, rows, scale, block_size, unit_keys
     )
-    expected = reference(query, keys, values, block_table, rows, scale, block_size)
+    expected = reference(query, keys.float(), values.float(), block_table, rows, scale, block_size)
     torch.testing.assert_close(result, expected, atol=2e-6, rtol=1e-5)
     assert not result[start:].any()  # positions of no row are left zero
 
@@ -91,7 +97,8 @@ def test_kernel_equals_sdpa_per_row(head_dim, unit_keys):
 )  # 64, 128: the AVX2 loops where built; 40: the generic one
 @pytest.mark.parametrize("block_size", [32, 16])  # 16: key tiles shorter than the kernel's 32
 @pytest.mark.parametrize("unit_keys", [256, 100])  # 100: score rows not a multiple of the softmax's 8 lanes
-def test_a_querys_output_is_the_same_bits_alone_or_in_a_wide_row(head_dim, block_size, unit_keys):
+@pytest.mark.parametrize("pool_dtype", POOL_DTYPES)
+def test_a_querys_output_is_the_same_bits_alone_or_in_a_wide_row(head_dim, block_size, unit_keys, pool_dtype):
     """Deterministic attention's promise (fixed units of keys): a query's output depends on its
     own keys only. A 70-position prompt chunk (210 query vectors, several of the kernel's blocks
     of vectors, the causal diagonal inside a unit) must give each position what that position
@@ -99,8 +106,12 @@ def test_a_querys_output_is_the_same_bits_alone_or_in_a_wide_row(head_dim, block
     generator = torch.Generator().manual_seed(head_dim + block_size + unit_keys)
     num_kv_heads, groups, length, count = 3, 3, 300, 70
     num_blocks = -(-length // block_size)
-    keys = torch.randn(num_kv_heads, (num_blocks + 1) * block_size, head_dim, generator=generator)
-    values = torch.randn(num_kv_heads, (num_blocks + 1) * block_size, head_dim, generator=generator)
+    keys = torch.randn(num_kv_heads, (num_blocks + 1) * block_size, head_dim, generator=generator).to(
+        pool_dtype
+    )
+    values = torch.randn(num_kv_heads, (num_blocks + 1) * block_size, head_dim, generator=generator).to(
+        pool_dtype
+    )
     block_ids = torch.randperm(num_blocks + 1, generator=generator)[:num_blocks].to(torch.int32)
     query = torch.randn(count, num_kv_heads * groups, head_dim, generator=generator)
     scale = head_dim**-0.5
@@ -121,7 +132,13 @@ def test_a_querys_output_is_the_same_bits_alone_or_in_a_wide_row(head_dim, block
     )
     assert torch.equal(chunk, alone)
     expected = reference(
-        query, keys, values, block_ids[None], torch.tensor([[0, count, length]]), scale, block_size
+        query,
+        keys.float(),
+        values.float(),
+        block_ids[None],
+        torch.tensor([[0, count, length]]),
+        scale,
+        block_size,
     )
     torch.testing.assert_close(chunk, expected, atol=2e-6, rtol=1e-5)
 
@@ -143,10 +160,23 @@ def test_kernel_rejects_malformed_input_with_an_error():
             16,
             32,
         )
-    with pytest.raises(RuntimeError, match="float32"):
-        torch.ops.nasd.paged_attention(
-            query.double(), keys, keys, table, torch.tensor([[0, 2, 20]]), 1.0, 16, 32
-        )
+    for query_dtype, key_dtype, value_dtype in [
+        (torch.float64, torch.float32, torch.float32),
+        (torch.float16, torch.float16, torch.float16),  # a float16 pool, but the query float32
+        (torch.float32, torch.float16, torch.float32),  # pools of two types
+        (torch.float32, torch.bfloat16, torch.bfloat16),
+    ]:
+        with pytest.raises(RuntimeError, match="float32"):
+            torch.ops.nasd.paged_attention(
+                query.to(query_dtype),
+                keys.to(key_dtype),
+                keys.to(value_dtype),
+                table,
+                torch.tensor([[0, 2, 20]]),
+                1.0,
+                16,
+                32,
+            )
 
 
 def test_units_are_long_but_every_thread_gets_several():

@@ -171,8 +171,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // Every decoder layer of a step whose rows all go to the paged attention kernel (decode and
 // verification steps), the same calls in the same order as lean_decoder.lean_layer makes from
 // Python, without Python between them. Per layer: norms [input, post-attention], blocks and
-// kinds [qkv, o, gate_up, down]; pools [kv_heads, slots, head_dim]. Returns (the last layer's
-// output, the residual stream before it).
+// kinds [qkv, o, gate_up, down]; pools [kv_heads, slots, head_dim], float32 or float16. Returns
+// (the last layer's output, the residual stream before it).
 std::tuple<at::Tensor, at::Tensor> decoder_layers(
     const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, at::TensorList norms,
     at::TensorList blocks, at::IntArrayRef kinds, double eps, int64_t heads, int64_t kv_heads,
@@ -192,8 +192,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers(
     auto [summed, normed] = rms_norm(out, residual, norms[2 * layer], eps);
     auto [query, key, value] =
         rotary_split(linear(normed, blocks[4 * layer], kinds[4 * layer]), cos, sin, heads, kv_heads);
-    key_pools[layer].index_copy_(1, write_slots, key.transpose(0, 1));
-    value_pools[layer].index_copy_(1, write_slots, value.transpose(0, 1));
+    // A float16 pool stores the keys and values rounded to nearest, as PagedKVCache.write does.
+    key_pools[layer].index_copy_(1, write_slots, key.transpose(0, 1).to(key_pools[layer].scalar_type()));
+    value_pools[layer].index_copy_(1, write_slots, value.transpose(0, 1).to(value_pools[layer].scalar_type()));
     const at::Tensor attended = paged_attention(query, key_pools[layer], value_pools[layer], block_table, rows,
                                                 scale, block_size, keys_per_unit);
     out = linear(attended.reshape({tokens, -1}), blocks[4 * layer + 1], kinds[4 * layer + 1]);

@@ -1,5 +1,7 @@
-// Ragged attention over the paged KV-cache on a CPU (float32): every row's few new queries
-// (its last token plus its drafts) against that row's own blocks, all rows in one call.
+// Ragged attention over the paged KV-cache on a CPU: every row's few new queries (its last token
+// plus its drafts) against that row's own blocks, all rows in one call. Queries and arithmetic are
+// float32; the pool is float32 or float16 (half the bytes a step reads, llama.cpp's default cache
+// type), widened exactly as it is read.
 //
 // Why a kernel: a decode step reads every row's whole cache once per layer and does little
 // arithmetic with it. One SDPA call per row splits its work by heads only (3 key/value heads
@@ -25,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -63,6 +66,16 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// A pool element as float32 (exact for both types), one and eight at a time.
+inline float widen(float x) { return x; }
+inline float widen(at::Half x) { return static_cast<float>(x); }
+#ifdef NASD_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
 inline void add_scaled(float weight, const float* __restrict x, float* __restrict y, int64_t size) {
 #pragma omp simd
   for (int64_t i = 0; i < size; ++i) y[i] += weight * x[i];
@@ -84,26 +97,25 @@ struct Scratch {
 // cache is read once per step, from memory, not from a CPU cache); `also_prefetch`, when not
 // null, is a second pool of the same layout whose next tile is prefetched too (the values,
 // while the keys are scored, so the values pass finds them in cache).
-template <typename Body>
+template <typename KV, typename Body>
 inline void for_each_tile(const Unit& unit, const int32_t* block_row, int64_t block_size,
-                          const float* head_pool, int64_t head_dim, const float* also_prefetch,
-                          Body body) {
+                          const KV* head_pool, int64_t head_dim, const KV* also_prefetch, Body body) {
   const auto tile_at = [&](int64_t key, int64_t* run) {
     const int64_t in_block = key % block_size;
     *run = std::min({kTile, block_size - in_block, unit.end_key - key});
     return head_pool + (int64_t(block_row[key / block_size]) * block_size + in_block) * head_dim;
   };
   int64_t run = 0;
-  const float* tile = tile_at(unit.first_key, &run);
+  const KV* tile = tile_at(unit.first_key, &run);
   for (int64_t key = unit.first_key; key < unit.end_key;) {
     const int64_t next_key = key + run;
     int64_t next_run = 0;
-    const float* next_tile = next_key < unit.end_key ? tile_at(next_key, &next_run) : nullptr;
+    const KV* next_tile = next_key < unit.end_key ? tile_at(next_key, &next_run) : nullptr;
     const char* bytes = reinterpret_cast<const char*>(next_tile);
     const char* also = also_prefetch == nullptr || next_tile == nullptr
                            ? nullptr
                            : reinterpret_cast<const char*>(also_prefetch + (next_tile - head_pool));
-    for (int64_t offset = 0; offset < next_run * head_dim * int64_t(sizeof(float)); offset += 64) {
+    for (int64_t offset = 0; offset < next_run * head_dim * int64_t(sizeof(KV)); offset += 64) {
       __builtin_prefetch(bytes + offset);
       if (also != nullptr) __builtin_prefetch(also + offset);
     }
@@ -159,8 +171,8 @@ inline std::pair<float, float> softmax_scores(float* scores, int64_t visible) {
 }
 
 // acc[0, head_dim) += the tile's `run` values weighted by weights[0, run), key by key in order.
-template <int64_t HeadDim>
-inline void add_weighted_values(const float* weights, int64_t run, const float* tile, int64_t head_dim,
+template <int64_t HeadDim, typename KV>
+inline void add_weighted_values(const float* weights, int64_t run, const KV* tile, int64_t head_dim,
                                 float* acc) {
 #ifdef NASD_AVX2
   if constexpr (kSimdHead<HeadDim>) {
@@ -170,8 +182,8 @@ inline void add_weighted_values(const float* weights, int64_t run, const float* 
       for (int64_t j = 0; j < 8; ++j) sum[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
       for (int64_t i = 0; i < run; ++i) {
         const __m256 weight = _mm256_broadcast_ss(weights + i);
-        const float* value = tile + i * HeadDim + d0;
-        for (int64_t j = 0; j < 8; ++j) sum[j] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * j), sum[j]);
+        const KV* value = tile + i * HeadDim + d0;
+        for (int64_t j = 0; j < 8; ++j) sum[j] = _mm256_fmadd_ps(weight, load8(value + 8 * j), sum[j]);
       }
       for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(acc + d0 + 8 * j, sum[j]);
     }
@@ -183,9 +195,9 @@ inline void add_weighted_values(const float* weights, int64_t run, const float* 
   if (HeadDim > 0) std::copy(acc, acc + head_dim, local);
   for (int64_t i = 0; i < run; ++i) {
     const float weight = weights[i];
-    const float* value = tile + i * head_dim;
+    const KV* value = tile + i * head_dim;
 #pragma omp simd
-    for (int64_t d = 0; d < head_dim; ++d) sum[d] += weight * value[d];
+    for (int64_t d = 0; d < head_dim; ++d) sum[d] += weight * widen(value[d]);
   }
   if (HeadDim > 0) std::copy(local, local + head_dim, acc);
 }
@@ -196,8 +208,8 @@ inline void add_weighted_values(const float* weights, int64_t run, const float* 
 // computed beside it. With AVX2 the tile is transposed into `kt` ([D, kTile]) so that a register
 // holds 8 keys' values of one dimension: two vectors' 32 scores then take 8 registers and no
 // horizontal sums.
-template <int64_t HeadDim>
-inline void score_tile(const float* q, int64_t count, int64_t head_dim, const float* tile, int64_t run,
+template <int64_t HeadDim, typename KV>
+inline void score_tile(const float* q, int64_t count, int64_t head_dim, const KV* tile, int64_t run,
                        float* kt, float* target, int64_t target_stride) {
   const int64_t dims = HeadDim > 0 ? HeadDim : head_dim;
 #ifdef NASD_AVX2
@@ -206,7 +218,7 @@ inline void score_tile(const float* q, int64_t count, int64_t head_dim, const fl
       for (int64_t d0 = 0; d0 < HeadDim; d0 += 8) {
         __m256 r[8];
         for (int64_t k = 0; k < 8; ++k)
-          r[k] = i0 + k < run ? _mm256_loadu_ps(tile + (i0 + k) * HeadDim + d0) : _mm256_setzero_ps();
+          r[k] = i0 + k < run ? load8(tile + (i0 + k) * HeadDim + d0) : _mm256_setzero_ps();
         nasd_simd::transpose8(r);
         for (int64_t j = 0; j < 8; ++j) _mm256_store_ps(kt + (d0 + j) * kTile + i0, r[j]);
       }
@@ -261,11 +273,11 @@ inline void score_tile(const float* q, int64_t count, int64_t head_dim, const fl
 #endif
   (void)kt;
   for (int64_t i = 0; i < run; ++i) {
-    const float* key = tile + i * dims;
+    const KV* key = tile + i * dims;
     for (int64_t vector = 0; vector < count; ++vector) {
       const float* qv = q + vector * dims;
       float sum = 0.f;
-      for (int64_t d = 0; d < dims; ++d) sum += qv[d] * key[d];  // in order (no reassociation)
+      for (int64_t d = 0; d < dims; ++d) sum += qv[d] * widen(key[d]);  // in order (no reassociation)
       target[vector * target_stride + i] = sum;
     }
   }
@@ -282,17 +294,17 @@ constexpr int64_t kVectorBlock = 16;
 // are computed by the same loops whatever its block, so a query's partial does not depend on
 // the row's other queries. HeadDim > 0 fixes the head size at compile time (the loops then
 // unroll into registers).
-template <int64_t HeadDim>
-void attend_unit(const Unit& unit, const Shape& shape, const float* query, const float* keys,
-                 const float* values, const int32_t* block_row, int64_t query_start,
+template <int64_t HeadDim, typename KV>
+void attend_unit(const Unit& unit, const Shape& shape, const float* query, const KV* keys,
+                 const KV* values, const int32_t* block_row, int64_t query_start,
                  int64_t num_queries, int64_t length, float scale, int64_t keys_per_unit,
                  float* partials, Scratch& scratch) {
   const int64_t head_dim = HeadDim > 0 ? HeadDim : shape.head_dim;
   const int64_t groups = shape.groups;
   const int64_t num_vectors = num_queries * groups;  // query vectors: (position, group)
   const int64_t stride = head_dim + 2;
-  const float* head_keys = keys + unit.kv_head * shape.num_slots * head_dim;
-  const float* head_values = values + unit.kv_head * shape.num_slots * head_dim;
+  const KV* head_keys = keys + unit.kv_head * shape.num_slots * head_dim;
+  const KV* head_values = values + unit.kv_head * shape.num_slots * head_dim;
   const int64_t num_keys = unit.end_key - unit.first_key;
   // A vector's scores row: room for softmax_scores' last group of 8 within the row.
   const int64_t score_stride = (keys_per_unit + 7) / 8 * 8;
@@ -321,7 +333,7 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
     // Scores: the block's vectors against each tile of the keys they see.
     if (block_keys > 0) {
       for_each_tile(seen, block_row, shape.block_size, head_keys, head_dim, head_values,
-                    [&](int64_t first, int64_t run, const float* tile) {
+                    [&](int64_t first, int64_t run, const KV* tile) {
                       score_tile<HeadDim>(q, block_vectors, head_dim, tile, run, scratch.transposed,
                                           scores + first - unit.first_key, score_stride);
                     });
@@ -346,8 +358,8 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
     // Weighted values, per tile and query vector over the keys it sees (the tile in cache after
     // the first vector).
     if (block_keys > 0) {
-      for_each_tile(seen, block_row, shape.block_size, head_values, head_dim, nullptr,
-                    [&](int64_t first, int64_t run, const float* tile) {
+      for_each_tile(seen, block_row, shape.block_size, head_values, head_dim, static_cast<const KV*>(nullptr),
+                    [&](int64_t first, int64_t run, const KV* tile) {
                       for (int64_t vector = 0; vector < block_vectors; ++vector) {
                         const int64_t offset = first - unit.first_key;
                         const int64_t keys = std::min(run, visible_keys((block + vector) / groups) - offset);
@@ -362,8 +374,8 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
 
 }  // namespace
 
-// query [positions, heads, head_dim]: the step's packed queries. keys, values: one layer's pool
-// [kv_heads, slots, head_dim]. block_table [rows, max_blocks] int32. rows [rows, 3] int64:
+// query [positions, heads, head_dim] float32: the step's packed queries. keys, values: one layer's
+// pool [kv_heads, slots, head_dim], float32 or float16 (both the same). block_table [rows, max_blocks] int32. rows [rows, 3] int64:
 // (first packed position, number of new positions, cached length including them).
 // Returns [positions, heads, head_dim]; positions that belong to no row are zero.
 namespace nasd {
@@ -371,9 +383,10 @@ namespace nasd {
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& block_table, const at::Tensor& rows, double scale,
                            int64_t block_size, int64_t keys_per_unit) {
-  TORCH_CHECK(query.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
-                  values.scalar_type() == at::kFloat,
-              "nasd::paged_attention: float32 tensors only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat &&
+                  (keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kHalf) &&
+                  values.scalar_type() == keys.scalar_type(),
+              "nasd::paged_attention: a float32 query, float32 or float16 pools");
   TORCH_CHECK(query.is_contiguous() && keys.is_contiguous() && values.is_contiguous(),
               "nasd::paged_attention: contiguous tensors only");
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 3 && keys.sizes() == values.sizes() &&
@@ -420,8 +433,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
   const int64_t stride = shape.head_dim + 2;
   std::vector<float> partials(num_partials * stride);
   const float* q = query.data_ptr<float>();
-  const float* k = keys.data_ptr<float>();
-  const float* v = values.data_ptr<float>();
   // Units differ in cost (a row verifying 16 drafts has 17x the queries of a decode row), so
   // threads take them one at a time, dearest first, instead of in fixed contiguous shares.
   std::vector<int64_t> order(units.size());
@@ -432,20 +443,28 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
     };
     return cost(units[a]) > cost(units[b]);
   });
-  std::atomic<int64_t> next_unit{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Scratch scratch;
-    for (int64_t taken = next_unit++; taken < int64_t(units.size()); taken = next_unit++) {
-      const Unit& unit = units[order[taken]];
-      const int64_t* info = row_info + unit.row * 3;
-      const int32_t* block_row = table + unit.row * shape.max_blocks;
-      const auto attend = shape.head_dim == 64    ? attend_unit<64>
-                          : shape.head_dim == 128 ? attend_unit<128>
-                                                  : attend_unit<0>;
-      attend(unit, shape, q, k, v, block_row, info[0], info[1], info[2], float(scale), keys_per_unit,
-             partials.data(), scratch);
-    }
-  });
+  const auto attend_units = [&](const auto* k, const auto* v) {
+    using KV = std::remove_cv_t<std::remove_pointer_t<decltype(k)>>;
+    const auto attend = shape.head_dim == 64    ? attend_unit<64, KV>
+                        : shape.head_dim == 128 ? attend_unit<128, KV>
+                                                : attend_unit<0, KV>;
+    std::atomic<int64_t> next_unit{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      Scratch scratch;
+      for (int64_t taken = next_unit++; taken < int64_t(units.size()); taken = next_unit++) {
+        const Unit& unit = units[order[taken]];
+        const int64_t* info = row_info + unit.row * 3;
+        const int32_t* block_row = table + unit.row * shape.max_blocks;
+        attend(unit, shape, q, k, v, block_row, info[0], info[1], info[2], float(scale), keys_per_unit,
+               partials.data(), scratch);
+      }
+    });
+  };
+  if (keys.scalar_type() == at::kHalf) {
+    attend_units(keys.data_ptr<at::Half>(), values.data_ptr<at::Half>());
+  } else {
+    attend_units(keys.data_ptr<float>(), values.data_ptr<float>());
+  }
 
   // Merge: each query's partials (one per unit of its row and head) combine with weights
   // exp(max_u - max), the usual log-sum-exp rescaling.
