@@ -137,11 +137,17 @@ def main() -> None:
     parser.add_argument(
         "--probe-max-rows", type=int, default=None, help="the servers' start-up probe (default: theirs)"
     )
+    parser.add_argument(
+        "--num-cpus",
+        type=int,
+        default=None,
+        help="each replica's CPUs and torch threads (default: a lone replica's)",
+    )
     args = parser.parse_args()
     categories = QUICK_CATEGORIES if args.quick else CATEGORIES
     requests = QUICK_REQUESTS if args.quick else REQUESTS
     # The torch threads a lone replica gets by default (the cores Ray's own processes leave).
-    num_cpus = max(1, (os.cpu_count() or 2) - RAY_RESERVED_CPUS)
+    num_cpus = args.num_cpus or max(1, (os.cpu_count() or 2) - RAY_RESERVED_CPUS)
     model, tokenizer = load_model(config=ModelConfig(dtype="gguf"))
     app_args = {} if args.probe_max_rows is None else {"probe_max_rows": args.probe_max_rows}
     cells = run(tokenizer, categories, requests, args.max_tokens, num_cpus, app_args)

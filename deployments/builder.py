@@ -260,13 +260,27 @@ def default_dtype(args: AppArgs, device: str) -> str:
     return "gguf" if is_embedded(args.model) and torch.device(device).type == "cpu" else "float32"
 
 
+def lone_cpu_replica(args: AppArgs, device: str) -> bool:
+    """Whether the application is one CPU replica with the machine to itself (a laptop's `make serve`)."""
+    return not (device != "cpu" or args.num_gpus_per_replica > 0 or args.autoscaling or args.num_replicas > 1)
+
+
 def default_cpus_per_replica(args: AppArgs, device: str) -> float:
     """``num_cpus_per_replica`` when unset: all visible cores but ``RAY_RESERVED_CPUS`` for one
-    CPU replica alone (a laptop's `make serve`; before, it ran one torch thread on any machine),
-    ``DEFAULT_NUM_CPUS_PER_REPLICA`` when replicas share the machine or a GPU does the work."""
-    if device != "cpu" or args.num_gpus_per_replica > 0 or args.autoscaling or args.num_replicas > 1:
+    CPU replica alone (before, it ran one torch thread on any machine), ``DEFAULT_NUM_CPUS_PER_REPLICA``
+    when replicas share the machine or a GPU does the work."""
+    if not lone_cpu_replica(args, device):
         return DEFAULT_NUM_CPUS_PER_REPLICA
     return float(max(1, visible_cpus() - RAY_RESERVED_CPUS))
+
+
+def default_wide_step_threads(args: AppArgs, device: str) -> int | None:
+    """``EngineConfig.wide_step_threads``: every visible core for a lone CPU replica on its default
+    CPUs (its prompt chunks and wide verifications take the core its other steps leave to Ray's
+    processes), None otherwise."""
+    if args.num_cpus_per_replica is not None or not lone_cpu_replica(args, device):
+        return None
+    return visible_cpus()
 
 
 def visible_cpus() -> int:
@@ -335,6 +349,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         graph_warmup_budget_s=args.graph_warmup_budget_s,
         prefix_cache_tokens=args.prefix_cache_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        wide_step_threads=default_wide_step_threads(args, device),
         spec=SpecConfig(
             mode=args.speculation,
             num_draft_tokens=args.num_draft_tokens,

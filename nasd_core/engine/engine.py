@@ -56,7 +56,8 @@ from nasd_core.structured import Grammars
 TokenListener = Callable[[Request, list[int]], None]
 # Prefix cache kept by default on a CPU, in positions: its blocks stay resident there (the
 # embedded model's keys and values are 23 KB a position in the GGUF path's float16 cache: 8192 of
-# them are ~190 MB), a chat's history or two. On a GPU free blocks are memory already taken, so every one may stay cached.
+# them are ~190 MB), a chat's history or two. On a GPU free blocks are memory already taken, so
+# every one may stay cached.
 CPU_PREFIX_CACHE_TOKENS = 8192
 # A wait for the device longer than this means the device, not the host, bounded the step.
 DEVICE_BOUND_WAIT_S = 50e-6
@@ -111,6 +112,7 @@ class Engine:
                 self.config.kv_block_size,
                 self.config.max_batch_rows,
                 kv_cache_dtype=self.config.kv_cache_dtype,
+                wide_step_threads=self.config.wide_step_threads,
                 step_graphs=self.config.step_graphs,
                 graph_attention=self.config.graph_attention,
                 compiled_layers=self.config.compiled_layers,

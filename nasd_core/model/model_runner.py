@@ -11,10 +11,11 @@ rejected drafts with ``cache.set_length``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,11 @@ DEFAULT_CPU_KV_FRACTION = 0.25
 # prompt's steps: a 1000-token chat takes 4 steps of 256, 1 of 2048.
 CPU_PREFILL_CHUNK_TOKENS = 256
 GPU_PREFILL_CHUNK_TOKENS = 2048
+# Steps of at least this many positions take ``wide_step_threads`` (prompt chunks, wide
+# verifications): long enough in their parallel loops that a core kept free for the server's other
+# processes pays more working on the step (a lone replica on 2 cores through HTTP: C=8 off 104 ->
+# 122 tok/s, C=1 unchanged; every step on both cores instead lost C=1 off 66 -> 55).
+WIDE_STEP_POSITIONS = 32
 
 
 def default_prefill_chunk(device: torch.device) -> int:
@@ -88,6 +94,21 @@ def attention_shape(model) -> tuple[int, int, int, int]:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return config.num_hidden_layers, heads, kv_heads, head_dim
+
+
+@contextlib.contextmanager
+def step_threads(wide_step_threads: int | None, num_positions: int) -> Iterator[None]:
+    """Torch's threads for a step of ``num_positions``: ``wide_step_threads`` from
+    ``WIDE_STEP_POSITIONS`` positions, the caller's otherwise (set back after the step)."""
+    before = torch.get_num_threads()
+    if wide_step_threads is None or num_positions < WIDE_STEP_POSITIONS or wide_step_threads == before:
+        yield
+        return
+    torch.set_num_threads(wide_step_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def kv_dtype_for(model, setting: str = "auto") -> torch.dtype:
@@ -196,6 +217,8 @@ class ModelRunner:
             logits are the same bits whatever else its step computes, so greedy output does not
             depend on speculation or on the batch. CPU only; the model is changed in place.
         kv_cache_dtype: the KV-cache's element type (``EngineConfig.kv_cache_dtype``; ``kv_dtype_for``).
+        wide_step_threads: torch threads for CPU steps of ``WIDE_STEP_POSITIONS`` positions or more
+            (None: the calling thread's for every step).
     """
 
     def __init__(
@@ -213,8 +236,10 @@ class ModelRunner:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         deterministic: bool = False,
         kv_cache_dtype: str = "auto",
+        wide_step_threads: int | None = None,
     ):
         self.model = model
+        self.wide_step_threads = wide_step_threads
         self.deterministic = deterministic
         if deterministic:
             if step_graphs or compiled_layers:
@@ -385,7 +410,8 @@ class ModelRunner:
             )
             self.last_graph_shape, self.last_captured = self.graphs.last_shape, self.graphs.last_captured
         if logits is None:
-            logits = self._packed_forward(rows)
+            with step_threads(self.wide_step_threads, sum(len(row.token_ids) for row in rows)):
+                logits = self._packed_forward(rows)
             self.last_graph_shape, self.last_captured = None, False
         for row in rows:
             cached = self.cache.length(row.row_id) + len(row.token_ids)
