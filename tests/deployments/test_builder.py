@@ -57,6 +57,7 @@ def test_a_lone_cpu_replica_takes_all_cores_but_one_for_ray_and_all_for_wide_ste
     replica, config = replica_of(build_app({"num_cpus_per_replica": 3}))
     assert config.num_threads == 3 and replica.ray_actor_options == {"num_cpus": 3.0}
     assert config.engine.wide_step_threads is None  # threads set by hand are every step's
+    assert replica_of(build_app({"wide_step_threads": "4"}))[1].engine.wide_step_threads == 4
     monkeypatch.setattr(builder, "visible_cpus", lambda: 1)
     assert replica_of(build_app({}))[1].num_threads == 1
 
