@@ -3,7 +3,7 @@
 Issue 51's check that AUTO never loses: a local Ray Serve runs ``deployments.build_app`` three
 times (speculation ``off``, ``auto`` and ``off`` again; one replica each, ``dtype="gguf"``, the
 torch threads a lone replica gets by default: the cores but ``RAY_RESERVED_CPUS``, every core for
-steps of 32 positions or more). The official
+prompt chunks). The official
 OpenAI client streams greedy chat completions of each category, one request at a time (C=1) and
 eight at a time (C=8), to each server in turn, the order rotating by cell. Categories are this
 project's workloads (``benchmarks.workloads``: the repetitive ones and the others, multi-turn
@@ -148,12 +148,12 @@ def main() -> None:
     categories = QUICK_CATEGORIES if args.quick else CATEGORIES
     requests = QUICK_REQUESTS if args.quick else REQUESTS
     # The torch threads a lone replica gets by default: the cores Ray's own processes leave, and
-    # every core for its wide steps.
+    # every core for its prompt chunks.
     num_cpus = args.num_cpus or max(1, (os.cpu_count() or 2) - RAY_RESERVED_CPUS)
     model, tokenizer = load_model(config=ModelConfig(dtype="gguf"))
     app_args = {} if args.probe_max_rows is None else {"probe_max_rows": args.probe_max_rows}
     if args.num_cpus is None:
-        app_args["wide_step_threads"] = os.cpu_count() or 2
+        app_args["prefill_threads"] = os.cpu_count() or 2
     cells = run(tokenizer, categories, requests, args.max_tokens, num_cpus, app_args)
     payload = {
         "benchmark": "http_categories",

@@ -92,7 +92,7 @@ ENV_VARS = {
     "graph_warmup_budget_s": "NASD_GRAPH_WARMUP_BUDGET_S",
     "prefix_cache_tokens": "NASD_PREFIX_CACHE_TOKENS",
     "kv_cache_dtype": "NASD_KV_CACHE_DTYPE",
-    "wide_step_threads": "NASD_WIDE_STEP_THREADS",
+    "prefill_threads": "NASD_PREFILL_THREADS",
     "tool_call_parser": "NASD_TOOL_CALL_PARSER",
     "autoscaling": "NASD_AUTOSCALING",
     "drain_timeout_s": "NASD_DRAIN_TIMEOUT_S",
@@ -193,12 +193,12 @@ class AppArgs(BaseModel):
         description="Positions of finished requests' KV kept for later prompts with the same start "
         "(EngineConfig.prefix_cache_tokens; None: 8192 on a CPU, the whole pool on a GPU; 0: off).",
     )
-    wide_step_threads: int | None = Field(
+    prefill_threads: int | None = Field(
         None,
         ge=1,
-        description="Torch threads of a CPU replica's steps of 32 positions or more: prompt chunks, wide "
-        "verifications (EngineConfig.wide_step_threads); None: every visible core for a lone CPU replica "
-        "on its default CPUs, whose other steps leave one to Ray's processes; else num_cpus_per_replica.",
+        description="Torch threads of a CPU replica's steps that prefill 32 prompt tokens or more "
+        "(EngineConfig.prefill_threads, llama.cpp's --threads-batch); None: every visible core for a lone "
+        "CPU replica on its default CPUs, whose other steps leave one to Ray's processes; else its CPUs.",
     )
     kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
         "auto",
@@ -282,12 +282,12 @@ def default_cpus_per_replica(args: AppArgs, device: str) -> float:
     return float(max(1, visible_cpus() - RAY_RESERVED_CPUS))
 
 
-def default_wide_step_threads(args: AppArgs, device: str) -> int | None:
-    """``EngineConfig.wide_step_threads`` when unset: every visible core for a lone CPU replica on
-    its default CPUs (its prompt chunks and wide verifications take the core its other steps leave
-    to Ray's processes), None otherwise."""
-    if args.wide_step_threads is not None:
-        return args.wide_step_threads
+def default_prefill_threads(args: AppArgs, device: str) -> int | None:
+    """``EngineConfig.prefill_threads`` when unset: every visible core for a lone CPU replica on
+    its default CPUs (its prompt chunks take the core its other steps leave to Ray's processes),
+    None otherwise."""
+    if args.prefill_threads is not None:
+        return args.prefill_threads
     if args.num_cpus_per_replica is not None or not lone_cpu_replica(args, device):
         return None
     return visible_cpus()
@@ -359,7 +359,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         graph_warmup_budget_s=args.graph_warmup_budget_s,
         prefix_cache_tokens=args.prefix_cache_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
-        wide_step_threads=default_wide_step_threads(args, device),
+        prefill_threads=default_prefill_threads(args, device),
         spec=SpecConfig(
             mode=args.speculation,
             num_draft_tokens=args.num_draft_tokens,

@@ -242,12 +242,12 @@ class EngineConfig(_Config):
         "fit are refused at start.",
     )
     kv_block_size: int = Field(32, ge=1, le=4096, description="Positions per KV-cache block.")
-    wide_step_threads: int | None = Field(
+    prefill_threads: int | None = Field(
         None,
         ge=1,
-        description="Torch threads for CPU steps of 32 positions or more (prompt chunks, wide "
-        "verifications); None: the process's for every step. A lone server replica on a CPU runs its "
-        "other steps with a core left to the server's other processes, and these on every core.",
+        description="Torch threads for CPU steps that prefill 32 prompt tokens or more, as llama.cpp's "
+        "--threads-batch; None: the process's for every step. A lone server replica on a CPU decodes with "
+        "a core left to the server's other processes and prefills on every core.",
     )
     kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
         "auto",

@@ -112,7 +112,7 @@ class Engine:
                 self.config.kv_block_size,
                 self.config.max_batch_rows,
                 kv_cache_dtype=self.config.kv_cache_dtype,
-                wide_step_threads=self.config.wide_step_threads,
+                prefill_threads=self.config.prefill_threads,
                 step_graphs=self.config.step_graphs,
                 graph_attention=self.config.graph_attention,
                 compiled_layers=self.config.compiled_layers,

@@ -66,11 +66,12 @@ DEFAULT_CPU_KV_FRACTION = 0.25
 # prompt's steps: a 1000-token chat takes 4 steps of 256, 1 of 2048.
 CPU_PREFILL_CHUNK_TOKENS = 256
 GPU_PREFILL_CHUNK_TOKENS = 2048
-# Steps of at least this many positions take ``wide_step_threads`` (prompt chunks, wide
-# verifications): long enough in their parallel loops that a core kept free for the server's other
-# processes pays more working on the step (a lone replica on 2 cores through HTTP: C=8 off 104 ->
-# 122 tok/s, C=1 unchanged; every step on both cores instead lost C=1 off 66 -> 55).
-WIDE_STEP_POSITIONS = 32
+# Steps that prefill at least this many prompt tokens take ``prefill_threads`` (llama.cpp's
+# --threads-batch): long in their parallel loops for the tokens they stream, so a core kept free
+# for the server's other processes pays more working on them (a lone replica on 2 cores through
+# HTTP: C=8 off 104 -> 122 tok/s, C=1 level; every step on both cores lost C=1 off 66 -> 55).
+# Verification steps keep the decode threads, so their costs stay one curve for the policy.
+PREFILL_THREADS_MIN_TOKENS = 32
 
 
 def default_prefill_chunk(device: torch.device) -> int:
@@ -97,14 +98,16 @@ def attention_shape(model) -> tuple[int, int, int, int]:
 
 
 @contextlib.contextmanager
-def step_threads(wide_step_threads: int | None, num_positions: int) -> Iterator[None]:
-    """Torch's threads for a step of ``num_positions``: ``wide_step_threads`` from
-    ``WIDE_STEP_POSITIONS`` positions, the caller's otherwise (set back after the step)."""
+def step_threads(prefill_threads: int | None, rows: Sequence[StepRow]) -> Iterator[None]:
+    """Torch's threads for a step of ``rows``: ``prefill_threads`` where its positions that need no
+    logits (prompt tokens) reach ``PREFILL_THREADS_MIN_TOKENS``, the caller's otherwise (set back
+    after the step)."""
     before = torch.get_num_threads()
-    if wide_step_threads is None or num_positions < WIDE_STEP_POSITIONS or wide_step_threads == before:
+    num_prompt_tokens = sum(len(row.token_ids) - row.num_logits for row in rows)
+    if prefill_threads is None or num_prompt_tokens < PREFILL_THREADS_MIN_TOKENS or prefill_threads == before:
         yield
         return
-    torch.set_num_threads(wide_step_threads)
+    torch.set_num_threads(prefill_threads)
     try:
         yield
     finally:
@@ -217,8 +220,8 @@ class ModelRunner:
             logits are the same bits whatever else its step computes, so greedy output does not
             depend on speculation or on the batch. CPU only; the model is changed in place.
         kv_cache_dtype: the KV-cache's element type (``EngineConfig.kv_cache_dtype``; ``kv_dtype_for``).
-        wide_step_threads: torch threads for CPU steps of ``WIDE_STEP_POSITIONS`` positions or more
-            (None: the calling thread's for every step).
+        prefill_threads: torch threads for CPU steps that prefill ``PREFILL_THREADS_MIN_TOKENS`` prompt
+            tokens or more (None: the calling thread's for every step).
     """
 
     def __init__(
@@ -236,10 +239,10 @@ class ModelRunner:
         gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         deterministic: bool = False,
         kv_cache_dtype: str = "auto",
-        wide_step_threads: int | None = None,
+        prefill_threads: int | None = None,
     ):
         self.model = model
-        self.wide_step_threads = wide_step_threads
+        self.prefill_threads = prefill_threads
         self.deterministic = deterministic
         if deterministic:
             if step_graphs or compiled_layers:
@@ -410,7 +413,7 @@ class ModelRunner:
             )
             self.last_graph_shape, self.last_captured = self.graphs.last_shape, self.graphs.last_captured
         if logits is None:
-            with step_threads(self.wide_step_threads, sum(len(row.token_ids) for row in rows)):
+            with step_threads(self.prefill_threads, rows):
                 logits = self._packed_forward(rows)
             self.last_graph_shape, self.last_captured = None, False
         for row in rows:

@@ -44,20 +44,20 @@ def test_defaults_serve_the_embedded_model_on_cpu_with_an_in_memory_pool(monkeyp
     assert replica.max_ongoing_requests == config.engine.max_batch_rows + config.engine.max_waiting
 
 
-def test_a_lone_cpu_replica_takes_all_cores_but_one_for_ray_and_all_for_wide_steps(monkeypatch):
+def test_a_lone_cpu_replica_takes_all_cores_but_one_for_ray_and_all_to_prefill(monkeypatch):
     monkeypatch.setattr(builder, "visible_cpus", lambda: 8)
     replica, config = replica_of(build_app({}))
     assert config.num_threads == 7 and replica.ray_actor_options == {"num_cpus": 7.0}
-    assert config.engine.wide_step_threads == 8
+    assert config.engine.prefill_threads == 8
     # Replicas sharing the machine, or a GPU doing the work: one CPU each unless set.
     for args in [{"num_replicas": 2}, {"autoscaling": {"max_replicas": 3}}, {"num_gpus_per_replica": 1}]:
         replica, config = replica_of(build_app(args))
         assert replica.ray_actor_options["num_cpus"] == 1.0, args
-        assert config.engine.wide_step_threads is None, args
+        assert config.engine.prefill_threads is None, args
     replica, config = replica_of(build_app({"num_cpus_per_replica": 3}))
     assert config.num_threads == 3 and replica.ray_actor_options == {"num_cpus": 3.0}
-    assert config.engine.wide_step_threads is None  # threads set by hand are every step's
-    assert replica_of(build_app({"wide_step_threads": "4"}))[1].engine.wide_step_threads == 4
+    assert config.engine.prefill_threads is None  # threads set by hand are every step's
+    assert replica_of(build_app({"prefill_threads": "4"}))[1].engine.prefill_threads == 4
     monkeypatch.setattr(builder, "visible_cpus", lambda: 1)
     assert replica_of(build_app({}))[1].num_threads == 1
 

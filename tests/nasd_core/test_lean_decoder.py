@@ -163,32 +163,30 @@ def test_the_fused_layer_loop_is_the_python_loop_bit_for_bit(gguf_model, monkeyp
         assert torch.equal(keys, pool_keys[:, slots]) and torch.equal(values, pool_values[:, slots])
 
 
-def test_wide_steps_run_on_their_threads_with_the_same_bits(gguf_model, monkeypatch):
-    """A step of ``WIDE_STEP_POSITIONS`` positions or more (a prompt chunk) runs on
-    ``wide_step_threads`` (a lone server replica's every core), a narrower one on the caller's
-    threads, which are set back after; the GGUF path's logits are the same bits either way."""
+def test_prompt_chunks_run_on_the_prefill_threads_with_the_same_bits(gguf_model, monkeypatch):
+    """A step that prefills ``PREFILL_THREADS_MIN_TOKENS`` prompt tokens or more runs on
+    ``prefill_threads`` (a lone server replica's every core); a verification step as wide stays on
+    the caller's threads, which are set back after; the GGUF path's logits are the same bits
+    either way."""
     from nasd_core.model import model_runner
 
-    prompt = torch.randint(
-        0, 49152, (model_runner.WIDE_STEP_POSITIONS + 8,), generator=torch.Generator().manual_seed(5)
-    )
+    width = model_runner.PREFILL_THREADS_MIN_TOKENS
+    tokens = torch.randint(0, 49152, (2 * width + 2,), generator=torch.Generator().manual_seed(5)).tolist()
     threads_seen: list[int] = []
 
-    def logits(wide_step_threads: int | None) -> list[torch.Tensor]:
-        runner = ModelRunner(
-            gguf_model, kv_cache_tokens=256, block_size=16, wide_step_threads=wide_step_threads
-        )
+    def logits(prefill_threads: int | None) -> list[torch.Tensor]:
+        runner = ModelRunner(gguf_model, kv_cache_tokens=256, block_size=16, prefill_threads=prefill_threads)
         packed = runner._packed_forward
         monkeypatch.setattr(
             runner,
             "_packed_forward",
             lambda rows: threads_seen.append(torch.get_num_threads()) or packed(rows),
         )
-        runner.cache.allocate(0, len(prompt) + 4)
-        chunk = runner.forward([StepRow(0, prompt[:-3].tolist(), 1)])
-        return [chunk, runner.forward([StepRow(0, prompt[-3:].tolist(), 3)])]
+        runner.cache.allocate(0, len(tokens))
+        chunk = runner.forward([StepRow(0, tokens[: width + 1], 1)])  # 32 tokens without logits
+        return [chunk, runner.forward([StepRow(0, tokens[width + 1 :], width + 1)])]  # 33 with
 
-    def wide_and_narrow() -> list[torch.Tensor]:
+    def with_prefill_threads() -> list[torch.Tensor]:
         threads_seen.clear()
         steps = logits(2)
         assert threads_seen == [2, 1] and torch.get_num_threads() == 1
@@ -196,5 +194,5 @@ def test_wide_steps_run_on_their_threads_with_the_same_bits(gguf_model, monkeypa
 
     plain = with_threads(1, lambda: logits(None))
     assert threads_seen == [1, 1]
-    for expected, actual in zip(plain, with_threads(1, wide_and_narrow)):
+    for expected, actual in zip(plain, with_threads(1, with_prefill_threads)):
         assert torch.equal(expected, actual)
