@@ -269,6 +269,10 @@ class ModelRunner:
             raise ValueError(
                 f"step graphs serve model types {sorted(GRAPH_MODEL_TYPES)}, not {model.config.model_type!r}"
             )
+        if self.kv_dtype != model.dtype and (step_graphs or self.batch_attention):
+            raise ValueError(
+                "a KV-cache of another dtype than the model's needs step graphs and batched attention off"
+            )
         capture = self.device.type == "cuda"
         if compiled_layers is None:
             compiled_layers = capture and model.config.model_type in COMPILED_MODEL_TYPES

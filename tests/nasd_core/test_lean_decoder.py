@@ -196,3 +196,23 @@ def test_prompt_chunks_run_on_the_prefill_threads_with_the_same_bits(gguf_model,
     assert threads_seen == [1, 1]
     for expected, actual in zip(plain, with_threads(1, with_prefill_threads)):
         assert torch.equal(expected, actual)
+
+
+def test_the_kv_cache_is_float16_on_the_gguf_path_and_float32_models_may_choose_it(gguf_model, model):
+    """``kv_cache_dtype="auto"``: float16 where the lean decoder runs, the model's dtype elsewhere.
+    A float32 model may take float16 too: its prompt chunks attend with SDPA over the pool widened
+    back to float32, its decode rows in the kernel, within float16's rounding of float32's logits."""
+    assert ModelRunner(gguf_model, kv_cache_tokens=64).cache.keys[0].dtype == torch.float16
+    assert ModelRunner(model, kv_cache_tokens=64).cache.keys[0].dtype == torch.float32
+    with pytest.raises(ValueError, match="batched attention off"):
+        ModelRunner(gguf_model, kv_cache_tokens=64, batch_attention=True)
+    prompt = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+
+    def logits(kv_cache_dtype: str) -> torch.Tensor:
+        runner = ModelRunner(model, kv_cache_tokens=64, block_size=16, kv_cache_dtype=kv_cache_dtype)
+        assert runner.cache.keys[0].dtype == getattr(torch, kv_cache_dtype)
+        runner.cache.allocate(0, len(prompt))
+        chunk = runner.forward([StepRow(0, prompt[:-1], len(prompt) - 1)])
+        return torch.cat([chunk, runner.forward([StepRow(0, prompt[-1:], 1)])])
+
+    assert relative_error(logits("float16"), logits("float32")) < 1e-3

@@ -375,8 +375,9 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
 }  // namespace
 
 // query [positions, heads, head_dim] float32: the step's packed queries. keys, values: one layer's
-// pool [kv_heads, slots, head_dim], float32 or float16 (both the same). block_table [rows, max_blocks] int32. rows [rows, 3] int64:
-// (first packed position, number of new positions, cached length including them).
+// pool [kv_heads, slots, head_dim], both float32 or both float16. block_table [rows, max_blocks]
+// int32. rows [rows, 3] int64: (first packed position, number of new positions, cached length
+// including them).
 // Returns [positions, heads, head_dim]; positions that belong to no row are zero.
 namespace nasd {
 
