@@ -285,10 +285,10 @@ def default_cpus_per_replica(args: AppArgs, device: str) -> float:
 def default_prefill_threads(args: AppArgs, device: str) -> int | None:
     """``EngineConfig.prefill_threads`` when unset: every visible core for a lone CPU replica on
     its default CPUs (its prompt chunks take the core its other steps leave to Ray's processes),
-    None otherwise."""
+    None otherwise and for deterministic steps (one thread count for every step)."""
     if args.prefill_threads is not None:
         return args.prefill_threads
-    if args.num_cpus_per_replica is not None or not lone_cpu_replica(args, device):
+    if args.num_cpus_per_replica is not None or args.deterministic or not lone_cpu_replica(args, device):
         return None
     return visible_cpus()
 

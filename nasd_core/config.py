@@ -246,15 +246,17 @@ class EngineConfig(_Config):
         None,
         ge=1,
         description="Torch threads for CPU steps that prefill 32 prompt tokens or more, as llama.cpp's "
-        "--threads-batch; None: the process's for every step. A lone server replica on a CPU decodes with "
-        "a core left to the server's other processes and prefills on every core.",
+        "--threads-batch; None: the process's for every step (always, with deterministic steps). A lone "
+        "server replica on a CPU decodes with a core left to the server's other processes and prefills on "
+        "every core.",
     )
     kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
         "auto",
         description="Element type of the KV-cache. 'auto': float16 where the CPU attention kernel reads it "
         "(the GGUF path, whose decode steps read more KV than weights once rows hold a few hundred "
-        "tokens; llama.cpp's default cache type), the model's dtype elsewhere. 'float16' on a float32 "
-        "model is for CPUs only (the kernel widens each element exactly as it reads it).",
+        "tokens; llama.cpp's default cache type), the model's dtype elsewhere, step graphs and batched "
+        "attention included. 'float16' on a float32 model is for CPUs only (the kernel widens each element "
+        "exactly as it reads it).",
     )
     prefix_cache_tokens: int | None = Field(
         None,

@@ -101,7 +101,8 @@ def attention_shape(model) -> tuple[int, int, int, int]:
 def step_threads(prefill_threads: int | None, rows: Sequence[StepRow]) -> Iterator[None]:
     """Torch's threads for a step of ``rows``: ``prefill_threads`` where its positions that need no
     logits (prompt tokens) reach ``PREFILL_THREADS_MIN_TOKENS``, the caller's otherwise (set back
-    after the step)."""
+    after the step; torch's global count follows, so a thread whose first parallel op runs meanwhile
+    keeps it, which only ever gives it more threads)."""
     before = torch.get_num_threads()
     num_prompt_tokens = sum(len(row.token_ids) - row.num_logits for row in rows)
     if prefill_threads is None or num_prompt_tokens < PREFILL_THREADS_MIN_TOKENS or prefill_threads == before:
@@ -242,7 +243,8 @@ class ModelRunner:
         prefill_threads: int | None = None,
     ):
         self.model = model
-        self.prefill_threads = prefill_threads
+        # Deterministic steps keep one thread count: torch's own kernels split work by it.
+        self.prefill_threads = None if deterministic else prefill_threads
         self.deterministic = deterministic
         if deterministic:
             if step_graphs or compiled_layers:
@@ -270,9 +272,12 @@ class ModelRunner:
                 f"step graphs serve model types {sorted(GRAPH_MODEL_TYPES)}, not {model.config.model_type!r}"
             )
         if self.kv_dtype != model.dtype and (step_graphs or self.batch_attention):
-            raise ValueError(
-                "a KV-cache of another dtype than the model's needs step graphs and batched attention off"
-            )
+            # Their SDPA and FlexAttention calls read the pool as the query's dtype.
+            if kv_cache_dtype != "auto":
+                raise ValueError(
+                    "a KV-cache of another dtype than the model's needs step graphs and batched attention off"
+                )
+            self.kv_dtype = model.dtype
         capture = self.device.type == "cuda"
         if compiled_layers is None:
             compiled_layers = capture and model.config.model_type in COMPILED_MODEL_TYPES

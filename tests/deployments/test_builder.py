@@ -58,6 +58,7 @@ def test_a_lone_cpu_replica_takes_all_cores_but_one_for_ray_and_all_to_prefill(m
     assert config.num_threads == 3 and replica.ray_actor_options == {"num_cpus": 3.0}
     assert config.engine.prefill_threads is None  # threads set by hand are every step's
     assert replica_of(build_app({"prefill_threads": "4"}))[1].engine.prefill_threads == 4
+    assert replica_of(build_app({"deterministic": "true"}))[1].engine.prefill_threads is None
     monkeypatch.setattr(builder, "visible_cpus", lambda: 1)
     assert replica_of(build_app({}))[1].num_threads == 1
 

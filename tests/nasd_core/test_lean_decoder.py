@@ -205,7 +205,11 @@ def test_the_kv_cache_is_float16_on_the_gguf_path_and_float32_models_may_choose_
     assert ModelRunner(gguf_model, kv_cache_tokens=64).cache.keys[0].dtype == torch.float16
     assert ModelRunner(model, kv_cache_tokens=64).cache.keys[0].dtype == torch.float32
     with pytest.raises(ValueError, match="batched attention off"):
-        ModelRunner(gguf_model, kv_cache_tokens=64, batch_attention=True)
+        ModelRunner(gguf_model, kv_cache_tokens=64, batch_attention=True, kv_cache_dtype="float16")
+    # "auto" falls back to the model's dtype where batched attention reads the pool.
+    assert (
+        ModelRunner(gguf_model, kv_cache_tokens=64, batch_attention=True).cache.keys[0].dtype == torch.float32
+    )
     prompt = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(6)).tolist()
 
     def logits(kv_cache_dtype: str) -> torch.Tensor:
