@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 from statistics import geometric_mean
 
 from benchmarks.common import grouped_bars, new_figure, publish_run, rotated, run_metadata
 from benchmarks.http import counters_delta, engine_counters, run_cell, served_modes, speculation_of
 from benchmarks.workloads import REPETITIVE, WORKLOADS, distinct_prompts, long_chat_messages
-from deployments.builder import RAY_RESERVED_CPUS
+from deployments.builder import RAY_RESERVED_CPUS, visible_cpus
 from nasd_core.config import ModelConfig
 from nasd_core.models import load_model
 
@@ -149,11 +148,12 @@ def main() -> None:
     requests = QUICK_REQUESTS if args.quick else REQUESTS
     # The torch threads a lone replica gets by default: the cores Ray's own processes leave, and
     # every core for its prompt chunks.
-    num_cpus = args.num_cpus or max(1, (os.cpu_count() or 2) - RAY_RESERVED_CPUS)
+    cores = visible_cpus()
+    num_cpus = args.num_cpus or max(1, cores - RAY_RESERVED_CPUS)
     model, tokenizer = load_model(config=ModelConfig(dtype="gguf"))
     app_args = {} if args.probe_max_rows is None else {"probe_max_rows": args.probe_max_rows}
     if args.num_cpus is None:
-        app_args["prefill_threads"] = os.cpu_count() or 2
+        app_args["prefill_threads"] = cores
     cells = run(tokenizer, categories, requests, args.max_tokens, num_cpus, app_args)
     payload = {
         "benchmark": "http_categories",

@@ -68,8 +68,7 @@ CPU_PREFILL_CHUNK_TOKENS = 256
 GPU_PREFILL_CHUNK_TOKENS = 2048
 # Steps that prefill at least this many prompt tokens take ``prefill_threads`` (llama.cpp's
 # --threads-batch): long in their parallel loops for the tokens they stream, so a core kept free
-# for the server's other processes pays more working on them (a lone replica on 2 cores through
-# HTTP: C=8 off 104 -> 122 tok/s, C=1 level; every step on both cores lost C=1 off 66 -> 55).
+# for the server's other processes pays more working on them (measured: docs/how-it-works.md).
 # Verification steps keep the decode threads, so their costs stay one curve for the policy.
 PREFILL_THREADS_MIN_TOKENS = 32
 
