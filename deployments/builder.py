@@ -35,7 +35,7 @@ from nasd_core.config import (
     ModelConfig,
     SpecConfig,
 )
-from nasd_core.models import is_embedded
+from nasd_core.models import is_gguf
 from pool_service import PoolConfig
 from pool_service.config import pool_index
 
@@ -104,7 +104,11 @@ class AppArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str | None = Field(None, description="HF model id or local dir; None = the embedded SmolLM2-135M.")
+    model: str | None = Field(
+        None,
+        description="HF model id, local dir or GGUF file (*.gguf, its own blocks on a CPU); "
+        "None = the embedded SmolLM2-135M.",
+    )
     served_model_name: str | None = Field(
         None, description="Name clients send as `model` (default: the model argument, or the embedded name)."
     )
@@ -263,9 +267,10 @@ class AppArgs(BaseModel):
 
 
 def default_dtype(args: AppArgs, device: str) -> str:
-    """``dtype`` when unset: the embedded model keeps its GGUF blocks on a CPU, where a step is
-    bound by reading the weights (a fifth of float32's bytes); any other model loads in float32."""
-    return "gguf" if is_embedded(args.model) and torch.device(device).type == "cpu" else "float32"
+    """``dtype`` when unset: a GGUF file (the embedded model or a ``*.gguf`` path) keeps its blocks
+    on a CPU, where a step is bound by reading the weights (a fifth of float32's bytes); any other
+    model loads in float32."""
+    return "gguf" if is_gguf(args.model) and torch.device(device).type == "cpu" else "float32"
 
 
 def lone_cpu_replica(args: AppArgs, device: str) -> bool:
@@ -333,14 +338,16 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
 
     Raises:
         pydantic.ValidationError: an unknown argument or an invalid value.
-        ValueError: ``dtype=gguf`` for another model than the embedded one, or off a CPU.
+        ValueError: ``dtype=gguf`` for a model that is not a GGUF file, or off a CPU.
     """
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
     if is_serve_run():  # nasd-serve sets its own; elsewhere (tests, Serve's controller) none
         drain_on_sigterm(args.drain_timeout_s)
     device = args.device or ("cuda" if args.num_gpus_per_replica > 0 else "cpu")
     if args.dtype == "gguf" and default_dtype(args, device) != "gguf":
-        raise ValueError("dtype gguf serves the embedded model's own blocks on a CPU only")
+        raise ValueError(
+            "dtype gguf serves a GGUF file's own blocks (the embedded model or a *.gguf path) on a CPU only"
+        )
     dtype = args.dtype or default_dtype(args, device)
     if args.kv_cache_dtype not in ("auto", dtype) and (device != "cpu" or dtype not in ("float32", "gguf")):
         raise ValueError(f"kv_cache_dtype {args.kv_cache_dtype} needs a float32 or gguf model on a CPU")

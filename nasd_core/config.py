@@ -308,11 +308,14 @@ class EngineConfig(_Config):
 class ModelConfig(_Config):
     """Which model to load and how."""
 
-    name: str | None = Field(None, description="HF model id or local dir; None = the embedded SmolLM2-135M.")
+    name: str | None = Field(
+        None, description="HF model id, local dir or GGUF file (*.gguf); None = the embedded SmolLM2-135M."
+    )
     dtype: Literal["float32", "bfloat16", "float16", "gguf"] = Field(
         "float32",
-        description="Weights dtype; 'gguf' keeps the embedded model's GGUF blocks (Q4_1, Q8_0) on a CPU "
-        "and multiplies by them with float32 activations (nasd_core/model/quantized.py).",
+        description="Weights dtype; 'gguf' keeps a GGUF file's blocks (the embedded model's or a *.gguf "
+        "name's) on a CPU where a kernel multiplies them (Q4_0, Q4_1, Q8_0; other types load as float32) "
+        "(nasd_core/model/quantized.py).",
     )
     device: str = Field("cpu", description="torch device string.")
     cache_dir: str | None = Field(None, description="Where converted embedded weights are cached.")

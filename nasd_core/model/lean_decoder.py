@@ -50,9 +50,11 @@ def lean_decoder_fits(model) -> bool:
         return False
     decoder = model.get_decoder()
     for layer in decoder.layers:
-        # merge_projections needs one block kind across q, k, v, gate and up.
+        # decoder_layers multiplies by blocks only; merge_projections needs one block kind across
+        # q, k, v, gate and up.
         projections = [layer.get_submodule(name) for name in _PROJECTIONS]
-        if not all(isinstance(projection, QuantLinear) for projection in projections):
+        linears = [*projections, layer.self_attn.o_proj, layer.mlp.down_proj]
+        if not all(isinstance(linear, QuantLinear) for linear in linears):
             return False
         if len({projection.kind for projection in projections}) != 1:
             return False

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -140,38 +141,62 @@ def _unpermute_rows(blocks: torch.Tensor, heads: int) -> torch.Tensor:
     return blocks[order].contiguous()
 
 
-def _gguf_tensors(gguf_path: Path) -> dict[str, tuple[torch.Tensor, int]]:
-    """Every quantized tensor of the file: name -> (blocks ``[rows, bytes]``, type id)."""
+def _gguf_tensors(gguf_path: Path) -> dict[str, tuple[torch.Tensor | None, int]]:
+    """Every tensor of the file: name -> (blocks ``[rows, bytes]``, type id); the blocks are None
+    for a type without a kernel here."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
     tensors = {}
     for tensor in reader.tensors:
         kind = int(tensor.tensor_type)
-        if kind in BLOCK_FORMATS:
-            tensors[tensor.name] = (torch.from_numpy(np.array(tensor.data)), kind)
+        blocks = torch.from_numpy(np.array(tensor.data)) if kind in BLOCK_FORMATS else None
+        tensors[tensor.name] = (blocks, kind)
     return tensors
+
+
+def _type_name(kind: int) -> str:
+    import gguf
+
+    try:
+        return gguf.GGMLQuantizationType(kind).name
+    except ValueError:
+        return f"type {kind}"
 
 
 def use_gguf_weights(model: nn.Module, gguf_path: Path) -> int:
     """Replace ``model``'s Linear layers and token embedding with the GGUF file's own blocks.
 
     ``model`` is the llama-architecture transformers model converted from that file (its norms
-    and config are kept). Returns the number of modules replaced.
+    and config are kept). A weight whose block type has no kernel here (K-quants, Q5_*, F16...)
+    keeps the converted float32 values: the file's, dequantized by transformers. Returns the
+    number of modules replaced.
 
     Raises:
-        ValueError: the file lacks a weight the model has, or holds a type with no kernel here.
+        ValueError: the model is not a llama, the file lacks a weight the model has, or its
+            blocks do not hold the converted model's values.
     """
-    tensors = _gguf_tensors(gguf_path)
     config = model.config
+    if config.model_type != "llama":
+        raise ValueError(f"GGUF blocks are kept for llama-architecture files, not {config.model_type!r}")
+    tensors = _gguf_tensors(gguf_path)
     decoder = model.model
-    replaced = 0
+    replaced, kept = 0, Counter()
+
+    def blocks_of(key: str) -> tuple[torch.Tensor | None, int]:
+        if key not in tensors:
+            raise ValueError(f"{gguf_path.name} has no {key}")
+        blocks, kind = tensors.pop(key)
+        if blocks is None:
+            kept[_type_name(kind)] += 1
+        return blocks, kind
+
     for index, layer in enumerate(decoder.layers):
         for gguf_name, module_path in LAYER_LINEARS.items():
             key = f"blk.{index}.{gguf_name}.weight"
-            if key not in tensors:
-                raise ValueError(f"{gguf_path.name} has no quantized {key}")
-            blocks, kind = tensors.pop(key)
+            blocks, kind = blocks_of(key)
+            if blocks is None:
+                continue
             if gguf_name == "attn_q":
                 blocks = _unpermute_rows(blocks, config.num_attention_heads)
             elif gguf_name == "attn_k":
@@ -184,16 +209,30 @@ def use_gguf_weights(model: nn.Module, gguf_path: Path) -> int:
                 raise ValueError(f"{key} has {rows}")
             if linear.bias is not None:
                 raise ValueError(f"{module_path} has a bias; GGUF weights are used for bias-free layers only")
+            # The first layer's blocks must be the converted weights exactly (row order included).
+            if index == 0 and not torch.equal(dequantize(blocks, kind), linear.weight.float()):
+                raise ValueError(f"{key}'s blocks are not the converted model's {module_path} weights")
             setattr(parent, child_name, QuantLinear(blocks, kind, linear.in_features))
             replaced += 1
-    if "token_embd.weight" not in tensors:
-        raise ValueError(f"{gguf_path.name} has no quantized token_embd.weight")
-    blocks, kind = tensors.pop("token_embd.weight")
-    decoder.embed_tokens = QuantEmbedding(blocks, kind, config.hidden_size)
-    output = tensors.pop("output.weight", None)
-    if output is None and not config.tie_word_embeddings:
-        raise ValueError(f"{gguf_path.name} has no quantized output.weight")
-    blocks, kind = output if output is not None else (blocks, kind)
-    model.lm_head = QuantLinear(blocks, kind, config.hidden_size)
-    logger.info("kept %d weights of %s as GGUF blocks", replaced + 2, gguf_path.name)
-    return replaced + 2
+    blocks, kind = blocks_of("token_embd.weight")
+    embedding = (blocks, kind)
+    if blocks is not None:
+        decoder.embed_tokens = QuantEmbedding(blocks, kind, config.hidden_size)
+        replaced += 1
+    if "output.weight" in tensors:
+        blocks, kind = blocks_of("output.weight")
+    elif config.tie_word_embeddings:
+        blocks, kind = embedding
+    else:
+        raise ValueError(f"{gguf_path.name} has no output.weight")
+    if blocks is not None:
+        model.lm_head = QuantLinear(blocks, kind, config.hidden_size)
+        replaced += 1
+    float_weights = ", ".join(f"{count} {name}" for name, count in sorted(kept.items()))
+    logger.info(
+        "kept %d weights of %s as GGUF blocks%s",
+        replaced,
+        gguf_path.name,
+        f"; float32 for types without a kernel here: {float_weights}" if kept else "",
+    )
+    return replaced

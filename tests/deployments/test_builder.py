@@ -105,10 +105,11 @@ def test_a_float16_kv_cache_is_for_float32_or_gguf_models_on_a_cpu():
         build_app({"kv_cache_dtype": "int8"})
 
 
-def test_dtype_defaults_to_the_gguf_blocks_for_the_embedded_model_on_a_cpu_only():
+def test_dtype_defaults_to_the_gguf_blocks_for_gguf_files_on_a_cpu_only():
     assert replica_of(build_app({"dtype": "float32"}))[1].model.dtype == "float32"
     assert replica_of(build_app({"device": "cuda"}))[1].model.dtype == "float32"
     assert replica_of(build_app({"model": "Qwen/Qwen2.5-1.5B-Instruct"}))[1].model.dtype == "float32"
+    assert replica_of(build_app({"model": "/models/llama-3.2-1b.Q4_0.gguf"}))[1].model.dtype == "gguf"
     for args in [{"model": "Qwen/Qwen2.5-1.5B-Instruct"}, {"device": "cuda:0"}]:
         with pytest.raises(ValueError, match="gguf"):
             build_app({**args, "dtype": "gguf"})
