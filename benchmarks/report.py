@@ -47,6 +47,7 @@ TABLE_BLOCKS = {
     "replica_kill": ("replica_kill_float32", "replica_kill", "markdown_table"),
     "deterministic": ("deterministic_bfloat16", "deterministic", "markdown_table"),
     "quant_matmul": ("quant_matmul", "quant_matmul", "markdown_table"),
+    "quant_kinds": ("quant_kinds", "quant_kinds", "markdown_table"),
     "vs_llamacpp": ("vs_llamacpp_gguf", "vs_llamacpp", "markdown_table"),
     "gguf_step": ("gguf_step", "gguf_step", "markdown_table"),
     "http_categories": ("http_categories_gguf", "http_categories", "markdown_table"),

@@ -314,7 +314,8 @@ class ModelConfig(_Config):
     dtype: Literal["float32", "bfloat16", "float16", "gguf"] = Field(
         "float32",
         description="Weights dtype; 'gguf' keeps a GGUF file's blocks (the embedded model's or a *.gguf "
-        "name's) on a CPU where a kernel multiplies them (Q4_0, Q4_1, Q8_0; other types load as float32) "
+        "name's) on a CPU where a kernel multiplies them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; "
+        "other types load as float32) "
         "(nasd_core/model/quantized.py).",
     )
     device: str = Field("cpu", description="torch device string.")

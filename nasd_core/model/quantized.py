@@ -2,8 +2,11 @@
 
 Why: a decode step on a CPU is bound by reading the weights. The embedded model ships as Q4_1
 blocks (its vocabulary as Q8_0): about 96 MB a step, where the dequantized float32 weights are
-540 MB. ``QuantLinear`` keeps a Linear's blocks exactly as the file holds them and multiplies
-by them with ``csrc/quant_linear.cpp``. By default (``INT8_ACTIVATIONS``) each input row is
+540 MB. A user's GGUF file may hold Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks too (all but
+Q4_0 and Q8_0 repacked at load, ``repack``); weights of other types keep their converted float32
+values. ``QuantLinear``
+keeps a Linear's blocks exactly as the file holds them and multiplies by them with
+``csrc/quant_linear.cpp``. By default (``INT8_ACTIVATIONS``) each input row is
 rounded to int8 per block of 32, as llama.cpp does for these blocks, and multiplied with integer
 dot products (AVX-512 VNNI, AVX-VNNI or AVX2), every row of a step multiplied by each tile of
 repacked weights: a verification step reads the weights once, not once per position. Otherwise the
@@ -35,9 +38,24 @@ from torch.nn import functional
 
 logger = logging.getLogger(__name__)
 
-BLOCK = 32  # weights per block in every supported format
-# ggml type id -> (name, bytes per block of 32).
-BLOCK_FORMATS = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+BLOCK = 32  # weights per block in every format the kernels take
+# ggml type id -> (name, bytes per block of 32 as the kernels take it). The K-quants (super-blocks of
+# 256 with 6- or 8-bit sub-block scales) and the Q5 types (5-bit codes split over two fields) are
+# repacked at load into blocks of 32 whose scales are multiplied out into float32 (exact: a float16
+# times a small integer): Q4_K as Q4_1 with float32 d and m, Q6_K as Q8_0 with a float32 d for each
+# 16 weights, Q5_0 / Q5_1 / Q5_K as a byte per code with float32 d and m (``repack``).
+BLOCK_FORMATS = {
+    2: ("Q4_0", 18),
+    3: ("Q4_1", 20),
+    6: ("Q5_0", 40),
+    7: ("Q5_1", 40),
+    8: ("Q8_0", 34),
+    12: ("Q4_K", 24),
+    13: ("Q5_K", 40),
+    14: ("Q6_K", 40),
+}
+# The repacked types as the file holds them: (weights, bytes) per block of the file.
+FILE_BLOCKS = {6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 # llama-architecture GGUF tensor names -> the transformers module they become.
 LAYER_LINEARS = {
@@ -59,6 +77,18 @@ def dequantize(blocks: torch.Tensor, kind: int) -> torch.Tensor:
     scale = grouped[..., 0:2].contiguous().view(torch.float16).float()
     if name == "Q8_0":
         values = grouped[..., 2:].contiguous().view(torch.int8).float() * scale
+    elif name == "Q6_K":
+        halves = grouped[..., 0:8].contiguous().view(torch.float32).repeat_interleave(16, dim=-1)
+        values = grouped[..., 8:].contiguous().view(torch.int8).float() * halves
+    elif name in ("Q4_K", "Q5_0", "Q5_1", "Q5_K"):
+        scale, offset = (
+            grouped[..., 0:4].contiguous().view(torch.float32),
+            grouped[..., 4:8].contiguous().view(torch.float32),
+        )
+        codes = grouped[..., 8:]
+        if name == "Q4_K":
+            codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1)
+        values = codes.float() * scale + offset
     else:
         offset = grouped[..., 2:4].contiguous().view(torch.float16).float() if name == "Q4_1" else -8 * scale
         codes = grouped[..., -16:]
@@ -141,6 +171,102 @@ def _unpermute_rows(blocks: torch.Tensor, heads: int) -> torch.Tensor:
     return blocks[order].contiguous()
 
 
+def _float16(fields: np.ndarray) -> np.ndarray:
+    """Float16 fields (2 bytes on the last axis) as float32."""
+    return fields.copy().view(np.float16).astype(np.float32)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes as their 8 sub-blocks' 6-bit scales and mins (ggml's
+    get_scale_min_k4)."""
+    scales = np.concatenate(
+        [packed[..., 0:4] & 63, (packed[..., 8:12] & 0xF) | ((packed[..., 0:4] >> 6) << 4)], -1
+    )
+    mins = np.concatenate(
+        [packed[..., 4:8] & 63, (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)], -1
+    )
+    return scales, mins
+
+
+def _with_float_scales(rows: int, scales: list[np.ndarray], codes: np.ndarray) -> np.ndarray:
+    """Blocks of float32 fields (each [rows, blocks] float32) then the codes ([rows, blocks, n] bytes)."""
+    fields = [field.astype(np.float32).reshape(rows, -1, 1).view(np.uint8) for field in scales]
+    return np.ascontiguousarray(np.concatenate([*fields, codes.astype(np.uint8)], axis=-1).reshape(rows, -1))
+
+
+def _repack_q4_k(blocks: np.ndarray) -> np.ndarray:
+    """d, dmin (float16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles: w = d sc q - dmin m."""
+    rows = blocks.shape[0]
+    scales, mins = _k_scales(blocks[..., 4:16])
+    # Each 32 bytes hold sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles).
+    quads = blocks[..., 16:].reshape(rows, -1, 4, 1, 32)
+    codes = np.concatenate([quads & 0xF, quads >> 4], axis=3).reshape(rows, -1, 32)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)  # Q4_1's order: byte j = weights j, j + 16
+    return _with_float_scales(
+        rows, [_float16(blocks[..., 0:2]) * scales, -(_float16(blocks[..., 2:4]) * mins)], nibbles
+    )
+
+
+def _repack_q5_k(blocks: np.ndarray) -> np.ndarray:
+    """d, dmin, 12 bytes of scales and mins, 32 bytes of high bits (bit i of byte l: sub-block i's
+    weight l), 128 of nibbles as Q4_K's: w = d sc q - dmin m."""
+    rows = blocks.shape[0]
+    scales, mins = _k_scales(blocks[..., 4:16])
+    quads = blocks[..., 48:].reshape(rows, -1, 4, 1, 32)
+    low = np.concatenate([quads & 0xF, quads >> 4], axis=3).reshape(rows, -1, 8, 32)
+    high = (blocks[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [.., sub-block, weight]
+    codes = (low | (high << 4)).reshape(rows, -1, 32)
+    return _with_float_scales(
+        rows, [_float16(blocks[..., 0:2]) * scales, -(_float16(blocks[..., 2:4]) * mins)], codes
+    )
+
+
+def _repack_q5_01(blocks: np.ndarray, with_offset: bool) -> np.ndarray:
+    """d (Q5_1: and m) in float16, 32 high bits (bit j: weight j), 16 bytes of nibbles (byte j:
+    weights j, j + 16): w = (q - 16) d (Q5_0) or q d + m (Q5_1)."""
+    rows = blocks.shape[0]
+    at = 4 if with_offset else 2
+    bits = np.unpackbits(blocks[..., at : at + 4], axis=-1, bitorder="little")  # [.., 32]
+    nibbles = blocks[..., at + 4 :]
+    codes = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1) | (bits << 4)
+    d = _float16(blocks[..., 0:2])[..., 0]
+    offset = _float16(blocks[..., 2:4])[..., 0] if with_offset else -16 * d
+    return _with_float_scales(rows, [d, offset], codes)
+
+
+def _repack_q6_k(blocks: np.ndarray) -> np.ndarray:
+    """128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (float16): w = d sc (q - 32)."""
+    rows = blocks.shape[0]
+    low = blocks[..., :128].reshape(rows, -1, 2, 2, 32)  # [.., half of 128, first / second 32 bytes, 32]
+    high = blocks[..., 128:192].reshape(rows, -1, 2, 32)
+    groups = [
+        (low[..., 0, :] & 0xF) | ((high & 3) << 4),
+        (low[..., 1, :] & 0xF) | (((high >> 2) & 3) << 4),
+        (low[..., 0, :] >> 4) | (((high >> 4) & 3) << 4),
+        (low[..., 1, :] >> 4) | (((high >> 6) & 3) << 4),
+    ]
+    codes = (np.stack(groups, axis=3).astype(np.int16) - 32).astype(np.int8).reshape(rows, -1, 32)
+    scales = blocks[..., 192:208].copy().view(np.int8).reshape(rows, -1, 2, 4, 2)
+    halves = _float16(blocks[..., 208:210])[..., None, None] * scales  # [.., half, group, 2]
+    return _with_float_scales(rows, [halves[..., 0], halves[..., 1]], codes.view(np.uint8))
+
+
+_REPACKS = {
+    6: functools.partial(_repack_q5_01, with_offset=False),
+    7: functools.partial(_repack_q5_01, with_offset=True),
+    12: _repack_q4_k,
+    13: _repack_q5_k,
+    14: _repack_q6_k,
+}
+
+
+def repack(raw: np.ndarray, kind: int) -> np.ndarray:
+    """A Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K tensor's file bytes ``[rows, bytes]`` as the kernels'
+    blocks of 32 (``BLOCK_FORMATS``), holding the same weights bit for bit (ggml's dequantize_row_*:
+    each product of a float16 scale and an integer scale is exact in float32)."""
+    return _REPACKS[kind](raw.reshape(raw.shape[0], -1, FILE_BLOCKS[kind][1]))
+
+
 def _gguf_tensors(gguf_path: Path) -> dict[str, tuple[torch.Tensor | None, int]]:
     """Every tensor of the file: name -> (blocks ``[rows, bytes]``, type id); the blocks are None
     for a type without a kernel here."""
@@ -150,7 +276,11 @@ def _gguf_tensors(gguf_path: Path) -> dict[str, tuple[torch.Tensor | None, int]]
     tensors = {}
     for tensor in reader.tensors:
         kind = int(tensor.tensor_type)
-        blocks = torch.from_numpy(np.array(tensor.data)) if kind in BLOCK_FORMATS else None
+        blocks = None
+        if kind in FILE_BLOCKS:
+            blocks = torch.from_numpy(repack(np.asarray(tensor.data), kind))
+        elif kind in BLOCK_FORMATS:
+            blocks = torch.from_numpy(np.array(tensor.data))
         tensors[tensor.name] = (blocks, kind)
     return tensors
 

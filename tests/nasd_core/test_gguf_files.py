@@ -1,15 +1,18 @@
 """A user's own GGUF file as the model (``load_model("model.gguf", ModelConfig(dtype="gguf"))``).
 
 The files are real GGUF files written here from the embedded one with gguf-py: the same
-metadata (tokenizer included), some weights re-quantized to other block types. Weights whose
-type has a kernel (Q4_0, Q4_1, Q8_0) are kept as the file's blocks; the others keep the float32
-values transformers converts the file to. Either way the model holds the file's own values.
+metadata (tokenizer included), some weights re-quantized to other block types (the K-quants by
+plain rounding here, as gguf-py has no quantizer for them). Weights whose type has a kernel
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are kept as the file's blocks; the others keep
+the float32 values transformers converts the file to. Either way the model holds the file's own
+values.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import gguf
@@ -30,6 +33,82 @@ from tests.nasd_core.test_quantized import INT8_RELATIVE_ERROR, relative_error
 Q = gguf.GGMLQuantizationType
 
 
+def _min_max_k(weights: np.ndarray, top: int):
+    """Q4_K / Q5_K's fields of ``weights`` ``[rows, 256 k]`` by a plain min / max rounding (gguf-py
+    has no quantizer for them; llama.cpp's searches for better scales, which changes values, not
+    the layout): d, dmin (float16), the 8 sub-blocks' 6-bit scales and mins, codes 0..top."""
+    rows = weights.shape[0]
+    x = weights.reshape(rows, -1, 8, 32).astype(np.float32)  # super-blocks of 8 sub-blocks
+    low = np.maximum(0.0, -x.min(-1))  # w = d sc q - dmin m, with m >= 0
+    step = (x.max(-1) + low) / top
+    d = (step.max(-1, keepdims=True) / 63).astype(np.float16)
+    dmin = (low.max(-1, keepdims=True) / 63).astype(np.float16)
+    scales = np.where(d > 0, np.rint(step / np.maximum(d, 1e-30)), 0).clip(0, 63).astype(np.uint8)
+    mins = np.where(dmin > 0, np.rint(low / np.maximum(dmin, 1e-30)), 0).clip(0, 63).astype(np.uint8)
+    d_sub = (d.astype(np.float32) * scales)[..., None]
+    m_sub = (dmin.astype(np.float32) * mins)[..., None]
+    q = np.where(d_sub > 0, np.rint((x + m_sub) / np.maximum(d_sub, 1e-30)), 0).clip(0, top).astype(np.uint8)
+    packed = np.concatenate(
+        [
+            scales[..., :4] | ((scales[..., 4:] >> 4) << 6),
+            mins[..., :4] | ((mins[..., 4:] >> 4) << 6),
+            (scales[..., 4:] & 0xF) | ((mins[..., 4:] & 0xF) << 4),
+        ],
+        axis=-1,
+    )
+    return [d.view(np.uint8), dmin.view(np.uint8), packed], q
+
+
+def _nibble_pairs(q: np.ndarray) -> np.ndarray:
+    """Sub-blocks 2i and 2i + 1's low 4 bits in one 32 bytes each (low and high nibbles)."""
+    pairs = (q & 0xF).reshape(*q.shape[:2], 4, 2, 32)
+    return (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(*q.shape[:2], 128)
+
+
+def quantize_q4_k(weights: np.ndarray) -> np.ndarray:
+    """Q4_K bytes of ``weights`` ``[rows, 256 k]``: d, dmin, scales and mins, 128 bytes of nibbles."""
+    fields, q = _min_max_k(weights, 15)
+    return np.concatenate([*fields, _nibble_pairs(q)], axis=-1).reshape(weights.shape[0], -1)
+
+
+def quantize_q5_k(weights: np.ndarray) -> np.ndarray:
+    """Q5_K bytes: as Q4_K's, with 32 bytes of fifth bits (bit i of byte l: sub-block i's weight l)
+    before the nibbles."""
+    fields, q = _min_max_k(weights, 31)
+    high = ((q >> 4) << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=-2).astype(np.uint8)
+    return np.concatenate([*fields, high, _nibble_pairs(q)], axis=-1).reshape(weights.shape[0], -1)
+
+
+def quantize_q6_k(weights: np.ndarray) -> np.ndarray:
+    """Q6_K bytes of ``weights`` ``[rows, 256 k]`` (plain rounding, as ``quantize_q4_k``)."""
+    rows = weights.shape[0]
+    x = weights.reshape(rows, -1, 16, 16).astype(np.float32)  # super-blocks of 16 sub-blocks
+    step = np.abs(x).max(-1) / 31
+    d = (step.max(-1, keepdims=True) / 127).astype(np.float16)
+    scales = np.where(d > 0, np.rint(step / np.maximum(d, 1e-30)), 0).clip(-128, 127).astype(np.int8)
+    d_sub = d.astype(np.float32) * scales
+    q = np.where(d_sub[..., None] > 0, np.rint(x / np.maximum(d_sub[..., None], 1e-30)), 0)
+    q = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(rows, -1, 2, 4, 32)  # halves of 128, groups of 32
+    low = np.concatenate(
+        [
+            (q[..., 0, :] & 0xF) | ((q[..., 2, :] & 0xF) << 4),
+            (q[..., 1, :] & 0xF) | ((q[..., 3, :] & 0xF) << 4),
+        ],
+        axis=-1,
+    )
+    high = (
+        (q[..., 0, :] >> 4)
+        | ((q[..., 1, :] >> 4) << 2)
+        | ((q[..., 2, :] >> 4) << 4)
+        | ((q[..., 3, :] >> 4) << 6)
+    )
+    parts = [low.reshape(rows, -1, 128), high.reshape(rows, -1, 64), scales.view(np.uint8), d.view(np.uint8)]
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+QUANTIZERS = {Q.Q4_K: quantize_q4_k, Q.Q5_K: quantize_q5_k, Q.Q6_K: quantize_q6_k}
+
+
 def write_retyped_gguf(source: Path, target: Path, retype: Callable[[str], Q | None]) -> None:
     """A copy of ``source`` whose tensors ``retype(name)`` names a type for are re-quantized to it
     (from their dequantized values, rows in the file's order)."""
@@ -45,7 +124,9 @@ def write_retyped_gguf(source: Path, target: Path, retype: Callable[[str], Q | N
         data, kind = np.array(tensor.data), tensor.tensor_type
         new_kind = retype(tensor.name)
         if new_kind is not None and new_kind != kind:
-            data, kind = gguf.quants.quantize(gguf.quants.dequantize(data, kind), new_kind), new_kind
+            values = gguf.quants.dequantize(data, kind)
+            quantize = QUANTIZERS.get(new_kind, partial(gguf.quants.quantize, qtype=new_kind))
+            data, kind = quantize(values), new_kind
         writer.add_tensor(tensor.name, data, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -53,25 +134,36 @@ def write_retyped_gguf(source: Path, target: Path, retype: Callable[[str], Q | N
     writer.close()
 
 
-def mixed_types(name: str) -> Q | None:
-    """q, k, v, gate, up in Q8_0 and the attention output in Q4_0: every kernel type in one model
-    (down stays the embedded Q4_1, the vocabulary Q8_0)."""
+# The down projections' types, layer by layer in turn: the K-quants only fit them in this model
+# (their inputs, 1536, are whole super-blocks of 256; the others' 576 are not).
+DOWN_TYPES = [Q.Q6_K, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1]
+
+
+def every_kernel_type(name: str) -> Q | None:
+    """Every type with a kernel in one model: q, k, v, gate, up in Q8_0, the attention output in
+    Q4_0, the down projections in ``DOWN_TYPES`` (a Q4_K_M file has Q4_K and Q6_K ones); the
+    vocabulary stays the embedded Q8_0 and the norms float32."""
     if name.endswith(("attn_q.weight", "attn_k.weight", "attn_v.weight", "ffn_gate.weight", "ffn_up.weight")):
         return Q.Q8_0
-    return Q.Q4_0 if name.endswith("attn_output.weight") else None
+    if name.endswith("attn_output.weight"):
+        return Q.Q4_0
+    if name.endswith("ffn_down.weight"):
+        return DOWN_TYPES[int(name.split(".")[1]) % len(DOWN_TYPES)]
+    return None
 
 
 def some_without_a_kernel(name: str) -> Q | None:
-    """The first layer's down projection in Q5_0 and the vocabulary in F16: types with no kernel."""
-    return {"blk.0.ffn_down.weight": Q.Q5_0, "token_embd.weight": Q.F16}.get(name)
+    """The first layer's down projection and the vocabulary in F16: a type with no kernel."""
+    return {"blk.0.ffn_down.weight": Q.F16, "token_embd.weight": Q.F16}.get(name)
 
 
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("gguf")
-    files = {"mixed": folder / "mixed.gguf", "no_kernel": folder / "no-kernel.gguf"}
-    write_retyped_gguf(embedded_gguf_path(), files["mixed"], mixed_types)
-    write_retyped_gguf(embedded_gguf_path(), files["no_kernel"], some_without_a_kernel)
+    retypes = {"every_kernel_type": every_kernel_type, "no_kernel": some_without_a_kernel}
+    files = {name: folder / f"{name}.gguf" for name in retypes}
+    for name, retype in retypes.items():
+        write_retyped_gguf(embedded_gguf_path(), files[name], retype)
     return files
 
 
@@ -81,33 +173,34 @@ def cache_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def mixed_model(gguf_files, cache_dir):
-    return load_model(str(gguf_files["mixed"]), ModelConfig(dtype="gguf", cache_dir=cache_dir))
+def gguf_file_model(gguf_files, cache_dir):
+    """The file with every kernel type: (model, tokenizer, its float32 conversion)."""
+    path = str(gguf_files["every_kernel_type"])
+    model, tokenizer = load_model(path, ModelConfig(dtype="gguf", cache_dir=cache_dir))
+    reference, _ = load_model(path, ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
+    return model, tokenizer, reference
 
 
-def test_a_gguf_files_weights_are_its_own_blocks(mixed_model, gguf_files, cache_dir):
-    model, _ = mixed_model
-    reference, _ = load_model(str(gguf_files["mixed"]), ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
-    layer = model.get_decoder().layers[3]
-    kinds = {
-        name: layer.get_submodule(name).kind
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.down_proj")
-    }
-    assert kinds == {
-        "self_attn.qkv_proj": int(Q.Q8_0),
-        "self_attn.o_proj": int(Q.Q4_0),
-        "mlp.down_proj": int(Q.Q4_1),
-    }
+def test_a_gguf_files_weights_are_its_own_blocks(gguf_file_model):
+    model, _, reference = gguf_file_model
+    for index, down in enumerate(DOWN_TYPES):
+        layer = model.get_decoder().layers[index]
+        linears = (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+        assert [linear.kind for linear in linears] == [Q.Q8_0, Q.Q4_0, Q.Q8_0, down]
     assert getattr(model, "nasd_lean_decoder", False), "every Linear has a kernel: the lean decoder runs"
-    for name, module in model.named_modules():
-        if isinstance(module, QuantLinear) and not name.endswith(("qkv_proj", "gate_up_proj")):
-            assert torch.equal(
-                dequantize(module.blocks, module.kind), reference.get_submodule(name).weight
-            ), name
+    for module_name, module in model.named_modules():
+        if isinstance(module, QuantLinear) and not module_name.endswith(("qkv_proj", "gate_up_proj")):
+            weight = reference.get_submodule(module_name).weight
+            assert torch.equal(dequantize(module.blocks, module.kind), weight), module_name
 
 
-def test_greedy_speculation_on_a_gguf_file_is_plain_decoding(mixed_model):
-    model, tokenizer = mixed_model
+def test_greedy_speculation_on_a_gguf_file_is_plain_decoding(gguf_file_model):
+    model, tokenizer, _ = gguf_file_model
     before = torch.get_num_threads()
     torch.set_num_threads(min(before, invariant_threads(model)))
     try:
@@ -133,7 +226,7 @@ def test_types_without_a_kernel_keep_the_files_float_values(gguf_files, cache_di
         model, tokenizer = load_model(
             path, ModelConfig(dtype="gguf", cache_dir=cache_dir, cpu_fast_path=False)
         )
-    assert "1 Q5_0" in caplog.text and "1 F16" in caplog.text
+    assert "float32 for types without a kernel here: 2 F16" in caplog.text
     reference, _ = load_model(path, ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
     down = model.get_decoder().layers[0].mlp.down_proj
     assert type(down) is torch.nn.Linear and torch.equal(

@@ -11,18 +11,25 @@ units), so neither the batch nor where a prompt's chunks start changes a row's l
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from torch.nn import functional
 
+from benchmarks.quant_kinds import file_blocks, random_blocks
 from nasd_core import SamplingParams, SpecConfig
 from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import ModelLoadError
 from nasd_core.model import quantized
 from nasd_core.model.cpu_kernels import invariant_threads
-from nasd_core.model.quantized import BLOCK_FORMATS, QuantEmbedding, QuantLinear, dequantize
+from nasd_core.model.quantized import (
+    BLOCK_FORMATS,
+    FILE_BLOCKS,
+    QuantEmbedding,
+    QuantLinear,
+    dequantize,
+    repack,
+)
 from nasd_core.models import load_model
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered
 from tests.nasd_core.test_generate import assert_sampling_matches_transformers
@@ -48,15 +55,13 @@ def invariant_threads_only(gguf_model):
     torch.set_num_threads(before)
 
 
-def random_blocks(kind: int, out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
-    weights = np.random.default_rng(seed).standard_normal((out_features, in_features)).astype(np.float32)
-    return torch.from_numpy(gguf.quants.quantize(weights, gguf.GGMLQuantizationType(kind)))
-
-
 @pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_FORMATS[kind][0] for kind in KINDS])
 def test_block_values_are_the_gguf_references(kind):
-    blocks = random_blocks(kind, 24, 96)
-    reference = gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(kind))
+    """gguf-py's dequantization of the file's bytes, bit for bit (after the repacking, for the
+    types repacked at load)."""
+    raw = file_blocks(kind, 24, 512)
+    blocks = torch.from_numpy(repack(raw, kind) if kind in FILE_BLOCKS else raw)
+    reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(kind))
     assert torch.equal(dequantize(blocks, kind), torch.from_numpy(reference))
 
 
@@ -132,7 +137,9 @@ def q8_reference(inputs: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch
     fma(m_w, d_x * s, acc_m), added last). The integer sums are exact (in float64); each fma is
     emulated in float64 (the product is exact there) and rounded to float32, which rounds twice
     and so could differ from a true fma in the last bit in about one case in 2^29: with these
-    fixed inputs it does not, so the tests compare bits."""
+    fixed inputs it does not, so the tests compare bits. Q4_K is Q4_1 with float32 d and m, and so
+    are the Q5 types with a byte per code; Q6_K sums each half of a block apart and adds
+    fma(d_half * d_x, isum_half, acc) for each in turn."""
     rows, width = inputs.shape
     num_blocks = width // 32
     x = inputs.reshape(rows, num_blocks, 32)
@@ -144,21 +151,39 @@ def q8_reference(inputs: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch
     sums = q.sum(-1)
     name, size = BLOCK_FORMATS[kind]
     grouped = blocks.reshape(blocks.shape[0], num_blocks, size)
-    weight_scale = grouped[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
-    if name == "Q8_0":
-        codes = grouped[..., 2:].contiguous().view(torch.int8).double()
+    floats = kind in FILE_BLOCKS  # the repacked types: float32 scales (and offset)
+    scales = grouped[..., 0:8].contiguous().view(torch.float32) if floats else None
+    # Per half of 16 weights: each half's d_w, and the columns it covers.
+    if name == "Q6_K":
+        halves = [(scales[..., 0], slice(0, 16)), (scales[..., 1], slice(16, 32))]
+    else:
+        weight_scale = (
+            scales[..., 0] if floats else grouped[..., 0:2].contiguous().view(torch.float16).float()[..., 0]
+        )
+        halves = [(weight_scale, slice(0, 32))]
+    if name in ("Q8_0", "Q6_K"):
+        codes = grouped[..., -32:].contiguous().view(torch.int8).double()
+    elif name.startswith("Q5"):
+        codes = grouped[..., -32:].double()
     else:
         packed = grouped[..., -16:]
         codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).double()
-    isum = torch.einsum("rbk,obk->rob", q.double(), codes)
-    if name == "Q4_0":
-        isum = isum - 8 * sums.double()[:, None, :]
-    products = (weight_scale[None] * scale[:, None]).double()  # float32 products d_w * d_x
     acc = torch.zeros(rows, blocks.shape[0])
+    terms = []
+    for weight_scale, columns in halves:
+        isum = torch.einsum("rbk,obk->rob", q[..., columns].double(), codes[..., columns])
+        if name == "Q4_0":
+            isum = isum - 8 * sums.double()[:, None, :]
+        products = (weight_scale[None] * scale[:, None]).double()  # float32 products d_w * d_x
+        terms.append((products, isum))
     for block in range(num_blocks):
-        acc = (products[..., block] * isum[..., block] + acc.double()).float()
-    if name == "Q4_1":
-        offset = grouped[..., 2:4].contiguous().view(torch.float16).float()[..., 0].double()
+        for products, isum in terms:
+            acc = (products[..., block] * isum[..., block] + acc.double()).float()
+    if name in ("Q4_1", "Q4_K") or name.startswith("Q5"):
+        offset = (
+            scales[..., 1] if floats else grouped[..., 2:4].contiguous().view(torch.float16).float()[..., 0]
+        )
+        offset = offset.double()
         terms = (scale * sums).double()  # float32 d_x * s
         acc_m = torch.zeros(rows, blocks.shape[0])
         for block in range(num_blocks):

@@ -1,5 +1,6 @@
 // x @ W.T on a CPU with W kept as a GGUF file ships it: blocks of 32 weights along each output's
-// inputs, a float16 scale (and, for Q4_1, a float16 offset) per block, codes of 4 or 8 bits.
+// inputs, a float16 scale (and, for Q4_1, a float16 offset) per block, codes of 4 or 8 bits; or
+// the K-quants' and Q5 types' blocks, repacked at load into blocks of 32 with float32 scales (Kind below).
 //
 // Why a kernel: a decode step on a CPU is bound by reading the weights, and these blocks are a
 // quarter to an eighth of float32's bytes. PyTorch's own weight-only CPU kernels reread the
@@ -40,18 +41,52 @@ constexpr int64_t kRowTile = 4;  // input rows multiplied per pass over a tile o
 // 0.8x at 8, where the panel's stores and loads cost more than the repeated decoding).
 constexpr int64_t kPanelMinRows = 9;
 
-// ggml's type ids (gguf.GGMLQuantizationType).
-enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
+// ggml's type ids (gguf.GGMLQuantizationType). The K-quants and Q5 types come repacked into blocks
+// of 32 by the loader (nasd_core/model/quantized.py), their scales multiplied out (exactly) into
+// float32 ones: Q4_K as Q4_1 with float32 d and m, Q6_K as Q8_0 with a float32 d for each half,
+// Q5_0, Q5_1 and Q5_K as a byte per code (0..31) with float32 d and m (Kind kQ5 below).
+enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+// The one layout Q5_0, Q5_1 and Q5_K are repacked into (the kernels' template argument for all three).
+constexpr int64_t kQ5 = kQ5_K;
 
-// Bytes of one block: a float16 scale (Q4_1: and a float16 offset), then the 32 codes.
+// Bytes of one block: its scale(s) and offset, then the 32 codes:
+//   Q4_0: float16 d, 16 bytes of nibbles             w = q * d - 8 d
+//   Q4_1: float16 d, float16 m, 16 bytes of nibbles  w = q * d + m
+//   Q8_0: float16 d, 32 int8 codes                   w = c * d
+//   Q4_K: float32 d, float32 m, 16 bytes of nibbles  w = q * d + m
+//   Q6_K: float32 d (weights 0-15), float32 d (16-31), 32 int8 codes   w = c * d_half
+//   Q5:   float32 d, float32 m, 32 codes 0..31 a byte each          w = q * d + m
 template <int64_t Kind>
-constexpr int64_t kBlockBytes = Kind == kQ4_0 ? 2 + 16 : Kind == kQ4_1 ? 2 + 2 + 16 : 2 + 32;
+constexpr int64_t kBlockBytes = Kind == kQ4_0   ? 2 + 16
+                                : Kind == kQ4_1 ? 2 + 2 + 16
+                                : Kind == kQ8_0 ? 2 + 32
+                                : Kind == kQ4_K ? 4 + 4 + 16
+                                                : 4 + 4 + 32;  // Q6_K, Q5
+// Nibbles (byte j: weight j low, weight j + 16 high), int8 codes, or (Q5) unsigned byte codes.
+template <int64_t Kind>
+constexpr bool kNibbles = Kind == kQ4_0 || Kind == kQ4_1 || Kind == kQ4_K;
+template <int64_t Kind>
+constexpr bool kSignedBytes = Kind == kQ8_0 || Kind == kQ6_K;
+// Where the codes start.
+template <int64_t Kind>
+constexpr int64_t kCodesAt = kBlockBytes<Kind> - (kNibbles<Kind> ? 16 : 32);
+// An offset m per block (Q4_0's -8 d is folded into its integer sums instead).
+template <int64_t Kind>
+constexpr bool kOffset = Kind == kQ4_1 || Kind == kQ4_K || Kind == kQ5;
+// Two scales per block, one for each 16 weights.
+template <int64_t Kind>
+constexpr bool kHalves = Kind == kQ6_K;
 
 int64_t block_bytes(int64_t kind) {
   switch (kind) {
     case kQ4_0: return kBlockBytes<kQ4_0>;
     case kQ4_1: return kBlockBytes<kQ4_1>;
     case kQ8_0: return kBlockBytes<kQ8_0>;
+    case kQ4_K: return kBlockBytes<kQ4_K>;
+    case kQ6_K: return kBlockBytes<kQ6_K>;
+    case kQ5_0:
+    case kQ5_1:
+    case kQ5_K: return kBlockBytes<kQ5>;
     default: TORCH_CHECK(false, "quant_linear: unsupported block type ", kind);
   }
   return 0;
@@ -89,17 +124,41 @@ float half_to_float(const uint8_t* bytes) {
 #endif
 }
 
+// A block's scale d (Q6_K: of weights 16 * half ..) and offset m.
+template <int64_t Kind>
+inline float block_scale(const uint8_t* block, int half = 0) {
+  if constexpr (Kind == kQ4_K || Kind == kQ6_K || Kind == kQ5) {
+    return load_unaligned<float>(block + 4 * half);
+  } else {
+    return half_to_float(block);
+  }
+}
+
+template <int64_t Kind>
+inline float block_offset(const uint8_t* block) {
+  if constexpr (Kind == kQ4_K || Kind == kQ5) {
+    return load_unaligned<float>(block + 4);
+  } else if constexpr (Kind == kQ4_1) {
+    return half_to_float(block + 2);
+  } else {
+    return -8.0f * half_to_float(block);  // Q4_0
+  }
+}
+
 // One block's 32 weights as floats, in input order.
 template <int64_t Kind>
 inline void dequantize_block(const uint8_t* block, float* w) {
-  if constexpr (Kind == kQ8_0) {
-    const float d = half_to_float(block);
-    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
-    for (int i = 0; i < 32; ++i) w[i] = float(q[i]) * d;
+  if constexpr (kSignedBytes<Kind>) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + kCodesAt<Kind>);
+    for (int i = 0; i < 32; ++i) w[i] = float(q[i]) * block_scale<Kind>(block, kHalves<Kind> ? i / 16 : 0);
+  } else if constexpr (!kNibbles<Kind>) {
+    const float d = block_scale<Kind>(block), m = block_offset<Kind>(block);
+    const uint8_t* q = block + kCodesAt<Kind>;
+    for (int i = 0; i < 32; ++i) w[i] = float(q[i]) * d + m;
   } else {
-    const float d = half_to_float(block);
-    const float m = Kind == kQ4_1 ? half_to_float(block + 2) : -8.0f * d;
-    const uint8_t* q = block + (Kind == kQ4_1 ? 4 : 2);
+    const float d = block_scale<Kind>(block);
+    const float m = block_offset<Kind>(block);
+    const uint8_t* q = block + kCodesAt<Kind>;
     // Byte j holds weight j in its low nibble and weight j + 16 in its high one.
     for (int j = 0; j < 16; ++j) {
       w[j] = float(q[j] & 0x0f) * d + m;
@@ -113,17 +172,24 @@ inline void dequantize_block(const uint8_t* block, float* w) {
 // multiply-add rounds exactly as q * d + m does).
 template <int64_t Kind>
 inline void dequantize_block(const uint8_t* block, __m256* w) {
-  const __m256 d = _mm256_set1_ps(half_to_float(block));
-  if constexpr (Kind == kQ8_0) {
-    const int8_t* q = reinterpret_cast<const int8_t*>(block + 2);
+  const __m256 d = _mm256_set1_ps(block_scale<Kind>(block));
+  if constexpr (kSignedBytes<Kind>) {
+    const __m256 d_high = kHalves<Kind> ? _mm256_set1_ps(block_scale<Kind>(block, 1)) : d;
+    const int8_t* q = reinterpret_cast<const int8_t*>(block + kCodesAt<Kind>);
     _Pragma("GCC unroll 4") for (int part = 0; part < 4; ++part) {
       const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * part));
-      w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), d);
+      w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)), part < 2 ? d : d_high);
+    }
+  } else if constexpr (!kNibbles<Kind>) {
+    const __m256 m = _mm256_set1_ps(block_offset<Kind>(block));
+    const uint8_t* q = block + kCodesAt<Kind>;
+    _Pragma("GCC unroll 4") for (int part = 0; part < 4; ++part) {
+      const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * part));
+      w[part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)), d, m);
     }
   } else {
-    const __m256 m = Kind == kQ4_1 ? _mm256_set1_ps(half_to_float(block + 2))
-                                   : _mm256_mul_ps(_mm256_set1_ps(-8.0f), d);
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (Kind == kQ4_1 ? 4 : 2)));
+    const __m256 m = _mm256_set1_ps(block_offset<Kind>(block));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + kCodesAt<Kind>));
     const __m128i mask = _mm_set1_epi8(0x0f);
     const __m128i low = _mm_and_si128(bytes, mask);                      // weights 0..15
     const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);  // weights 16..31
@@ -312,7 +378,9 @@ void quant_linear_impl(const float* x, int64_t rows, int64_t in_features, const 
 // isum = sum(code * q) exactly in int32, then in block order, one chain per output:
 //   Q8_0: acc = fma(d_w * d_x, isum, acc)
 //   Q4_0: acc = fma(d_w * d_x, isum - 8 s, acc)           (codes 0..15, exact integer offset)
-//   Q4_1: acc = fma(d_w * d_x, isum, acc), acc_m = fma(m_w, d_x * s, acc_m); out = acc + acc_m
+//   Q4_1, Q4_K, Q5: acc = fma(d_w * d_x, isum, acc), acc_m = fma(m_w, d_x * s, acc_m); out = acc + acc_m
+//   Q6_K: acc = fma(d_low * d_x, isum_low, acc), then acc = fma(d_high * d_x, isum_high, acc), each
+//         isum over its 16 weights
 // Nothing is split across vector lanes, so an output depends neither on the vector width, the
 // rows or outputs multiplied beside it, the threads, nor on the instructions that summed isum
 // (integer sums are exact): q8_scalar computes exactly this, and the tests hold the AVX2 and
@@ -348,21 +416,26 @@ std::atomic<int64_t> q8_path{kQ8Best};  // the tests switch it to compare the pa
 struct Q8Rows {
   std::vector<int8_t> codes;
   std::vector<float> scale;    // d_x
-  std::vector<float> offset;   // d_x * s: Q4_1's m_w term
-  std::vector<int32_t> start;  // what isum starts from: -8 s (Q4_0), -128 s (Q8_0 on VNNI), else 0
+  std::vector<float> offset;   // d_x * s: Q4_1's and Q4_K's m_w term
+  // What isum starts from: -8 s (Q4_0), -128 s (int8 codes on VNNI), else 0. With two halves
+  // (Q6_K), `start` is the first 16 weights' and `start_high` the last 16's (from their own s).
+  std::vector<int32_t> start;
+  std::vector<int32_t> start_high;
 };
 
-// Q8_0 on VNNI multiplies code + 128 (vpdpbusd takes unsigned bytes), so isum starts at -128 s.
+// Int8 codes on VNNI are multiplied as code + 128 (vpdpbusd takes unsigned bytes), so isum
+// starts at -128 s.
 template <int64_t Kind, int64_t Path>
-constexpr int32_t kStartPerSum = Kind == kQ4_0 ? -8 : Kind == kQ8_0 && Path == kQ8Vnni ? -128 : 0;
+constexpr int32_t kStartPerSum = Kind == kQ4_0 ? -8 : kSignedBytes<Kind> && Path == kQ8Vnni ? -128 : 0;
 
 // A block whose largest magnitude is below this is taken as zeros: 127 / amax would overflow
 // float32 (and the codes with it) below ~3.7e-37.
 constexpr float kQ8MinAmax = 1e-36f;
 
-// One block of 32 activations (finite): codes into `q`, s into `sum`; returns d_x.
+// One block of 32 activations (finite): codes into `q`, s into `sum` (and the first 16 codes' sum
+// into `low_sum`); returns d_x.
 template <int64_t Path>
-inline float quantize_block_q8(const float* x, int8_t* q, int32_t* sum) {
+inline float quantize_block_q8(const float* x, int8_t* q, int32_t* sum, int32_t* low_sum) {
 #ifdef NASD_AVX2
   if constexpr (Path != kQ8Scalar) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -379,10 +452,13 @@ inline float quantize_block_q8(const float* x, int8_t* q, int32_t* sum) {
     for (int part = 0; part < 4; ++part)
       c[part] = _mm256_cvtps_epi32(
           _mm256_round_ps(_mm256_mul_ps(v[part], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    __m256i total = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-    *sum = _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+    const auto total = [](__m256i v) {
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+      return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1)));
+    };
+    *low_sum = total(_mm256_add_epi32(c[0], c[1]));
+    *sum = *low_sum + total(_mm256_add_epi32(c[2], c[3]));
     // The packs interleave 128-bit lanes; the permutation puts the bytes back in input order.
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
@@ -399,6 +475,7 @@ inline float quantize_block_q8(const float* x, int8_t* q, int32_t* sum) {
     // change), as _MM_FROUND_TO_NEAREST_INT does.
     q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
     total += q[i];
+    if (i == kBlock / 2 - 1) *low_sum = total;
   }
   *sum = total;
   return amax / 127.0f;
@@ -412,26 +489,28 @@ Q8Rows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
   q.scale.resize(rows * num_blocks);
   q.offset.resize(rows * num_blocks);
   q.start.resize(rows * num_blocks);
+  q.start_high.resize(kHalves<Kind> ? rows * num_blocks : 0);
   at::parallel_for(0, rows * num_blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      int32_t sum;
-      const float d = quantize_block_q8<Path>(x + i * kBlock, q.codes.data() + i * kBlock, &sum);
+      int32_t sum, low_sum;
+      const float d = quantize_block_q8<Path>(x + i * kBlock, q.codes.data() + i * kBlock, &sum, &low_sum);
       q.scale[i] = d;
       q.offset[i] = d * static_cast<float>(sum);
-      q.start[i] = kStartPerSum<Kind, Path> * sum;
+      q.start[i] = kStartPerSum<Kind, Path> * (kHalves<Kind> ? low_sum : sum);
+      if constexpr (kHalves<Kind>) q.start_high[i] = kStartPerSum<Kind, Path> * (sum - low_sum);
     }
   });
   return q;
 }
 
-// 32 int8 codes times 32 int8 activations. Kept scalar: GCC 12 vectorises this loop into
-// vpdpbusd on AVX-VNNI hosts, an instruction that reads one side as unsigned (wrong sums).
+// `count` int8 codes times as many int8 activations. Kept scalar: GCC 12 vectorises this loop
+// into vpdpbusd on AVX-VNNI hosts, an instruction that reads one side as unsigned (wrong sums).
 #if defined(__GNUC__) && !defined(__clang__)
 __attribute__((optimize("no-tree-vectorize")))
 #endif
-int32_t signed_dot(const uint8_t* codes, const int8_t* x) {
+int32_t signed_dot(const uint8_t* codes, const int8_t* x, int count) {
   int32_t sum = 0;
-  for (int i = 0; i < kBlock; ++i) sum += static_cast<int8_t>(codes[i]) * x[i];
+  for (int i = 0; i < count; ++i) sum += static_cast<int8_t>(codes[i]) * x[i];
   return sum;
 }
 
@@ -452,16 +531,25 @@ void q8_scalar(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t
           const int8_t* x = q.codes.data() + r * in_features + b * kBlock;
           const int64_t at = r * num_blocks + b;
           int32_t isum = q.start[at];
-          if constexpr (Kind == kQ8_0) {
-            isum += signed_dot(block + 2, x);
+          if constexpr (kHalves<Kind>) {
+            const int32_t high = q.start_high[at] + signed_dot(block + kCodesAt<Kind> + 16, x + 16, 16);
+            isum += signed_dot(block + kCodesAt<Kind>, x, 16);
+            acc = std::fma(block_scale<Kind>(block) * q.scale[at], static_cast<float>(isum), acc);
+            acc = std::fma(block_scale<Kind>(block, 1) * q.scale[at], static_cast<float>(high), acc);
+            continue;
+          } else if constexpr (kSignedBytes<Kind>) {
+            isum += signed_dot(block + kCodesAt<Kind>, x, kBlock);
+          } else if constexpr (!kNibbles<Kind>) {
+            const uint8_t* codes = block + kCodesAt<Kind>;
+            for (int j = 0; j < kBlock; ++j) isum += codes[j] * x[j];
           } else {
-            const uint8_t* codes = block + (Kind == kQ4_1 ? 4 : 2);
+            const uint8_t* codes = block + kCodesAt<Kind>;
             for (int j = 0; j < 16; ++j) isum += (codes[j] & 0x0f) * x[j] + (codes[j] >> 4) * x[j + 16];
           }
-          acc = std::fma(half_to_float(block) * q.scale[at], static_cast<float>(isum), acc);
-          if constexpr (Kind == kQ4_1) acc_m = std::fma(half_to_float(block + 2), q.offset[at], acc_m);
+          acc = std::fma(block_scale<Kind>(block) * q.scale[at], static_cast<float>(isum), acc);
+          if constexpr (kOffset<Kind>) acc_m = std::fma(block_offset<Kind>(block), q.offset[at], acc_m);
         }
-        out[r * out_features + o] = Kind == kQ4_1 ? acc + acc_m : acc;
+        out[r * out_features + o] = kOffset<Kind> ? acc + acc_m : acc;
       }
     }
   });
@@ -489,7 +577,8 @@ inline void tile_scale_offset(const uint8_t* const* rows, int64_t offset, float*
 
 // A tile's Outs outputs (rows[j]: output j's first block) as a panel. Per block, 8 groups of
 // 4 * Outs bytes: group g holds codes 4g..4g+3 of output j at bytes 4j..4j+3 (Q4: the nibbles
-// 0..15; Q8_0: the int8 codes); then d_w (and Q4_1's m_w) of the Outs outputs as floats.
+// 0..15; Q8_0, Q6_K: the int8 codes; Q5: the codes 0..31); then d_w of the Outs outputs as floats,
+// and in `offsets` their m_w (Q4_1, Q4_K, Q5) or the second half's d_w (Q6_K).
 // Meanwhile it prefetches the next tile's `next_bytes` (contiguous from `next`): a tile's outputs
 // are a few KB of short rows, which the hardware prefetchers barely start on (1.6x at 1 row on 1
 // thread of this Xeon).
@@ -504,9 +593,10 @@ void repack_tile(const uint8_t* const* rows, int64_t num_blocks, uint8_t* codes,
     for (int64_t half = 0; half < Outs / 8; ++half) {  // 8 outputs at a time
       const uint8_t* const* eight = rows + 8 * half;
       __m256i g[8];
-      if constexpr (Kind == kQ8_0) {
+      if constexpr (!kNibbles<Kind>) {
         __m256i r[8], t[8];
-        for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(eight[j] + at + 2));
+        for (int j = 0; j < 8; ++j)
+          r[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(eight[j] + at + kCodesAt<Kind>));
         // An 8 x 8 transpose of 4-byte groups.
         for (int j = 0; j < 8; j += 4) {
           const __m256i a = _mm256_unpacklo_epi32(r[j], r[j + 1]), c = _mm256_unpackhi_epi32(r[j], r[j + 1]);
@@ -521,7 +611,7 @@ void repack_tile(const uint8_t* const* rows, int64_t num_blocks, uint8_t* codes,
           g[i + 4] = _mm256_permute2x128_si256(t[i], t[i + 4], 0x31);
         }
       } else {
-        constexpr int64_t skip = Kind == kQ4_1 ? 4 : 2;
+        constexpr int64_t skip = kCodesAt<Kind>;
         __m256i r[4];
         for (int j = 0; j < 4; ++j)  // outputs j and j + 4 in the two 128-bit halves
           r[j] = _mm256_inserti128_si256(
@@ -543,6 +633,11 @@ void repack_tile(const uint8_t* const* rows, int64_t num_blocks, uint8_t* codes,
       for (int i = 0; i < 8; ++i) _mm256_storeu_si256(reinterpret_cast<__m256i*>(panel + i * group), g[i]);
       if constexpr (Kind == kQ4_1) {
         tile_scale_offset(eight, at, scales + b * Outs + 8 * half, offsets + b * Outs + 8 * half);
+      } else if constexpr (Kind == kQ4_K || Kind == kQ6_K || Kind == kQ5) {
+        for (int j = 0; j < 8; ++j) {
+          scales[b * Outs + 8 * half + j] = load_unaligned<float>(eight[j] + at);
+          offsets[b * Outs + 8 * half + j] = load_unaligned<float>(eight[j] + at + 4);
+        }
       } else {
         _mm256_storeu_ps(scales + b * Outs + 8 * half, tile_halves(eight, at));
       }
@@ -616,15 +711,19 @@ inline void q8_tile(const uint8_t* codes, const float* scales, const float* offs
   const int8_t* x = q.codes.data() + row * in_features;
   const float* dx = q.scale.data() + row * num_blocks;
   const int32_t* start = q.start.data() + row * num_blocks;
+  const int32_t* start_high = kHalves<Kind> ? q.start_high.data() + row * num_blocks : nullptr;
   Float acc[Rows];
   _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) acc[r] = V::zerof();
   for (int64_t b = 0; b < num_blocks; ++b) {
     const uint8_t* panel = codes + b * 8 * group;
     const int8_t* xb = x + b * kBlock;
-    Int isum[Rows];
-    _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) isum[r] =
-        starts ? V::splat(start[r * num_blocks + b]) : V::zero();
-    if constexpr (Path == kQ8Avx2 && Kind != kQ8_0) {
+    // Q6_K sums its two halves (groups 0-3, 4-7) apart; other kinds sum all 8 groups in isum.
+    Int isum[Rows], high[Rows];
+    _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) {
+      isum[r] = starts ? V::splat(start[r * num_blocks + b]) : V::zero();
+      if constexpr (kHalves<Kind>) high[r] = starts ? V::splat(start_high[r * num_blocks + b]) : V::zero();
+    }
+    if constexpr (Path == kQ8Avx2 && kNibbles<Kind>) {
       // maddubs' 16-bit pair sums (|2 * 15 * 127| each) add up over the 8 groups without
       // overflow (30480 < 32767): one widening per block instead of one per group.
       __m256i pairs[Rows];
@@ -636,34 +735,51 @@ inline void q8_tile(const uint8_t* codes, const float* scales, const float* offs
       }
       _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) isum[r] =
           _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs[r], _mm256_set1_epi16(1)));
-    } else if constexpr (Path == kQ8Avx2) {  // Q8_0's signed codes
+    } else if constexpr (Path == kQ8Avx2 && !kSignedBytes<Kind>) {  // Q5's codes 0..31
+      // Pair sums of |2 * 31 * 127| would overflow 16 bits past 4 groups: widened per group.
       _Pragma("GCC unroll 8") for (int g = 0; g < 8; ++g) {
-        // |w| times x with w's sign (ggml's mul_sum_i8_pairs): |w| <= 128 and |x| <= 127, so
-        // maddubs' pair sums cannot saturate.
+        const __m256i w = V::load(panel + g * group);
+        _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) isum[r] = _mm256_add_epi32(
+            isum[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, V::splat(load_unaligned<int32_t>(xb + r * in_features + 4 * g))),
+                                       _mm256_set1_epi16(1)));
+      }
+    } else if constexpr (Path == kQ8Avx2) {  // int8 codes
+      // |w| times x with w's sign (ggml's mul_sum_i8_pairs): |w| <= 128 and |x| <= 127, so
+      // maddubs' pair sums cannot saturate.
+      const auto add_group = [&](Int(&sums)[Rows], int g) {
         const __m256i w = V::load(panel + g * group);
         const __m256i magnitude = _mm256_sign_epi8(w, w);
         _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) {
           const __m256i xs = _mm256_sign_epi8(V::splat(load_unaligned<int32_t>(xb + r * in_features + 4 * g)), w);
-          isum[r] = _mm256_add_epi32(isum[r],
+          sums[r] = _mm256_add_epi32(sums[r],
                                      _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, xs), _mm256_set1_epi16(1)));
         }
-      }
+      };
+      _Pragma("GCC unroll 8") for (int g = 0; g < 4; ++g) add_group(isum, g);
+      _Pragma("GCC unroll 8") for (int g = 4; g < 8; ++g) add_group(kHalves<Kind> ? high : isum, g);
     }
 #ifdef NASD_VNNI
     else {
-      _Pragma("GCC unroll 8") for (int g = 0; g < 8; ++g) {
+      const auto add_group = [&](Int(&sums)[Rows], int g) {
         Int w = V::load(panel + g * group);
-        if constexpr (Kind == kQ8_0) w = V::flip(w);  // code + 128 as an unsigned byte (isum starts at -128 s)
-        _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) isum[r] =
-            V::dot4(isum[r], w, V::splat(load_unaligned<int32_t>(xb + r * in_features + 4 * g)));
-      }
+        if constexpr (kSignedBytes<Kind>) w = V::flip(w);  // code + 128 as an unsigned byte (isum starts at -128 s)
+        _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) sums[r] =
+            V::dot4(sums[r], w, V::splat(load_unaligned<int32_t>(xb + r * in_features + 4 * g)));
+      };
+      _Pragma("GCC unroll 8") for (int g = 0; g < 4; ++g) add_group(isum, g);
+      _Pragma("GCC unroll 8") for (int g = 4; g < 8; ++g) add_group(kHalves<Kind> ? high : isum, g);
     }
 #endif
     const Float dw = V::loadf(scales + b * V::outs);
     _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) acc[r] =
         V::fma_int(V::mul(dw, V::splatf(dx[r * num_blocks + b])), isum[r], acc[r]);
+    if constexpr (kHalves<Kind>) {
+      const Float dw_high = V::loadf(offsets + b * V::outs);
+      _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) acc[r] =
+          V::fma_int(V::mul(dw_high, V::splatf(dx[r * num_blocks + b])), high[r], acc[r]);
+    }
   }
-  if constexpr (Kind == kQ4_1) {
+  if constexpr (kOffset<Kind>) {
     const float* sx = q.offset.data() + row * num_blocks;
     _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) {
       Float acc_m = V::zerof();
@@ -685,7 +801,7 @@ void q8_simd(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t* 
   const std::vector<uint8_t> zeros(row_bytes, 0);  // the missing outputs of a last partial tile
   at::parallel_for(0, tiles, 32 / outs, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> codes(num_blocks * 32 * outs);
-    std::vector<float> scales(num_blocks * outs), offsets(Kind == kQ4_1 ? num_blocks * outs : 0);
+    std::vector<float> scales(num_blocks * outs), offsets(kOffset<Kind> || kHalves<Kind> ? num_blocks * outs : 0);
     alignas(64) float tile_out[V::rows * outs];
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t first = tile * outs, count = std::min(outs, out_features - first);
@@ -750,10 +866,25 @@ void quant_linear_q8_impl(const float* x, int64_t rows, int64_t in_features, con
 using Multiply = void (*)(const float* x, int64_t rows, int64_t in_features, const uint8_t* weight,
                           int64_t out_features, float* out);
 
+// One operator's multiply for each block kind (in the order of Kind).
+struct Multiplies {
+  Multiply q4_0, q4_1, q8_0, q4_k, q6_k, q5;
+  Multiply of(int64_t kind) const {
+    switch (kind) {
+      case kQ4_0: return q4_0;
+      case kQ4_1: return q4_1;
+      case kQ8_0: return q8_0;
+      case kQ4_K: return q4_k;
+      case kQ6_K: return q6_k;
+      default: return q5;  // block_bytes checked the kind
+    }
+  }
+};
+
 // input [..., in] times the blocks' weights: the checks, flattening and the dispatch on the block
 // kind that both operators share.
 at::Tensor multiply_blocks(const char* name, const at::Tensor& input, const at::Tensor& weight, int64_t kind,
-                           Multiply q4_0, Multiply q4_1, Multiply q8_0) {
+                           const Multiplies& multiplies) {
   TORCH_CHECK(input.scalar_type() == at::kFloat, name, ": input must be float32");
   TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2, name, ": weight must be 2-d uint8 blocks");
   const int64_t in_features = input.size(-1);
@@ -765,8 +896,7 @@ at::Tensor multiply_blocks(const char* name, const at::Tensor& input, const at::
   const int64_t rows = x.size(0), out_features = w.size(0);
   at::Tensor out = at::empty({rows, out_features}, x.options());
   if (rows > 0) {
-    const Multiply multiply = kind == kQ4_0 ? q4_0 : kind == kQ4_1 ? q4_1 : q8_0;  // block_bytes checked the kind
-    multiply(x.data_ptr<float>(), rows, in_features, w.data_ptr<uint8_t>(), out_features, out.data_ptr<float>());
+    multiplies.of(kind)(x.data_ptr<float>(), rows, in_features, w.data_ptr<uint8_t>(), out_features, out.data_ptr<float>());
   }
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end() - 1);
   shape.push_back(out_features);
@@ -778,13 +908,16 @@ at::Tensor multiply_blocks(const char* name, const at::Tensor& input, const at::
 namespace nasd {
 
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64_t kind) {
-  return multiply_blocks("quant_linear", input, weight, kind, quant_linear_impl<kQ4_0>, quant_linear_impl<kQ4_1>,
-                         quant_linear_impl<kQ8_0>);
+  static const Multiplies multiplies{quant_linear_impl<kQ4_0>, quant_linear_impl<kQ4_1>, quant_linear_impl<kQ8_0>,
+                                     quant_linear_impl<kQ4_K>, quant_linear_impl<kQ6_K>, quant_linear_impl<kQ5>};
+  return multiply_blocks("quant_linear", input, weight, kind, multiplies);
 }
 
 at::Tensor quant_linear_q8(const at::Tensor& input, const at::Tensor& weight, int64_t kind) {
-  return multiply_blocks("quant_linear_q8", input, weight, kind, quant_linear_q8_impl<kQ4_0>,
-                         quant_linear_q8_impl<kQ4_1>, quant_linear_q8_impl<kQ8_0>);
+  static const Multiplies multiplies{quant_linear_q8_impl<kQ4_0>, quant_linear_q8_impl<kQ4_1>,
+                                     quant_linear_q8_impl<kQ8_0>, quant_linear_q8_impl<kQ4_K>,
+                                     quant_linear_q8_impl<kQ6_K>, quant_linear_q8_impl<kQ5>};
+  return multiply_blocks("quant_linear_q8", input, weight, kind, multiplies);
 }
 
 int64_t quant_linear_q8_path(int64_t path) {
