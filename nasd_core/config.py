@@ -315,11 +315,11 @@ class ModelConfig(_Config):
         "float32",
         description="Weights dtype; 'gguf' keeps a GGUF file's blocks (the embedded model's or a *.gguf "
         "name's) on a CPU where a kernel multiplies them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; "
-        "other types load as float32) "
-        "(nasd_core/model/quantized.py).",
+        "other types, and files of other architectures than llama, load as float32; "
+        "nasd_core/model/quantized.py).",
     )
     device: str = Field("cpu", description="torch device string.")
-    cache_dir: str | None = Field(None, description="Where converted embedded weights are cached.")
+    cache_dir: str | None = Field(None, description="Where converted GGUF files' weights are cached.")
     cpu_fast_path: bool = Field(
         True,
         description="On CPU in float32: pack Linear weights for oneDNN and share key/value heads in "

@@ -24,7 +24,7 @@ from nasd_core.config import EMBEDDED_MODEL, ModelConfig
 from nasd_core.errors import ModelLoadError
 from nasd_core.model.cpu_kernels import optimize_for_cpu
 from nasd_core.model.lean_decoder import use_lean_decoder
-from nasd_core.model.quantized import quant_kernel_available, use_gguf_weights
+from nasd_core.model.quantized import GGUF_MODEL_TYPES, quant_kernel_available, use_gguf_weights
 
 logger = logging.getLogger(__name__)
 
@@ -191,11 +191,17 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
         tokenizer = load_tokenizer(model_dir)
         dtype = torch.float32 if quantized else getattr(torch, config.dtype)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        if quantized and quant_kernel_available():
+        if quantized and not quant_kernel_available():
+            logger.warning("dtype 'gguf' needs NASD's C++ kernels, which are unavailable here: using float32")
+        elif quantized and model.config.model_type not in GGUF_MODEL_TYPES:
+            # The loader knows llama's tensor names and row order only; other files still serve.
+            logger.warning(
+                "dtype 'gguf' keeps the blocks of llama-architecture files, not %r: using float32",
+                model.config.model_type,
+            )
+        elif quantized:
             use_gguf_weights(model, gguf_file(name))
             use_lean_decoder(model)
-        elif quantized:
-            logger.warning("dtype 'gguf' needs NASD's C++ kernels, which are unavailable here: using float32")
     except ModelLoadError:
         raise
     except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...

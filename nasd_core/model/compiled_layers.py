@@ -25,7 +25,7 @@ import types
 import torch
 from torch import nn
 
-from nasd_core.model.quantized import QuantLinear
+from nasd_core.model.quantized import QuantLinear, QuantLinears
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +37,11 @@ COMPILED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 def merged_linear(linears: list[nn.Module]) -> nn.Module:
     """One Linear computing ``linears`` side by side; theirs become views of its weight and bias,
     so the model holds each weight once (its state dict gains the merged entries). GGUF-block
-    Linears of one block type merge into one ``QuantLinear`` the same way."""
+    Linears of one block type merge into one ``QuantLinear`` the same way; of several types, into
+    ``QuantLinears`` (one multiply per part, outputs concatenated)."""
     first = linears[0]
+    if isinstance(first, QuantLinear) and len({linear.kind for linear in linears}) > 1:
+        return QuantLinears(linears)
     if isinstance(first, QuantLinear):
         merged = QuantLinear(torch.cat([linear.blocks for linear in linears]), first.kind, first.in_features)
         start = 0
@@ -115,12 +118,10 @@ def merge_projections(model) -> None:
         attention, mlp = layer.self_attn, layer.mlp
         linears = [attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj]
         plain = all(type(linear) is nn.Linear for linear in linears)
-        kinds = {linear.kind for linear in linears if isinstance(linear, QuantLinear)}
-        quantized = all(isinstance(linear, QuantLinear) for linear in linears) and len(kinds) == 1
+        quantized = all(isinstance(linear, QuantLinear) for linear in linears)
         if not (plain or quantized):
             raise ValueError(
-                "compiled layers need plain nn.Linear projections (not the CPU's packed ones) or GGUF "
-                "blocks of one type"
+                "compiled layers need plain nn.Linear projections (not the CPU's packed ones) or GGUF blocks"
             )
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp

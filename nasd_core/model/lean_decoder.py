@@ -50,13 +50,13 @@ def lean_decoder_fits(model) -> bool:
         return False
     decoder = model.get_decoder()
     for layer in decoder.layers:
-        # decoder_layers multiplies by blocks only; merge_projections needs one block kind across
-        # q, k, v, gate and up.
-        projections = [layer.get_submodule(name) for name in _PROJECTIONS]
-        linears = [*projections, layer.self_attn.o_proj, layer.mlp.down_proj]
+        # The lean layers multiply by blocks only.
+        linears = [
+            *(layer.get_submodule(name) for name in _PROJECTIONS),
+            layer.self_attn.o_proj,
+            layer.mlp.down_proj,
+        ]
         if not all(isinstance(linear, QuantLinear) for linear in linears):
-            return False
-        if len({projection.kind for projection in projections}) != 1:
             return False
     # decoder_layers takes one epsilon for every norm.
     norms = [decoder.norm] + [
@@ -74,6 +74,12 @@ def use_lean_decoder(model) -> bool:
         return False
     merge_projections(model)
     model.nasd_lean_decoder = True
+    # decoder_layers takes one block tensor for each of a layer's q, k, v and gate, up: layers whose
+    # types differ there (QuantLinears) run the Python loop of lean_layer.
+    model.nasd_fused_layers = all(
+        isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+        for layer in model.get_decoder().layers
+    )
     logger.info("steps run the lean decoder (fused CPU kernels, merged projections)")
     return True
 
@@ -167,7 +173,8 @@ def lean_forward(
     cos, sin = decoder.rotary_emb(hidden, position_ids.unsqueeze(0))
     # Every row in the paged attention kernel: no prompt chunk, padded batch or graph layout.
     all_kernel_rows = step.kernel_rows is not None and not step.segments
-    if FUSED_LAYERS and all_kernel_rows and step.batched_rows is None and step.paged_rows is None:
+    fused = FUSED_LAYERS and getattr(model, "nasd_fused_layers", True)
+    if fused and all_kernel_rows and step.batched_rows is None and step.paged_rows is None:
         hidden, residual = all_layers_fused(model, hidden, cos[0], sin[0], step)
     else:
         residual = None

@@ -2,16 +2,15 @@
 
 Why: a decode step on a CPU is bound by reading the weights. The embedded model ships as Q4_1
 blocks (its vocabulary as Q8_0): about 96 MB a step, where the dequantized float32 weights are
-540 MB. A user's GGUF file may hold Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks too (all but
-Q4_0 and Q8_0 repacked at load, ``repack``); weights of other types keep their converted float32
-values. ``QuantLinear``
-keeps a Linear's blocks exactly as the file holds them and multiplies by them with
-``csrc/quant_linear.cpp``. By default (``INT8_ACTIVATIONS``) each input row is
-rounded to int8 per block of 32, as llama.cpp does for these blocks, and multiplied with integer
-dot products (AVX-512 VNNI, AVX-VNNI or AVX2), every row of a step multiplied by each tile of
-repacked weights: a verification step reads the weights once, not once per position. Otherwise the
-blocks are turned into floats in registers and multiplied by the float32 rows. Norms and
-attention stay float32.
+540 MB. A user's GGUF file may hold Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks too; weights
+of other types keep their converted float32 values. ``QuantLinear`` keeps a Linear's blocks (Q4_0,
+Q4_1 and Q8_0 as the file holds them, the others repacked at load into blocks of 32 with the same
+values, ``repack``) and multiplies by them with ``csrc/quant_linear.cpp``. By default
+(``INT8_ACTIVATIONS``) each input row is rounded to int8 per block of 32, as llama.cpp does for
+these blocks, and multiplied with integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2), every row
+of a step multiplied by each tile of repacked weights: a verification step reads the weights
+once, not once per position. Otherwise the blocks are turned into floats in registers and
+multiplied by the float32 rows. Norms and attention stay float32.
 
 The block values are the GGUF reference's (``q * d + m``, exact in float32). Each output's sum
 runs in one fixed order, and a row's int8 rounding reads that row alone, so a Linear's output for
@@ -42,8 +41,9 @@ BLOCK = 32  # weights per block in every format the kernels take
 # ggml type id -> (name, bytes per block of 32 as the kernels take it). The K-quants (super-blocks of
 # 256 with 6- or 8-bit sub-block scales) and the Q5 types (5-bit codes split over two fields) are
 # repacked at load into blocks of 32 whose scales are multiplied out into float32 (exact: a float16
-# times a small integer): Q4_K as Q4_1 with float32 d and m, Q6_K as Q8_0 with a float32 d for each
-# 16 weights, Q5_0 / Q5_1 / Q5_K as a byte per code with float32 d and m (``repack``).
+# times an integer of magnitude at most 128): Q4_K as Q4_1 with float32 d and m, Q6_K as Q8_0 with
+# a float32 d for each 16 weights, Q5_0 / Q5_1 / Q5_K as a byte per code with float32 d and m
+# (``repack``).
 BLOCK_FORMATS = {
     2: ("Q4_0", 18),
     3: ("Q4_1", 20),
@@ -57,6 +57,8 @@ BLOCK_FORMATS = {
 # The repacked types as the file holds them: (weights, bytes) per block of the file.
 FILE_BLOCKS = {6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
+# Models whose GGUF tensor names and row order use_gguf_weights knows (other files load as float32).
+GGUF_MODEL_TYPES = frozenset({"llama"})
 # llama-architecture GGUF tensor names -> the transformers module they become.
 LAYER_LINEARS = {
     "attn_q": "self_attn.q_proj",
@@ -149,6 +151,21 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         name = BLOCK_FORMATS[self.kind][0]
         return f"in_features={self.in_features}, out_features={self.out_features}, blocks={name}"
+
+
+class QuantLinears(nn.Module):
+    """GGUF-block Linears of different block types side by side, their outputs concatenated: what
+    ``merged_linear`` makes of a layer's q, k, v (or gate, up) when their types differ, as
+    llama.cpp's Q4_K_M files make some layers' v Q6_K beside Q4_K q and k."""
+
+    def __init__(self, linears: list[QuantLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(linears)
+        self.in_features = linears[0].in_features
+        self.out_features = sum(linear.out_features for linear in linears)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(inputs) for part in self.parts], dim=-1)
 
 
 class QuantEmbedding(nn.Module):
@@ -262,8 +279,9 @@ _REPACKS = {
 
 def repack(raw: np.ndarray, kind: int) -> np.ndarray:
     """A Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K tensor's file bytes ``[rows, bytes]`` as the kernels'
-    blocks of 32 (``BLOCK_FORMATS``), holding the same weights bit for bit (ggml's dequantize_row_*:
-    each product of a float16 scale and an integer scale is exact in float32)."""
+    blocks of 32 (``BLOCK_FORMATS``), holding the same weights (ggml's dequantize_row_*: each
+    product of a float16 scale and an integer scale of magnitude at most 128 is exact in float32;
+    a zero weight may come out +0 where ggml gives -0)."""
     return _REPACKS[kind](raw.reshape(raw.shape[0], -1, FILE_BLOCKS[kind][1]))
 
 
@@ -298,7 +316,7 @@ def use_gguf_weights(model: nn.Module, gguf_path: Path) -> int:
     """Replace ``model``'s Linear layers and token embedding with the GGUF file's own blocks.
 
     ``model`` is the llama-architecture transformers model converted from that file (its norms
-    and config are kept). A weight whose block type has no kernel here (K-quants, Q5_*, F16...)
+    and config are kept). A weight whose block type has no kernel here (Q2_K, Q3_K, IQ*, F16...)
     keeps the converted float32 values: the file's, dequantized by transformers. Returns the
     number of modules replaced.
 
@@ -307,11 +325,11 @@ def use_gguf_weights(model: nn.Module, gguf_path: Path) -> int:
             blocks do not hold the converted model's values.
     """
     config = model.config
-    if config.model_type != "llama":
+    if config.model_type not in GGUF_MODEL_TYPES:
         raise ValueError(f"GGUF blocks are kept for llama-architecture files, not {config.model_type!r}")
     tensors = _gguf_tensors(gguf_path)
     decoder = model.model
-    replaced, kept = 0, Counter()
+    replaced, kept, checked = 0, Counter(), set()
 
     def blocks_of(key: str) -> tuple[torch.Tensor | None, int]:
         if key not in tensors:
@@ -339,9 +357,11 @@ def use_gguf_weights(model: nn.Module, gguf_path: Path) -> int:
                 raise ValueError(f"{key} has {rows}")
             if linear.bias is not None:
                 raise ValueError(f"{module_path} has a bias; GGUF weights are used for bias-free layers only")
-            # The first layer's blocks must be the converted weights exactly (row order included).
-            if index == 0 and not torch.equal(dequantize(blocks, kind), linear.weight.float()):
-                raise ValueError(f"{key}'s blocks are not the converted model's {module_path} weights")
+            # Each projection's first blocks must be the converted weights exactly (row order included).
+            if module_path not in checked:
+                if not torch.equal(dequantize(blocks, kind), linear.weight.float()):
+                    raise ValueError(f"{key}'s blocks are not the converted model's {module_path} weights")
+                checked.add(module_path)
             setattr(parent, child_name, QuantLinear(blocks, kind, linear.in_features))
             replaced += 1
     blocks, kind = blocks_of("token_embd.weight")

@@ -25,7 +25,7 @@ from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import ModelLoadError
 from nasd_core.model.cpu_kernels import invariant_threads
-from nasd_core.model.quantized import QuantEmbedding, QuantLinear, dequantize
+from nasd_core.model.quantized import QuantLinear, QuantLinears, dequantize
 from nasd_core.models import embedded_gguf_path, load_model
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered
 from tests.nasd_core.test_quantized import INT8_RELATIVE_ERROR, relative_error
@@ -152,15 +152,19 @@ def every_kernel_type(name: str) -> Q | None:
     return None
 
 
-def some_without_a_kernel(name: str) -> Q | None:
-    """The first layer's down projection and the vocabulary in F16: a type with no kernel."""
-    return {"blk.0.ffn_down.weight": Q.F16, "token_embd.weight": Q.F16}.get(name)
+def mixed_layers(name: str) -> Q | None:
+    """The vocabulary in F16, a type with no kernel; the second layer's v in Q8_0 beside its Q4_1 q
+    and k, and the third layer's up in Q4_0 beside its Q4_1 gate (as llama.cpp's Q4_K_M puts some
+    layers' v in Q6_K beside Q4_K q and k): parts the lean decoder cannot merge into one matmul."""
+    return {"token_embd.weight": Q.F16, "blk.1.attn_v.weight": Q.Q8_0, "blk.2.ffn_up.weight": Q.Q4_0}.get(
+        name
+    )
 
 
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("gguf")
-    retypes = {"every_kernel_type": every_kernel_type, "no_kernel": some_without_a_kernel}
+    retypes = {"every_kernel_type": every_kernel_type, "mixed_layers": mixed_layers}
     files = {name: folder / f"{name}.gguf" for name in retypes}
     for name, retype in retypes.items():
         write_retyped_gguf(embedded_gguf_path(), files[name], retype)
@@ -173,16 +177,29 @@ def cache_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def gguf_file_model(gguf_files, cache_dir):
-    """The file with every kernel type: (model, tokenizer, its float32 conversion)."""
-    path = str(gguf_files["every_kernel_type"])
-    model, tokenizer = load_model(path, ModelConfig(dtype="gguf", cache_dir=cache_dir))
-    reference, _ = load_model(path, ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
-    return model, tokenizer, reference
+def file_models(gguf_files, cache_dir) -> dict[str, tuple]:
+    """Each file's (model on its blocks, tokenizer, float32 conversion, log of the load)."""
+    models = {}
+    for name, path in gguf_files.items():
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(logging.INFO)
+        handler.emit = records.append
+        logger = logging.getLogger("nasd_core.model.quantized")
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        try:
+            model, tokenizer = load_model(str(path), ModelConfig(dtype="gguf", cache_dir=cache_dir))
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+        reference, _ = load_model(str(path), ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
+        models[name] = (model, tokenizer, reference, " ".join(record.getMessage() for record in records))
+    return models
 
 
-def test_a_gguf_files_weights_are_its_own_blocks(gguf_file_model):
-    model, _, reference = gguf_file_model
+def test_a_gguf_files_weights_are_its_own_blocks(file_models):
+    model, _, reference, log = file_models["every_kernel_type"]
     for index, down in enumerate(DOWN_TYPES):
         layer = model.get_decoder().layers[index]
         linears = (
@@ -192,15 +209,18 @@ def test_a_gguf_files_weights_are_its_own_blocks(gguf_file_model):
             layer.mlp.down_proj,
         )
         assert [linear.kind for linear in linears] == [Q.Q8_0, Q.Q4_0, Q.Q8_0, down]
-    assert getattr(model, "nasd_lean_decoder", False), "every Linear has a kernel: the lean decoder runs"
+    assert model.nasd_lean_decoder and model.nasd_fused_layers, "one type per merged group: one C++ call"
+    assert "float32" not in log
     for module_name, module in model.named_modules():
         if isinstance(module, QuantLinear) and not module_name.endswith(("qkv_proj", "gate_up_proj")):
             weight = reference.get_submodule(module_name).weight
             assert torch.equal(dequantize(module.blocks, module.kind), weight), module_name
 
 
-def test_greedy_speculation_on_a_gguf_file_is_plain_decoding(gguf_file_model):
-    model, tokenizer, _ = gguf_file_model
+@pytest.mark.parametrize("name", ["every_kernel_type", "mixed_layers"])
+def test_greedy_speculation_on_a_gguf_file_is_plain_decoding(file_models, name):
+    """The C++ layer loop (every_kernel_type) and the Python one (mixed_layers' unmerged parts)."""
+    model, tokenizer, _, _ = file_models[name]
     before = torch.get_num_threads()
     torch.set_num_threads(min(before, invariant_threads(model)))
     try:
@@ -220,21 +240,24 @@ def test_greedy_speculation_on_a_gguf_file_is_plain_decoding(gguf_file_model):
     assert engine.stats.num_accepted > 0, "speculation was not exercised"
 
 
-def test_types_without_a_kernel_keep_the_files_float_values(gguf_files, cache_dir, caplog):
-    path = str(gguf_files["no_kernel"])
-    with caplog.at_level(logging.INFO, logger="nasd_core.model.quantized"):
-        model, tokenizer = load_model(
-            path, ModelConfig(dtype="gguf", cache_dir=cache_dir, cpu_fast_path=False)
-        )
-    assert "float32 for types without a kernel here: 2 F16" in caplog.text
-    reference, _ = load_model(path, ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
-    down = model.get_decoder().layers[0].mlp.down_proj
-    assert type(down) is torch.nn.Linear and torch.equal(
-        down.weight, reference.get_decoder().layers[0].mlp.down_proj.weight
+def test_types_without_a_kernel_keep_the_files_values_and_mixed_types_their_own_blocks(
+    file_models, gguf_files
+):
+    model, tokenizer, reference, log = file_models["mixed_layers"]
+    assert "float32 for types without a kernel here: 1 F16" in log
+    # The F16 vocabulary (tied to the output) is the file's values: gguf-py's reading of them.
+    file_tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(gguf_files["mixed_layers"]).tensors}
+    embedding = torch.from_numpy(np.array(file_tensors["token_embd.weight"].data, dtype=np.float32))
+    assert torch.equal(model.get_decoder().embed_tokens.weight, embedding)
+    assert not isinstance(model.lm_head, QuantLinear)  # tied to it: float32 (packed for oneDNN here)
+    # Parts of two types stay apart, each on its own blocks; the lean layers run from Python.
+    qkv, gate_up = (
+        model.get_decoder().layers[1].self_attn.qkv_proj,
+        model.get_decoder().layers[2].mlp.gate_up_proj,
     )
-    assert not isinstance(model.get_decoder().embed_tokens, QuantEmbedding)
-    assert isinstance(model.get_decoder().layers[1].mlp.down_proj, QuantLinear)
-    assert not getattr(model, "nasd_lean_decoder", False), "a float Linear: transformers' forward runs"
+    assert isinstance(qkv, QuantLinears) and [part.kind for part in qkv.parts] == [Q.Q4_1, Q.Q4_1, Q.Q8_0]
+    assert isinstance(gate_up, QuantLinears) and [part.kind for part in gate_up.parts] == [Q.Q4_1, Q.Q4_0]
+    assert model.nasd_lean_decoder and not model.nasd_fused_layers
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         logits, expected = model(ids).logits, reference(ids).logits

@@ -220,6 +220,37 @@ def test_int8_activations_are_their_definition_on_every_instruction_path(kind, q
         assert torch.equal(torch.ops.nasd.quant_linear_q8(inputs, blocks, kind), expected), f"path {path}"
 
 
+# Each type's code bytes at the value that makes the integer sums largest: nibbles 15, Q5 codes 31,
+# Q8_0 127, Q6_K -32.
+EXTREME_CODES = {
+    "Q4_0": (16, 0xFF),
+    "Q4_1": (16, 0xFF),
+    "Q4_K": (16, 0xFF),
+    "Q8_0": (32, 127),
+    "Q6_K": (32, 0xE0),
+}
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_FORMATS[kind][0] for kind in KINDS])
+def test_int8_sums_at_their_bounds_are_their_definition_on_every_instruction_path(kind, q8_paths):
+    """Every code at its extreme times rows of +1 and -1 (int8 codes of 127 everywhere): the
+    integer sums reach their bounds, the AVX2 path's 16-bit pair sums included (3810 a pair for
+    nibbles over 8 groups, 7874 for Q5's codes, widened every group), and every path still gives
+    the reference's bits."""
+    name, size = BLOCK_FORMATS[kind]
+    blocks = random_blocks(kind, 40, 96).clone()
+    width, code = EXTREME_CODES.get(name, (32, 31))
+    blocks.view(40, -1, size)[..., -width:] = code
+    inputs = torch.ones(4, 96)
+    inputs[1] = -1
+    inputs[2, ::2] = -1
+    inputs[3, :48] = -1
+    expected = q8_reference(inputs, blocks, kind)
+    for path in q8_paths:
+        torch.ops.nasd.quant_linear_q8_path(path)
+        assert torch.equal(torch.ops.nasd.quant_linear_q8(inputs, blocks, kind), expected), f"path {path}"
+
+
 @pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_FORMATS[kind][0] for kind in KINDS])
 def test_int8_activations_keep_a_rows_bits_alone_among_others_and_on_any_threads(kind, q8_paths):
     """As the float32-activation kernel: a row's outputs are the same bits alone on one thread
@@ -278,7 +309,7 @@ def test_without_the_kernel_gguf_loads_the_float32_weights(monkeypatch, caplog):
     assert "using float32" in caplog.text
 
 
-def test_gguf_is_for_the_embedded_model_on_a_cpu():
+def test_gguf_is_for_gguf_files_on_a_cpu():
     with pytest.raises(ModelLoadError, match="gguf"):
         load_model("some/hub-model", ModelConfig(dtype="gguf"))
 
