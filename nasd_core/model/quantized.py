@@ -76,27 +76,26 @@ def dequantize(blocks: torch.Tensor, kind: int) -> torch.Tensor:
     name, size = BLOCK_FORMATS[kind]
     num_blocks = blocks.shape[-1] // size
     grouped = blocks.reshape(*blocks.shape[:-1], num_blocks, size)
-    scale = grouped[..., 0:2].contiguous().view(torch.float16).float()
-    if name == "Q8_0":
-        values = grouped[..., 2:].contiguous().view(torch.int8).float() * scale
-    elif name == "Q6_K":
-        halves = grouped[..., 0:8].contiguous().view(torch.float32).repeat_interleave(16, dim=-1)
-        values = grouped[..., 8:].contiguous().view(torch.int8).float() * halves
-    elif name in ("Q4_K", "Q5_0", "Q5_1", "Q5_K"):
-        scale, offset = (
-            grouped[..., 0:4].contiguous().view(torch.float32),
-            grouped[..., 4:8].contiguous().view(torch.float32),
-        )
-        codes = grouped[..., 8:]
-        if name == "Q4_K":
+    if name in ("Q8_0", "Q6_K"):  # int8 codes times d (Q6_K: a float32 d for each 16 weights)
+        if name == "Q8_0":
+            scale = grouped[..., 0:2].contiguous().view(torch.float16).float()
+        else:
+            scale = grouped[..., 0:8].contiguous().view(torch.float32).repeat_interleave(16, dim=-1)
+        values = grouped[..., -32:].contiguous().view(torch.int8).float() * scale
+    else:  # codes q times d, plus m
+        if kind in FILE_BLOCKS:  # repacked: float32 d and m
+            scale = grouped[..., 0:4].contiguous().view(torch.float32)
+            offset = grouped[..., 4:8].contiguous().view(torch.float32)
+        else:
+            scale = grouped[..., 0:2].contiguous().view(torch.float16).float()
+            offset = (
+                grouped[..., 2:4].contiguous().view(torch.float16).float() if name == "Q4_1" else -8 * scale
+            )
+        codes = grouped[..., 8:] if kind in FILE_BLOCKS else grouped[..., -16:]
+        if name.startswith("Q4"):
+            # Byte j holds weight j in its low nibble and weight j + 16 in its high one.
             codes = torch.cat([codes & 0x0F, codes >> 4], dim=-1)
         values = codes.float() * scale + offset
-    else:
-        offset = grouped[..., 2:4].contiguous().view(torch.float16).float() if name == "Q4_1" else -8 * scale
-        codes = grouped[..., -16:]
-        # Byte j holds weight j in its low nibble and weight j + 16 in its high one.
-        nibbles = torch.cat([codes & 0x0F, codes >> 4], dim=-1).float()
-        values = nibbles * scale + offset
     return values.reshape(*blocks.shape[:-1], num_blocks * BLOCK)
 
 
