@@ -79,15 +79,17 @@ async def stream_one(client: openai.AsyncOpenAI, messages: Messages, mode: str, 
     return {
         "text": "".join(parts),
         "tokens": tokens,
+        "seconds": finished - started,
         "ttft_s": (arrivals[0] if arrivals else finished) - started,
         "itl_s": itl,
     }
 
 
-async def run_cell(
+async def run_requests(
     base_url: str, conversations: list[Messages], concurrency: int, mode: str, max_tokens: int
-):
-    """All ``conversations``, ``concurrency`` at a time, through one client."""
+) -> tuple[list[dict], float]:
+    """All ``conversations``, ``concurrency`` at a time, through one client: each one's
+    ``stream_one`` result, in order, and the seconds they took together."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     gate = asyncio.Semaphore(concurrency)
 
@@ -100,7 +102,14 @@ async def run_cell(
         results = await asyncio.gather(*(gated(messages) for messages in conversations))
     finally:
         await client.close()
-    elapsed = time.perf_counter() - started
+    return results, time.perf_counter() - started
+
+
+async def run_cell(
+    base_url: str, conversations: list[Messages], concurrency: int, mode: str, max_tokens: int
+):
+    """``run_requests``' summary and texts."""
+    results, elapsed = await run_requests(base_url, conversations, concurrency, mode, max_tokens)
     return summarise(results, elapsed), [result["text"] for result in results]
 
 

@@ -11,6 +11,12 @@ included) and long chats of 600-1600 prompt tokens. Every prompt is new to each 
 must give the same texts. The second ``off`` (``off:control``) is the noise floor: its tokens/s
 over the first ``off``'s is what two servers doing the same work differ by in that cell.
 
+A category's eight chats at C=8 are one wave: its time is its slowest chat's, and a chat's
+accepted drafts save nothing once a faster one finishes. A server's load is rather a stream of
+mixed requests kept eight in flight, where a finished chat's slot takes the next: the ``mixed``
+cell sends ``MIXED_PER_CATEGORY`` new chats of every category, interleaved, that way, and
+reads each category's tokens over its requests' own seconds there as well as the whole run's.
+
     python -m benchmarks.http_categories            # 4 prompts per category at C=1, 8 at C=8
     python -m benchmarks.http_categories --quick    # 2 and 8, fewer categories
 """
@@ -22,7 +28,15 @@ import asyncio
 from statistics import geometric_mean
 
 from benchmarks.common import grouped_bars, new_figure, publish_run, rotated, run_metadata
-from benchmarks.http import counters_delta, engine_counters, run_cell, served_modes, speculation_of
+from benchmarks.http import (
+    counters_delta,
+    engine_counters,
+    run_cell,
+    run_requests,
+    served_modes,
+    speculation_of,
+    summarise,
+)
 from benchmarks.workloads import REPETITIVE, WORKLOADS, distinct_prompts, long_chat_messages
 from deployments.builder import RAY_RESERVED_CPUS, visible_cpus
 from nasd_core.config import ModelConfig
@@ -37,6 +51,9 @@ QUICK_CATEGORIES = ("code_edit", "rag_quote", "creative", "multi_turn", LONG_CHA
 # Requests per category at each concurrency (C=8: one full wave).
 REQUESTS = {1: 4, 8: 8}
 QUICK_REQUESTS = {1: 2, 8: 8}
+# The mixed cell: chats per category, eight in flight.
+MIXED_PER_CATEGORY = 4
+MIXED_CONCURRENCY = 8
 
 
 def category_prompts(tokenizer, category: str, count: int, skip: int) -> list:
@@ -73,7 +90,44 @@ def run(
                 row["identical"] = texts["auto"] == texts["off"] == texts["off:control"]
                 cells.setdefault(category, {})[str(level)] = row
                 print(category, level, row["auto_over_off"], row["control_over_off"], flush=True)
-    return cells
+        mixed = run_mixed(urls, tokenizer, categories, sum(requests.values()), max_tokens)
+    return cells, mixed
+
+
+def run_mixed(urls: dict, tokenizer, categories: tuple[str, ...], skip: int, max_tokens: int) -> dict:
+    """Every category's next ``MIXED_PER_CATEGORY`` chats, taken in turn, ``MIXED_CONCURRENCY``
+    in flight: the whole run's tokens/s by mode and each category's tokens over its requests'
+    seconds (queueing excluded)."""
+    by_category = {name: category_prompts(tokenizer, name, MIXED_PER_CATEGORY, skip) for name in categories}
+    order = [(name, by_category[name][i]) for i in range(MIXED_PER_CATEGORY) for name in categories]
+    conversations = [messages for _, messages in order]
+    row: dict = {}
+    texts = {}
+    per_category: dict[str, dict[str, float]] = {name: {} for name in categories}
+    for mode in rotated(MODES, len(categories)):
+        before = engine_counters(urls[mode])
+        cell = run_requests(urls[mode], conversations, MIXED_CONCURRENCY, speculation_of(mode), max_tokens)
+        results, elapsed = asyncio.run(cell)
+        row[mode] = summarise(results, elapsed)
+        row[mode]["engine"] = counters_delta(before, engine_counters(urls[mode]))
+        texts[mode] = [result["text"] for result in results]
+        for name in categories:
+            mine = [result for (category, _), result in zip(order, results) if category == name]
+            rate = sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+            per_category[name][mode] = rate
+    off = row["off"]["tokens_per_s"]
+    row["auto_over_off"] = round(row["auto"]["tokens_per_s"] / off, 3)
+    row["control_over_off"] = round(row["off:control"]["tokens_per_s"] / off, 3)
+    row["categories"] = {
+        name: {
+            "auto_over_off": round(rates["auto"] / rates["off"], 3),
+            "control_over_off": round(rates["off:control"] / rates["off"], 3),
+        }
+        for name, rates in per_category.items()
+    }
+    row["identical"] = texts["auto"] == texts["off"] == texts["off:control"]
+    print("mixed", MIXED_CONCURRENCY, row["auto_over_off"], row["control_over_off"], flush=True)
+    return row
 
 
 def overall(cells: dict, level: str) -> dict[str, float]:
@@ -96,10 +150,14 @@ def overall(cells: dict, level: str) -> dict[str, float]:
 
 def markdown_table(payload: dict) -> str:
     cells = payload["cells"]
+    mixed = payload.get("mixed")
     levels = list(next(iter(cells.values())))
     names = ["off tok/s", "auto / off", "control / off"]
     header = " | ".join(f"C={level} {name}" for level in levels for name in names)
-    lines = [f"| category | {header} |", "|---|" + "---|" * len(names) * len(levels)]
+    if mixed:
+        header += f" | mixed C={MIXED_CONCURRENCY} auto / off | mixed control / off"
+    columns = len(names) * len(levels) + (2 if mixed else 0)
+    lines = [f"| category | {header} |", "|---|" + "---|" * columns]
 
     def values(row: dict, key: str) -> str:
         bold = "**" if key == "all" else ""
@@ -110,10 +168,16 @@ def markdown_table(payload: dict) -> str:
             parts[1] += " ≠"
         return " | ".join(parts)
 
+    def mixed_values(row: dict, key: str) -> str:
+        bold = "**" if key == "all" else ""
+        return f" | {bold}{row['auto_over_off']:.2f}x{bold} | {row['control_over_off']:.2f}x"
+
     for name, row in cells.items():
         kind = " (repetitive)" if name in REPETITIVE else ""
-        lines.append(f"| {name}{kind} | " + " | ".join(values(row[level], name) for level in levels) + " |")
-    lines.append("| all | " + " | ".join(values(payload["overall"][level], "all") for level in levels) + " |")
+        line = f"| {name}{kind} | " + " | ".join(values(row[level], name) for level in levels)
+        lines.append(line + (mixed_values(mixed["categories"][name], name) if mixed else "") + " |")
+    line = "| all | " + " | ".join(values(payload["overall"][level], "all") for level in levels)
+    lines.append(line + (mixed_values(mixed, "all") if mixed else "") + " |")
     return "\n".join(lines)
 
 
@@ -154,7 +218,7 @@ def main() -> None:
     app_args = {} if args.probe_max_rows is None else {"probe_max_rows": args.probe_max_rows}
     if args.num_cpus is None:
         app_args["prefill_threads"] = cores
-    cells = run(tokenizer, categories, requests, args.max_tokens, num_cpus, app_args)
+    cells, mixed = run(tokenizer, categories, requests, args.max_tokens, num_cpus, app_args)
     payload = {
         "benchmark": "http_categories",
         "meta": run_metadata(model, "gguf", "benchmarks.http_categories"),
@@ -163,7 +227,8 @@ def main() -> None:
         "requests": {str(level): count for level, count in requests.items()},
         "cells": cells,
         "overall": {str(level): overall(cells, str(level)) for level in requests},
-        "identical": all(row["identical"] for c in cells.values() for row in c.values()),
+        "mixed": mixed,
+        "identical": all(row["identical"] for c in [*cells.values(), {"mixed": mixed}] for row in c.values()),
     }
     publish_run("http_categories", "gguf", args.quick, payload, plot, markdown_table)
 
