@@ -94,6 +94,16 @@ def run(
     return cells, mixed
 
 
+def category_rates(names: list[str], results: list[dict]) -> dict[str, float]:
+    """Each category's tokens over its requests' own seconds (``names[i]``: request i's)."""
+    totals: dict[str, list[float]] = {}
+    for name, result in zip(names, results, strict=True):
+        total = totals.setdefault(name, [0.0, 0.0])
+        total[0] += result["tokens"]
+        total[1] += result["seconds"]
+    return {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
+
+
 def run_mixed(urls: dict, tokenizer, categories: tuple[str, ...], skip: int, max_tokens: int) -> dict:
     """Every category's next ``MIXED_PER_CATEGORY`` chats, taken in turn, ``MIXED_CONCURRENCY``
     in flight: the whole run's tokens/s by mode and each category's tokens over its requests'
@@ -111,9 +121,7 @@ def run_mixed(urls: dict, tokenizer, categories: tuple[str, ...], skip: int, max
         row[mode] = summarise(results, elapsed)
         row[mode]["engine"] = counters_delta(before, engine_counters(urls[mode]))
         texts[mode] = [result["text"] for result in results]
-        for name in categories:
-            mine = [result for (category, _), result in zip(order, results) if category == name]
-            rate = sum(r["tokens"] for r in mine) / sum(r["seconds"] for r in mine)
+        for name, rate in category_rates([name for name, _ in order], results).items():
             per_category[name][mode] = rate
     off = row["off"]["tokens_per_s"]
     row["auto_over_off"] = round(row["auto"]["tokens_per_s"] / off, 3)

@@ -110,6 +110,32 @@ def test_http_cell_summary_and_table():
     }
 
 
+def test_http_categories_mixed_cell_rates_and_table():
+    """The mixed cell reads each category over its own requests' seconds (not the run's), and
+    its column joins the table only where the payload has one (older results have none)."""
+    from benchmarks import http_categories
+
+    results = [{"tokens": 10, "seconds": 1.0}, {"tokens": 30, "seconds": 1.0}, {"tokens": 20, "seconds": 4.0}]
+    rates = http_categories.category_rates(["a", "b", "a"], results)
+    assert rates == {"a": 6.0, "b": 30.0}
+    with pytest.raises(ValueError):
+        http_categories.category_rates(["a"], results)
+    mode = {"tokens_per_s": 20.0}
+    cell = {"off": mode, "auto_over_off": 1.5, "control_over_off": 1.0, "identical": True}
+    overall = {"off_tok_s": 20.0, "auto_over_off": 1.5, "control_over_off": 1.0}
+    payload = {"cells": {"creative": {"8": cell}}, "overall": {"8": overall}}
+    assert "mixed" not in http_categories.markdown_table(payload)
+    payload["mixed"] = {
+        "auto_over_off": 1.3,
+        "control_over_off": 0.99,
+        "categories": {"creative": {"auto_over_off": 0.8, "control_over_off": 1.01}},
+    }
+    header, _, creative, total = http_categories.markdown_table(payload).splitlines()
+    assert header.endswith("| mixed C=8 auto / off | mixed control / off |")
+    assert creative == "| creative | 20.0 | 1.50x | 1.00x | 0.80x | 1.01x |"
+    assert total == "| all | 20.0 | **1.50x** | 1.00x | **1.30x** | 0.99x |"
+
+
 def test_distinct_prompts_never_repeat_and_say_when_they_run_out():
     from benchmarks.workloads import _EXTRA_INSTRUCTIONS, distinct_prompts
 
