@@ -31,7 +31,6 @@ from benchmarks.common import grouped_bars, new_figure, publish_run, rotated, ru
 from benchmarks.http import (
     counters_delta,
     engine_counters,
-    run_cell,
     run_requests,
     served_modes,
     speculation_of,
@@ -70,7 +69,8 @@ def run(
     max_tokens: int,
     num_cpus: int,
     app_args: dict,
-) -> dict:
+) -> tuple[dict, dict]:
+    """Every category's cells at each concurrency, then the mixed cell: (cells, mixed)."""
     cells: dict[str, dict] = {}
     with served_modes(1, num_cpus, MODES, dtype="gguf", app_args=app_args) as urls:
         for index, category in enumerate(categories):
@@ -78,20 +78,33 @@ def run(
             for level, count in requests.items():
                 prompts = category_prompts(tokenizer, category, count, skip)
                 skip += count
-                row, texts = {}, {}
-                for mode in rotated(MODES, index + level):
-                    before = engine_counters(urls[mode])
-                    cell = run_cell(urls[mode], prompts, level, speculation_of(mode), max_tokens)
-                    row[mode], texts[mode] = asyncio.run(cell)
-                    row[mode]["engine"] = counters_delta(before, engine_counters(urls[mode]))
-                off = row["off"]["tokens_per_s"]
-                row["auto_over_off"] = round(row["auto"]["tokens_per_s"] / off, 3)
-                row["control_over_off"] = round(row["off:control"]["tokens_per_s"] / off, 3)
-                row["identical"] = texts["auto"] == texts["off"] == texts["off:control"]
+                row, _ = run_modes(urls, prompts, level, max_tokens, index + level)
                 cells.setdefault(category, {})[str(level)] = row
                 print(category, level, row["auto_over_off"], row["control_over_off"], flush=True)
         mixed = run_mixed(urls, tokenizer, categories, sum(requests.values()), max_tokens)
     return cells, mixed
+
+
+def run_modes(
+    urls: dict, conversations: list, concurrency: int, max_tokens: int, shift: int
+) -> tuple[dict, dict[str, list[dict]]]:
+    """``conversations`` through every mode's server in turn (the order rotated by ``shift``):
+    the row of each mode's summary and engine counters, the ratios to ``off`` and whether the
+    texts agree; and each mode's per-request results."""
+    row: dict = {}
+    results: dict[str, list[dict]] = {}
+    for mode in rotated(MODES, shift):
+        before = engine_counters(urls[mode])
+        cell = run_requests(urls[mode], conversations, concurrency, speculation_of(mode), max_tokens)
+        results[mode], elapsed = asyncio.run(cell)
+        row[mode] = summarise(results[mode], elapsed)
+        row[mode]["engine"] = counters_delta(before, engine_counters(urls[mode]))
+    off = row["off"]["tokens_per_s"]
+    row["auto_over_off"] = round(row["auto"]["tokens_per_s"] / off, 3)
+    row["control_over_off"] = round(row["off:control"]["tokens_per_s"] / off, 3)
+    texts = {mode: [result["text"] for result in mode_results] for mode, mode_results in results.items()}
+    row["identical"] = texts["auto"] == texts["off"] == texts["off:control"]
+    return row, results
 
 
 def category_rates(names: list[str], results: list[dict]) -> dict[str, float]:
@@ -110,30 +123,18 @@ def run_mixed(urls: dict, tokenizer, categories: tuple[str, ...], skip: int, max
     seconds (queueing excluded)."""
     by_category = {name: category_prompts(tokenizer, name, MIXED_PER_CATEGORY, skip) for name in categories}
     order = [(name, by_category[name][i]) for i in range(MIXED_PER_CATEGORY) for name in categories]
-    conversations = [messages for _, messages in order]
-    row: dict = {}
-    texts = {}
-    per_category: dict[str, dict[str, float]] = {name: {} for name in categories}
-    for mode in rotated(MODES, len(categories)):
-        before = engine_counters(urls[mode])
-        cell = run_requests(urls[mode], conversations, MIXED_CONCURRENCY, speculation_of(mode), max_tokens)
-        results, elapsed = asyncio.run(cell)
-        row[mode] = summarise(results, elapsed)
-        row[mode]["engine"] = counters_delta(before, engine_counters(urls[mode]))
-        texts[mode] = [result["text"] for result in results]
-        for name, rate in category_rates([name for name, _ in order], results).items():
-            per_category[name][mode] = rate
-    off = row["off"]["tokens_per_s"]
-    row["auto_over_off"] = round(row["auto"]["tokens_per_s"] / off, 3)
-    row["control_over_off"] = round(row["off:control"]["tokens_per_s"] / off, 3)
+    names = [name for name, _ in order]
+    row, results = run_modes(
+        urls, [messages for _, messages in order], MIXED_CONCURRENCY, max_tokens, len(categories)
+    )
+    rates = {mode: category_rates(names, mode_results) for mode, mode_results in results.items()}
     row["categories"] = {
         name: {
-            "auto_over_off": round(rates["auto"] / rates["off"], 3),
-            "control_over_off": round(rates["off:control"] / rates["off"], 3),
+            "auto_over_off": round(rates["auto"][name] / rates["off"][name], 3),
+            "control_over_off": round(rates["off:control"][name] / rates["off"][name], 3),
         }
-        for name, rates in per_category.items()
+        for name in categories
     }
-    row["identical"] = texts["auto"] == texts["off"] == texts["off:control"]
     print("mixed", MIXED_CONCURRENCY, row["auto_over_off"], row["control_over_off"], flush=True)
     return row
 
@@ -236,7 +237,8 @@ def main() -> None:
         "cells": cells,
         "overall": {str(level): overall(cells, str(level)) for level in requests},
         "mixed": mixed,
-        "identical": all(row["identical"] for c in [*cells.values(), {"mixed": mixed}] for row in c.values()),
+        "identical": mixed["identical"]
+        and all(row["identical"] for c in cells.values() for row in c.values()),
     }
     publish_run("http_categories", "gguf", args.quick, payload, plot, markdown_table)
 
