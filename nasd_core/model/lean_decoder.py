@@ -38,7 +38,7 @@ _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp
 
 def lean_decoder_fits(model) -> bool:
     """Whether ``model`` is one ``lean_forward`` computes: a Llama on a CPU, SiLU MLP, its
-    projections GGUF blocks (``quantized.use_gguf_weights``) and the C++ kernels built here."""
+    projections GGUF blocks (``quantized.gguf_model``) and the C++ kernels built here."""
     from nasd_core.model import native
 
     config = model.config

@@ -3,7 +3,7 @@
 Why: a decode step on a CPU is bound by reading the weights. The embedded model ships as Q4_1
 blocks (its vocabulary as Q8_0): about 96 MB a step, where the dequantized float32 weights are
 540 MB. A user's GGUF file may hold Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks too; weights
-of other types keep their converted float32 values. ``QuantLinear`` keeps a Linear's blocks (Q4_0,
+of other types are float32, as gguf-py reads them. ``QuantLinear`` keeps a Linear's blocks (Q4_0,
 Q4_1 and Q8_0 as the file holds them, the others repacked at load into blocks of 32 with the same
 values, ``repack``) and multiplies by them with ``csrc/quant_linear.cpp``. By default
 (``INT8_ACTIVATIONS``) each input row is rounded to int8 per block of 32, as llama.cpp does for
@@ -26,6 +26,7 @@ still work, dequantizing in torch, for tests and direct use.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections import Counter
 from pathlib import Path
@@ -57,7 +58,7 @@ BLOCK_FORMATS = {
 # The repacked types as the file holds them: (weights, bytes) per block of the file.
 FILE_BLOCKS = {6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
-# Models whose GGUF tensor names and row order use_gguf_weights knows (other files load as float32).
+# Models whose GGUF tensor names and row order gguf_model knows (other files load as float32).
 GGUF_MODEL_TYPES = frozenset({"llama"})
 # llama-architecture GGUF tensor names -> the transformers module they become.
 LAYER_LINEARS = {
@@ -284,21 +285,23 @@ def repack(raw: np.ndarray, kind: int) -> np.ndarray:
     return _REPACKS[kind](raw.reshape(raw.shape[0], -1, FILE_BLOCKS[kind][1]))
 
 
-def _gguf_tensors(gguf_path: Path) -> dict[str, tuple[torch.Tensor | None, int]]:
-    """Every tensor of the file: name -> (blocks ``[rows, bytes]``, type id); the blocks are None
-    for a type without a kernel here."""
+def _gguf_tensors(gguf_path: Path) -> dict[str, tuple[torch.Tensor, int]]:
+    """Every tensor of the file: name -> (values, type id). The values of a type with a kernel
+    here are its blocks ``[rows, bytes]`` (repacked where ``FILE_BLOCKS`` says); any other type's
+    are float32, as gguf-py reads them (exact for F32 / F16 / BF16, its dequantization else)."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
     tensors = {}
     for tensor in reader.tensors:
         kind = int(tensor.tensor_type)
-        blocks = None
         if kind in FILE_BLOCKS:
-            blocks = torch.from_numpy(repack(np.asarray(tensor.data), kind))
+            values = torch.from_numpy(repack(np.asarray(tensor.data), kind))
         elif kind in BLOCK_FORMATS:
-            blocks = torch.from_numpy(np.array(tensor.data))
-        tensors[tensor.name] = (blocks, kind)
+            values = torch.from_numpy(np.array(tensor.data))
+        else:
+            values = torch.from_numpy(np.array(gguf.quants.dequantize(tensor.data, kind), dtype=np.float32))
+        tensors[tensor.name] = (values, kind)
     return tensors
 
 
@@ -311,72 +314,98 @@ def _type_name(kind: int) -> str:
         return f"type {kind}"
 
 
-def use_gguf_weights(model: nn.Module, gguf_path: Path) -> int:
-    """Replace ``model``'s Linear layers and token embedding with the GGUF file's own blocks.
+def gguf_model(config, gguf_path: Path) -> nn.Module:
+    """The transformers model of ``config`` (a llama converted from ``gguf_path``) with the
+    file's own tensors: each Linear and the token embedding on its blocks where its type has a
+    kernel here, any other weight (norms, Q2_K, Q3_K, IQ*, F16...) float32 as gguf-py reads it.
 
-    ``model`` is the llama-architecture transformers model converted from that file (its norms
-    and config are kept). A weight whose block type has no kernel here (Q2_K, Q3_K, IQ*, F16...)
-    keeps the converted float32 values: the file's, dequantized by transformers. Returns the
-    number of modules replaced.
+    Built on the meta device and filled from the file, so no float32 copy of the blocks is ever
+    made: an 8B Q4_K_M file's float32 conversion alone is ~32 GB, its blocks ~5 GB. The rows of
+    the query and key projections are put back in transformers' order (``_unpermute_rows``), as
+    its GGUF loader does.
 
     Raises:
-        ValueError: the model is not a llama, the file lacks a weight the model has, or its
-            blocks do not hold the converted model's values.
+        ValueError: the model is not a llama, the file lacks a weight the model has, or a weight
+            has another shape than the model's.
     """
-    config = model.config
+    from transformers import AutoModelForCausalLM
+
     if config.model_type not in GGUF_MODEL_TYPES:
         raise ValueError(f"GGUF blocks are kept for llama-architecture files, not {config.model_type!r}")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = _gguf_tensors(gguf_path)
     decoder = model.model
-    replaced, kept, checked = 0, Counter(), set()
+    replaced, kept = 0, Counter()
 
-    def blocks_of(key: str) -> tuple[torch.Tensor | None, int]:
+    def values_of(key: str, rows: int, heads: int | None = None) -> tuple[torch.Tensor, int]:
         if key not in tensors:
             raise ValueError(f"{gguf_path.name} has no {key}")
-        blocks, kind = tensors.pop(key)
-        if blocks is None:
+        values, kind = tensors.pop(key)
+        if values.shape[0] != rows:
+            raise ValueError(f"{key} has {values.shape[0]} rows where the model has {rows}")
+        if kind not in BLOCK_FORMATS and values.dim() == 2:
             kept[_type_name(kind)] += 1
-        return blocks, kind
+        return (values if heads is None else _unpermute_rows(values, heads)), kind
 
+    def weight(values: torch.Tensor, kind: int, shape: torch.Size) -> nn.Parameter:
+        if kind in BLOCK_FORMATS or values.shape != shape:
+            raise ValueError(f"a {_type_name(kind)} tensor of shape {tuple(values.shape)} for {tuple(shape)}")
+        return nn.Parameter(values, requires_grad=False)
+
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for index, layer in enumerate(decoder.layers):
         for gguf_name, module_path in LAYER_LINEARS.items():
-            key = f"blk.{index}.{gguf_name}.weight"
-            blocks, kind = blocks_of(key)
-            if blocks is None:
-                continue
-            if gguf_name == "attn_q":
-                blocks = _unpermute_rows(blocks, config.num_attention_heads)
-            elif gguf_name == "attn_k":
-                blocks = _unpermute_rows(blocks, config.num_key_value_heads)
             parent_name, child_name = module_path.split(".")
             parent = getattr(layer, parent_name)
             linear = getattr(parent, child_name)
-            if blocks.shape[0] != linear.out_features:
-                rows = f"{blocks.shape[0]} rows, the model's {module_path} {linear.out_features}"
-                raise ValueError(f"{key} has {rows}")
             if linear.bias is not None:
                 raise ValueError(f"{module_path} has a bias; GGUF weights are used for bias-free layers only")
-            # Each projection's first blocks must be the converted weights exactly (row order included).
-            if module_path not in checked:
-                if not torch.equal(dequantize(blocks, kind), linear.weight.float()):
-                    raise ValueError(f"{key}'s blocks are not the converted model's {module_path} weights")
-                checked.add(module_path)
-            setattr(parent, child_name, QuantLinear(blocks, kind, linear.in_features))
-            replaced += 1
-    blocks, kind = blocks_of("token_embd.weight")
-    embedding = (blocks, kind)
-    if blocks is not None:
-        decoder.embed_tokens = QuantEmbedding(blocks, kind, config.hidden_size)
+            key = f"blk.{index}.{gguf_name}.weight"
+            values, kind = values_of(key, linear.out_features, heads.get(gguf_name))
+            if kind in BLOCK_FORMATS:
+                setattr(parent, child_name, QuantLinear(values, kind, linear.in_features))
+                replaced += 1
+            else:
+                linear.weight = weight(values, kind, linear.weight.shape)
+        for gguf_name, norm in (
+            ("attn_norm", layer.input_layernorm),
+            ("ffn_norm", layer.post_attention_layernorm),
+        ):
+            norm.weight = weight(
+                *values_of(f"blk.{index}.{gguf_name}.weight", config.hidden_size), norm.weight.shape
+            )
+    decoder.norm.weight = weight(
+        *values_of("output_norm.weight", config.hidden_size), decoder.norm.weight.shape
+    )
+    embedding = values_of("token_embd.weight", config.vocab_size)
+    if embedding[1] in BLOCK_FORMATS:
+        decoder.embed_tokens = QuantEmbedding(*embedding, config.hidden_size)
         replaced += 1
+    else:
+        decoder.embed_tokens.weight = weight(*embedding, decoder.embed_tokens.weight.shape)
     if "output.weight" in tensors:
-        blocks, kind = blocks_of("output.weight")
+        output = values_of("output.weight", config.vocab_size)
     elif config.tie_word_embeddings:
-        blocks, kind = embedding
+        output = embedding
     else:
         raise ValueError(f"{gguf_path.name} has no output.weight")
-    if blocks is not None:
-        model.lm_head = QuantLinear(blocks, kind, config.hidden_size)
+    if output[1] in BLOCK_FORMATS:
+        model.lm_head = QuantLinear(*output, config.hidden_size)
         replaced += 1
+    elif output is embedding:
+        model.lm_head.weight = decoder.embed_tokens.weight
+    else:
+        model.lm_head.weight = weight(*output, model.lm_head.weight.shape)
+    # The rotary frequencies are computed, not stored: built again off the meta device.
+    decoder.rotary_emb = type(decoder.rotary_emb)(config=config)
+    left = [
+        name
+        for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers())
+        if tensor.is_meta
+    ]
+    if left:
+        raise ValueError(f"{gguf_path.name} leaves {', '.join(left[:4])} of the model unset")
     float_weights = ", ".join(f"{count} {name}" for name, count in sorted(kept.items()))
     logger.info(
         "kept %d weights of %s as GGUF blocks%s",
@@ -384,4 +413,4 @@ def use_gguf_weights(model: nn.Module, gguf_path: Path) -> int:
         gguf_path.name,
         f"; float32 for types without a kernel here: {float_weights}" if kept else "",
     )
-    return replaced
+    return model

@@ -3,9 +3,9 @@
 The files are real GGUF files written here from the embedded one with gguf-py: the same
 metadata (tokenizer included), some weights re-quantized to other block types (the K-quants by
 plain rounding here, as gguf-py has no quantizer for them). Weights whose type has a kernel
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are kept as the file's blocks; the others keep
-the float32 values transformers converts the file to. Either way the model holds the file's own
-values.
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are kept as the file's blocks; the others are
+float32 as gguf-py reads them. Either way the model holds the file's own values, those of
+transformers' float32 conversion (the reference here), and no float32 copy of the blocks is made.
 """
 
 from __future__ import annotations
@@ -215,6 +215,19 @@ def test_a_gguf_files_weights_are_its_own_blocks(file_models):
         if isinstance(module, QuantLinear) and not module_name.endswith(("qkv_proj", "gate_up_proj")):
             weight = reference.get_submodule(module_name).weight
             assert torch.equal(dequantize(module.blocks, module.kind), weight), module_name
+
+
+def test_a_gguf_load_makes_no_float32_copy_of_the_blocks(file_models, cache_dir):
+    """Only the norms are float32 in a file whose every weight has a kernel, and the cache holds
+    the file's config and tokenizer, not a float32 conversion (an 8B file's would be ~32 GB)."""
+    model, _, reference, _ = file_models["every_kernel_type"]
+    config = model.config
+    norms = (2 * config.num_hidden_layers + 1) * config.hidden_size
+    assert sum(parameter.numel() for parameter in model.parameters()) == norms
+    assert sum(parameter.numel() for parameter in reference.parameters()) > 1000 * norms
+    converted = list(Path(cache_dir, "models").glob("every-kernel-type-*-config"))
+    assert len(converted) == 1 and (converted[0] / "config.json").is_file()
+    assert not list(converted[0].glob("*.safetensors"))
 
 
 @pytest.mark.parametrize("name", ["every_kernel_type", "mixed_layers"])
