@@ -167,7 +167,7 @@ def load_tokenizer(name: str | None = None, cache_dir: str | None = None):
     """The tokenizer of ``name`` (None: the embedded model's), without loading the model."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model_dir(name, cache_dir))
+    return AutoTokenizer.from_pretrained(resolve_model_dir(name, cache_dir, weights=False))
 
 
 def load_model(name: str | None = None, config: ModelConfig | None = None):
