@@ -208,9 +208,10 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
                 )
                 quantized = False
             elif model_config.model_type not in GGUF_MODEL_TYPES:
-                # The loader knows llama's tensor names and row order only; other files still serve.
+                # The loader knows these architectures' tensor names and row order; others still serve.
                 logger.warning(
-                    "dtype 'gguf' keeps the blocks of llama-architecture files, not %r: using float32",
+                    "dtype 'gguf' keeps the blocks of %s files, not %r: using float32",
+                    ", ".join(GGUF_MODEL_TYPES),
                     model_config.model_type,
                 )
                 quantized = False

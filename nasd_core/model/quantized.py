@@ -58,9 +58,11 @@ BLOCK_FORMATS = {
 # The repacked types as the file holds them: (weights, bytes) per block of the file.
 FILE_BLOCKS = {6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
-# Models whose GGUF tensor names and row order gguf_model knows (other files load as float32).
-GGUF_MODEL_TYPES = frozenset({"llama"})
-# llama-architecture GGUF tensor names -> the transformers module they become.
+# Models whose GGUF tensors gguf_model knows (other files load as float32) -> whether llama.cpp's
+# converter reordered their query and key rows for its rotary layout (llama's does; Qwen's keep
+# transformers' order, as transformers' GGUF loader assumes too).
+GGUF_MODEL_TYPES = {"llama": True, "qwen2": False, "qwen3": False}
+# A layer's GGUF tensor names (llama.cpp's for these architectures) -> the transformers module they become.
 LAYER_LINEARS = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -69,6 +71,13 @@ LAYER_LINEARS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# ...and the norms a layer has of these (Qwen3 normalises each head's query and key).
+LAYER_NORMS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
 }
 
 
@@ -130,9 +139,12 @@ INT8_ACTIVATIONS = True
 
 
 class QuantLinear(nn.Module):
-    """``nn.Linear`` (no bias) over a weight kept as GGUF blocks, ``[out_features, bytes]`` uint8."""
+    """``nn.Linear`` over a weight kept as GGUF blocks, ``[out_features, bytes]`` uint8, and an
+    optional float32 ``bias`` (Qwen2's query, key and value have one)."""
 
-    def __init__(self, blocks: torch.Tensor, kind: int, in_features: int) -> None:
+    def __init__(
+        self, blocks: torch.Tensor, kind: int, in_features: int, bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         if kind not in BLOCK_FORMATS:
             raise ValueError(f"unsupported GGUF block type {kind}")
@@ -140,13 +152,18 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{blocks.shape[1]} bytes per output do not hold {in_features} inputs")
         self.in_features, self.out_features, self.kind = in_features, blocks.shape[0], kind
         self.register_buffer("blocks", blocks, persistent=False)
+        if bias is not None and bias.shape != (self.out_features,):
+            raise ValueError(f"a bias of {tuple(bias.shape)} for {self.out_features} outputs")
+        self.register_buffer("bias", bias, persistent=False)
         self.native = quant_kernel_available()
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.native:
             kernel = torch.ops.nasd.quant_linear_q8 if INT8_ACTIVATIONS else torch.ops.nasd.quant_linear
-            return kernel(inputs.float(), self.blocks, self.kind)
-        return functional.linear(inputs.float(), dequantize(self.blocks, self.kind))
+            outputs = kernel(inputs.float(), self.blocks, self.kind)
+        else:
+            outputs = functional.linear(inputs.float(), dequantize(self.blocks, self.kind))
+        return outputs if self.bias is None else outputs + self.bias
 
     def extra_repr(self) -> str:
         name = BLOCK_FORMATS[self.kind][0]
@@ -305,6 +322,14 @@ def _gguf_tensors(gguf_path: Path) -> dict[str, tuple[torch.Tensor, int]]:
     return tensors
 
 
+def _has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def _type_name(kind: int) -> str:
     import gguf
 
@@ -315,23 +340,26 @@ def _type_name(kind: int) -> str:
 
 
 def gguf_model(config, gguf_path: Path) -> nn.Module:
-    """The transformers model of ``config`` (a llama converted from ``gguf_path``) with the
-    file's own tensors: each Linear and the token embedding on its blocks where its type has a
-    kernel here, any other weight (norms, Q2_K, Q3_K, IQ*, F16...) float32 as gguf-py reads it.
+    """The transformers model of ``config`` (a llama, Qwen2 or Qwen3 converted from
+    ``gguf_path``: ``GGUF_MODEL_TYPES``) with the file's own tensors: each Linear and the token
+    embedding on its blocks where its type has a kernel here, any other weight (norms, biases,
+    Q2_K, Q3_K, IQ*, F16...) float32 as gguf-py reads it.
 
     Built on the meta device and filled from the file, so no float32 copy of the blocks is ever
-    made: an 8B Q4_K_M file's float32 conversion alone is ~32 GB, its blocks ~5 GB. The rows of
-    the query and key projections are put back in transformers' order (``_unpermute_rows``), as
-    its GGUF loader does.
+    made: an 8B Q4_K_M file's float32 conversion alone is ~32 GB, its blocks ~5 GB. A llama's
+    query and key rows are put back in transformers' order (``_unpermute_rows``), as its GGUF
+    loader does.
 
     Raises:
-        ValueError: the model is not a llama, the file lacks a weight the model has, or a weight
-            has another shape than the model's.
+        ValueError: the architecture is not one of those, the file lacks a weight the model has,
+            or a weight has another shape than the model's.
     """
     from transformers import AutoModelForCausalLM
 
     if config.model_type not in GGUF_MODEL_TYPES:
-        raise ValueError(f"GGUF blocks are kept for llama-architecture files, not {config.model_type!r}")
+        raise ValueError(
+            f"GGUF blocks are kept for {', '.join(GGUF_MODEL_TYPES)} files, not {config.model_type!r}"
+        )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = _gguf_tensors(gguf_path)
@@ -353,28 +381,29 @@ def gguf_model(config, gguf_path: Path) -> nn.Module:
             raise ValueError(f"a {_type_name(kind)} tensor of shape {tuple(values.shape)} for {tuple(shape)}")
         return nn.Parameter(values, requires_grad=False)
 
-    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    permuted = GGUF_MODEL_TYPES[config.model_type]
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads} if permuted else {}
     for index, layer in enumerate(decoder.layers):
         for gguf_name, module_path in LAYER_LINEARS.items():
             parent_name, child_name = module_path.split(".")
             parent = getattr(layer, parent_name)
             linear = getattr(parent, child_name)
+            key = f"blk.{index}.{gguf_name}"
+            values, kind = values_of(f"{key}.weight", linear.out_features, heads.get(gguf_name))
+            bias = None
             if linear.bias is not None:
-                raise ValueError(f"{module_path} has a bias; GGUF weights are used for bias-free layers only")
-            key = f"blk.{index}.{gguf_name}.weight"
-            values, kind = values_of(key, linear.out_features, heads.get(gguf_name))
+                bias = weight(*values_of(f"{key}.bias", linear.out_features), linear.bias.shape)
             if kind in BLOCK_FORMATS:
-                setattr(parent, child_name, QuantLinear(values, kind, linear.in_features))
+                setattr(parent, child_name, QuantLinear(values, kind, linear.in_features, bias))
                 replaced += 1
             else:
                 linear.weight = weight(values, kind, linear.weight.shape)
-        for gguf_name, norm in (
-            ("attn_norm", layer.input_layernorm),
-            ("ffn_norm", layer.post_attention_layernorm),
-        ):
-            norm.weight = weight(
-                *values_of(f"blk.{index}.{gguf_name}.weight", config.hidden_size), norm.weight.shape
-            )
+                linear.bias = bias
+        for gguf_name, module_path in LAYER_NORMS.items():
+            norm = layer.get_submodule(module_path) if _has_submodule(layer, module_path) else None
+            if norm is not None:
+                values = values_of(f"blk.{index}.{gguf_name}.weight", norm.weight.shape[0])
+                norm.weight = weight(*values, norm.weight.shape)
     decoder.norm.weight = weight(
         *values_of("output_norm.weight", config.hidden_size), decoder.norm.weight.shape
     )
