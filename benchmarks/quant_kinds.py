@@ -28,9 +28,14 @@ ROWS = (1, 8, 24)
 
 
 # The K-quants gguf-py cannot quantize: random bytes with float16 scales in these bytes, of a size
-# that gives weights of a normal layer's (Q4_K's d * 63 * 15, Q5_K's d * 63 * 31, Q6_K's d * 127 * 32
-# near 1; dmin likewise).
-RANDOM_FILE_SCALES = {12: (slice(0, 4), 4e-3), 13: (slice(0, 4), 2e-3), 14: (slice(208, 210), 4e-4)}
+# that gives weights of a normal layer's (Q3_K's d * 32 * 4, Q4_K's d * 63 * 15, Q5_K's d * 63 * 31,
+# Q6_K's d * 127 * 32 near 1; dmin likewise).
+RANDOM_FILE_SCALES = {
+    11: (slice(108, 110), 8e-3),
+    12: (slice(0, 4), 4e-3),
+    13: (slice(0, 4), 2e-3),
+    14: (slice(208, 210), 4e-4),
+}
 
 
 def file_blocks(kind: int, out_features: int, in_features: int, seed: int = 0) -> np.ndarray:

@@ -2,8 +2,8 @@
 
 Why: a decode step on a CPU is bound by reading the weights. The embedded model ships as Q4_1
 blocks (its vocabulary as Q8_0): about 96 MB a step, where the dequantized float32 weights are
-540 MB. A user's GGUF file may hold Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K blocks too; weights
-of other types are float32, as gguf-py reads them. ``QuantLinear`` keeps a Linear's blocks (Q4_0,
+540 MB. A user's GGUF file may hold Q4_0, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K or Q6_K blocks
+too; weights of other types are float32, as gguf-py reads them. ``QuantLinear`` keeps a Linear's blocks (Q4_0,
 Q4_1 and Q8_0 as the file holds them, the others repacked at load into blocks of 32 with the same
 values, ``repack``) and multiplies by them with ``csrc/quant_linear.cpp``. By default
 (``INT8_ACTIVATIONS``) each input row is rounded to int8 per block of 32, as llama.cpp does for
@@ -43,20 +43,29 @@ BLOCK = 32  # weights per block in every format the kernels take
 # 256 with 6- or 8-bit sub-block scales) and the Q5 types (5-bit codes split over two fields) are
 # repacked at load into blocks of 32 whose scales are multiplied out into float32 (exact: a float16
 # times an integer of magnitude at most 128): Q4_K as Q4_1 with float32 d and m, Q6_K as Q8_0 with
-# a float32 d for each 16 weights, Q5_0 / Q5_1 / Q5_K as a byte per code with float32 d and m
-# (``repack``).
+# a float32 d for each 16 weights (and so Q3_K, whose weights are d sc q with integers sc and
+# q), Q5_0 / Q5_1 / Q5_K as a byte per code with float32 d and m (``repack``).
 BLOCK_FORMATS = {
     2: ("Q4_0", 18),
     3: ("Q4_1", 20),
     6: ("Q5_0", 40),
     7: ("Q5_1", 40),
     8: ("Q8_0", 34),
+    11: ("Q3_K", 40),
     12: ("Q4_K", 24),
     13: ("Q5_K", 40),
     14: ("Q6_K", 40),
 }
 # The repacked types as the file holds them: (weights, bytes) per block of the file.
-FILE_BLOCKS = {6: (32, 22), 7: (32, 24), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+FILE_BLOCKS = {6: (32, 22), 7: (32, 24), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+# Types repacked into another's layout: the kernels (and ``dequantize``) read them as that type.
+SAME_LAYOUT = {11: 14}
+
+
+def layout(kind: int) -> str:
+    """The name of the block layout ``kind``'s blocks have once loaded (``SAME_LAYOUT``)."""
+    return BLOCK_FORMATS[SAME_LAYOUT.get(kind, kind)][0]
+
 
 # Models whose GGUF tensors gguf_model knows (other files load as float32) -> whether llama.cpp's
 # converter reordered their query and key rows for its rotary layout (llama's does; Qwen's keep
@@ -83,7 +92,7 @@ LAYER_NORMS = {
 
 def dequantize(blocks: torch.Tensor, kind: int) -> torch.Tensor:
     """Float32 weights ``[out, in]`` of GGUF ``blocks`` ``[out, bytes]`` (the reference's q * d + m)."""
-    name, size = BLOCK_FORMATS[kind]
+    name, size = layout(kind), BLOCK_FORMATS[kind][1]
     num_blocks = blocks.shape[-1] // size
     grouped = blocks.reshape(*blocks.shape[:-1], num_blocks, size)
     if name in ("Q8_0", "Q6_K"):  # int8 codes times d (Q6_K: a float32 d for each 16 weights)
@@ -268,6 +277,37 @@ def _repack_q5_01(blocks: np.ndarray, with_offset: bool) -> np.ndarray:
     return _with_float_scales(rows, [d, offset], codes)
 
 
+def _repack_q3_k(blocks: np.ndarray) -> np.ndarray:
+    """32 bytes of high bits (bit j of byte l: weight l of the j-th 32), 64 bytes of low bit pairs
+    (pair i of byte l: weight l of the i-th 32 of its half), 12 bytes of 6-bit scales, d
+    (float16): w = d (sc - 32) (q - 4), with q - 4 in -4..3 (ggml's dequantize_row_q3_K)."""
+    rows = blocks.shape[0]
+    high = blocks[..., 0:32]
+    low = blocks[..., 32:96].reshape(rows, -1, 2, 32)
+    packed = blocks[..., 96:108].astype(np.int16)
+    first, second, top = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = (
+        np.concatenate(
+            [
+                (first & 0xF) | ((top & 3) << 4),
+                (second & 0xF) | (((top >> 2) & 3) << 4),
+                (first >> 4) | (((top >> 4) & 3) << 4),
+                (second >> 4) | (((top >> 6) & 3) << 4),
+            ],
+            axis=-1,
+        )
+        - 32
+    )  # [.., super-block, 16]: two for each 32 weights, in order
+    groups = [
+        ((low[..., group // 4, :] >> (2 * (group % 4))) & 3).astype(np.int16)
+        - 4 * (1 - ((high >> group) & 1))
+        for group in range(8)
+    ]
+    codes = np.stack(groups, axis=2).astype(np.int8).reshape(rows, -1, 32)
+    halves = (_float16(blocks[..., 108:110]) * scales).reshape(rows, -1, 2)
+    return _with_float_scales(rows, [halves[..., 0], halves[..., 1]], codes.view(np.uint8))
+
+
 def _repack_q6_k(blocks: np.ndarray) -> np.ndarray:
     """128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales, d (float16): w = d sc (q - 32)."""
     rows = blocks.shape[0]
@@ -288,6 +328,7 @@ def _repack_q6_k(blocks: np.ndarray) -> np.ndarray:
 _REPACKS = {
     6: functools.partial(_repack_q5_01, with_offset=False),
     7: functools.partial(_repack_q5_01, with_offset=True),
+    11: _repack_q3_k,
     12: _repack_q4_k,
     13: _repack_q5_k,
     14: _repack_q6_k,
@@ -295,7 +336,7 @@ _REPACKS = {
 
 
 def repack(raw: np.ndarray, kind: int) -> np.ndarray:
-    """A Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K tensor's file bytes ``[rows, bytes]`` as the kernels'
+    """A Q5_0 / Q5_1 / Q3_K / Q4_K / Q5_K / Q6_K tensor's file bytes ``[rows, bytes]`` as the kernels'
     blocks of 32 (``BLOCK_FORMATS``), holding the same weights (ggml's dequantize_row_*: each
     product of a float16 scale and an integer scale of magnitude at most 128 is exact in float32;
     a zero weight may come out +0 where ggml gives -0)."""
@@ -343,7 +384,7 @@ def gguf_model(config, gguf_path: Path) -> nn.Module:
     """The transformers model of ``config`` (a llama, Qwen2 or Qwen3 converted from
     ``gguf_path``: ``GGUF_MODEL_TYPES``) with the file's own tensors: each Linear and the token
     embedding on its blocks where its type has a kernel here, any other weight (norms, biases,
-    Q2_K, Q3_K, IQ*, F16...) float32 as gguf-py reads it.
+    Q2_K, IQ*, F16...) float32 as gguf-py reads it.
 
     Built on the meta device and filled from the file, so no float32 copy of the blocks is ever
     made: an 8B Q4_K_M file's float32 conversion alone is ~32 GB, its blocks ~5 GB. A llama's

@@ -28,6 +28,7 @@ from nasd_core.model.quantized import (
     QuantEmbedding,
     QuantLinear,
     dequantize,
+    layout,
     repack,
 )
 from nasd_core.models import load_model
@@ -138,8 +139,8 @@ def q8_reference(inputs: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch
     emulated in float64 (the product is exact there) and rounded to float32, which rounds twice
     and so could differ from a true fma in the last bit in about one case in 2^29: with these
     fixed inputs it does not, so the tests compare bits. Q4_K is Q4_1 with float32 d and m, and so
-    are the Q5 types with a byte per code; Q6_K sums each half of a block apart and adds
-    fma(d_half * d_x, isum_half, acc) for each in turn."""
+    are the Q5 types with a byte per code; Q6_K (and Q3_K, repacked as it) sums each half of a
+    block apart and adds fma(d_half * d_x, isum_half, acc) for each in turn."""
     rows, width = inputs.shape
     num_blocks = width // 32
     x = inputs.reshape(rows, num_blocks, 32)
@@ -149,7 +150,7 @@ def q8_reference(inputs: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch
     inverse = torch.where(amax >= 1e-36, torch.full_like(amax, 127.0).div(amax), torch.zeros_like(amax))
     q = torch.round(x * inverse[..., None])
     sums = q.sum(-1)
-    name, size = BLOCK_FORMATS[kind]
+    name, size = layout(kind), BLOCK_FORMATS[kind][1]
     grouped = blocks.reshape(blocks.shape[0], num_blocks, size)
     floats = kind in FILE_BLOCKS  # the repacked types: float32 scales (and offset)
     scales = grouped[..., 0:8].contiguous().view(torch.float32) if floats else None
@@ -237,7 +238,7 @@ def test_int8_sums_at_their_bounds_are_their_definition_on_every_instruction_pat
     integer sums reach their bounds, the AVX2 path's 16-bit pair sums included (3810 a pair for
     nibbles over 8 groups, 7874 for Q5's codes, widened every group), and every path still gives
     the reference's bits."""
-    name, size = BLOCK_FORMATS[kind]
+    name, size = layout(kind), BLOCK_FORMATS[kind][1]
     blocks = random_blocks(kind, 40, 96).clone()
     width, code = EXTREME_CODES.get(name, (32, 31))
     blocks.view(40, -1, size)[..., -width:] = code

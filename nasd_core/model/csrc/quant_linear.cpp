@@ -43,9 +43,12 @@ constexpr int64_t kPanelMinRows = 9;
 
 // ggml's type ids (gguf.GGMLQuantizationType). The K-quants and Q5 types come repacked into blocks
 // of 32 by the loader (nasd_core/model/quantized.py), their scales multiplied out (exactly) into
-// float32 ones: Q4_K as Q4_1 with float32 d and m, Q6_K as Q8_0 with a float32 d for each half,
-// Q5_0, Q5_1 and Q5_K as a byte per code (0..31) with float32 d and m (Kind kQ5 below).
-enum Kind : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+// float32 ones: Q4_K as Q4_1 with float32 d and m, Q6_K as Q8_0 with a float32 d for each half (and
+// Q3_K likewise: the kernels read its blocks as Q6_K's), Q5_0, Q5_1 and Q5_K as a byte per code
+// (0..31) with float32 d and m (Kind kQ5 below).
+enum Kind : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
 // The one layout Q5_0, Q5_1 and Q5_K are repacked into (the kernels' template argument for all three).
 constexpr int64_t kQ5 = kQ5_K;
 
@@ -83,6 +86,7 @@ int64_t block_bytes(int64_t kind) {
     case kQ4_1: return kBlockBytes<kQ4_1>;
     case kQ8_0: return kBlockBytes<kQ8_0>;
     case kQ4_K: return kBlockBytes<kQ4_K>;
+    case kQ3_K:
     case kQ6_K: return kBlockBytes<kQ6_K>;
     case kQ5_0:
     case kQ5_1:
@@ -875,6 +879,7 @@ struct Multiplies {
       case kQ4_1: return q4_1;
       case kQ8_0: return q8_0;
       case kQ4_K: return q4_k;
+      case kQ3_K:
       case kQ6_K: return q6_k;
       default: return q5;  // block_bytes checked the kind
     }
