@@ -17,12 +17,18 @@ A second table times ``lean_fused_q8`` with the KV-cache in float32 and in float
 than weights.
 
     python -m benchmarks.gguf_step
+    python -m benchmarks.gguf_step --model qwen2.gguf   # another file: the forwards it runs, no KV table
+
+With ``--model`` the table holds the forwards that file's model runs (a model whose layers the
+fused loop cannot take, such as Qwen2's with biases, runs ``transformers`` and ``lean_python``
+only) and goes to ``gguf_step_<file stem>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -105,10 +111,14 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS)
+    parser.add_argument("--model", help="a *.gguf file (default: the embedded model)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model, _ = load_model(config=ModelConfig(dtype="gguf"))
+    model, _ = load_model(args.model, ModelConfig(dtype="gguf"))
+    if args.variants is None:
+        fused = getattr(model, "nasd_fused_layers", False)
+        args.variants = [variant for variant in VARIANTS if fused or not variant.startswith("lean_fused")]
     runner = filled_runner(model, max(rows for rows, _ in SHAPES), CONTEXT, max(w for _, w in SHAPES))
     cells: dict[str, dict[str, float]] = {variant: {} for variant in args.variants}
     for rows, width in SHAPES:
@@ -117,7 +127,7 @@ def main() -> None:
         print(
             f"{rows}x{width}", {variant: cells[variant][f"{rows}x{width}"] for variant in cells}, flush=True
         )
-    kv_cells = kv_dtype_cells(model)
+    kv_cells = kv_dtype_cells(model) if args.model is None else None
     payload = {
         "benchmark": "gguf_step",
         "meta": run_metadata(model, "gguf", "benchmarks.gguf_step"),
@@ -127,7 +137,8 @@ def main() -> None:
         "kv_dtype_cells": kv_cells,
     }
     print(markdown_table(payload))
-    print(f"results: {write_result('gguf_step', payload)}")
+    name = "gguf_step" if args.model is None else f"gguf_step_{Path(args.model).stem}"
+    print(f"results: {write_result(name, payload)}")
 
 
 def markdown_table(payload: dict) -> str:

@@ -43,11 +43,19 @@ def merged_linear(linears: list[nn.Module]) -> nn.Module:
     if isinstance(first, QuantLinear) and len({linear.kind for linear in linears}) > 1:
         return QuantLinears(linears)
     if isinstance(first, QuantLinear):
-        merged = QuantLinear(torch.cat([linear.blocks for linear in linears]), first.kind, first.in_features)
+        biases = [linear.bias for linear in linears]
+        if any(bias is None for bias in biases) and any(bias is not None for bias in biases):
+            return QuantLinears(linears)  # some with a bias, some without: side by side
+        bias = None if biases[0] is None else torch.cat(biases)
+        blocks = torch.cat([linear.blocks for linear in linears])
+        merged = QuantLinear(blocks, first.kind, first.in_features, bias)
         start = 0
         for linear in linears:
-            linear.blocks = merged.blocks[start : start + linear.out_features]
-            start += linear.out_features
+            end = start + linear.out_features
+            linear.blocks = merged.blocks[start:end]
+            if bias is not None:
+                linear.bias = merged.bias[start:end]
+            start = end
         return merged
     has_bias = first.bias is not None
     # On the meta device: no weights initialised only to be replaced.

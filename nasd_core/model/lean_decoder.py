@@ -1,4 +1,5 @@
-"""A llama-type model's step on a CPU as a short loop of fused calls (the GGUF path's forward).
+"""A llama-type model's step on a CPU as a short loop of fused calls (the GGUF path's forward;
+Qwen2's too, its biases riding on the q/k/v matmul).
 
 Why: on a CPU a small tensor op's dispatch costs more than its arithmetic, and transformers runs
 about forty a decoder layer (RMSNorm's five, rotary's dozen, views, transposes, the residual
@@ -32,17 +33,20 @@ from nasd_core.model.quantized import QuantLinear
 
 logger = logging.getLogger(__name__)
 
-LEAN_MODEL_TYPES = frozenset({"llama"})
+# Qwen2 is a llama with biases on its query, key and value (and a sliding window it may turn on).
+LEAN_MODEL_TYPES = frozenset({"llama", "qwen2"})
 _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 
 
 def lean_decoder_fits(model) -> bool:
-    """Whether ``model`` is one ``lean_forward`` computes: a Llama on a CPU, SiLU MLP, its
+    """Whether ``model`` is one ``lean_forward`` computes: a Llama or Qwen2 on a CPU, SiLU MLP, its
     projections GGUF blocks (``quantized.gguf_model``) and the C++ kernels built here."""
     from nasd_core.model import native
 
     config = model.config
     if config.model_type not in LEAN_MODEL_TYPES or getattr(config, "hidden_act", None) != "silu":
+        return False
+    if getattr(config, "use_sliding_window", False):
         return False
     if next(model.parameters()).device.type != "cpu" or not native.load():
         return False
@@ -74,10 +78,13 @@ def use_lean_decoder(model) -> bool:
         return False
     merge_projections(model)
     model.nasd_lean_decoder = True
-    # decoder_layers takes one block tensor for each of a layer's q, k, v and gate, up: layers whose
-    # types differ there (QuantLinears) run the Python loop of lean_layer.
+    # decoder_layers takes one block tensor for each of a layer's q, k, v and gate, up, and no bias:
+    # layers whose types differ there (QuantLinears), or with biases (Qwen2), run the Python loop
+    # of lean_layer.
     model.nasd_fused_layers = all(
-        isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.gate_up_proj, QuantLinear)
+        isinstance(layer.self_attn.qkv_proj, QuantLinear)
+        and layer.self_attn.qkv_proj.bias is None
+        and isinstance(layer.mlp.gate_up_proj, QuantLinear)
         for layer in model.get_decoder().layers
     )
     logger.info("steps run the lean decoder (fused CPU kernels, merged projections)")

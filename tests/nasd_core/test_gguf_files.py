@@ -20,12 +20,14 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.random_gguf import SHAPES, write_random_gguf
 from nasd_core import SamplingParams, SpecConfig
 from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import ModelLoadError
 from nasd_core.model import quantized
 from nasd_core.model.cpu_kernels import invariant_threads
+from nasd_core.model.model_runner import ModelRunner, StepRow
 from nasd_core.model.quantized import QuantLinear, QuantLinears, dequantize
 from nasd_core.models import embedded_gguf_path, load_model
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered
@@ -279,74 +281,26 @@ def test_types_without_a_kernel_keep_the_files_values_and_mixed_types_their_own_
     assert relative_error(logits, expected) < 10 * INT8_RELATIVE_ERROR
 
 
-def write_tiny_gguf(source: Path, target: Path, architecture: str) -> None:
-    """A small random model of ``architecture`` with ``source``'s tokenizer: 2 layers of width 64,
-    its Linears in Q8_0 (the attention output and down projection Q4_0), the vocabulary Q8_0 and
-    tied; Qwen2's query, key and value biases and Qwen3's per-head norms float32."""
-    reader = gguf.GGUFReader(str(source))
-    writer = gguf.GGUFWriter(str(target), architecture)
-    for name, field in reader.fields.items():
-        if name.startswith("tokenizer."):
-            sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
-    # Qwen3's heads are 128 wide whatever the width (transformers' GGUF config leaves its default).
-    hidden, layers, heads, kv_heads, ffn = 64, 2, 4, 2, 128
-    head_dim = 128 if architecture == "qwen3" else hidden // heads
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    writer.add_context_length(2048)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_layer_norm_rms_eps(1e-6)
-    rng = np.random.default_rng(0)
-
-    def add(name: str, shape: tuple[int, ...], kind: Q, scale: float, offset: float = 0.0) -> None:
-        values = (offset + scale * rng.standard_normal(shape)).astype(np.float32)
-        writer.add_tensor(
-            name, values if kind == Q.F32 else gguf.quants.quantize(values, kind), raw_dtype=kind
-        )
-
-    add("token_embd.weight", (vocab, hidden), Q.Q8_0, 1.0)
-    add("output_norm.weight", (hidden,), Q.F32, 0.1, 1.0)
-    widths = {"attn_q": heads * head_dim, "attn_k": kv_heads * head_dim, "attn_v": kv_heads * head_dim}
-    for layer in range(layers):
-        block = f"blk.{layer}"
-        for name, rows in widths.items():
-            add(f"{block}.{name}.weight", (rows, hidden), Q.Q8_0, 0.2)
-            if architecture == "qwen2":
-                add(f"{block}.{name}.bias", (rows,), Q.F32, 0.5)
-        add(f"{block}.attn_output.weight", (hidden, heads * head_dim), Q.Q4_0, 0.2)
-        add(f"{block}.ffn_gate.weight", (ffn, hidden), Q.Q8_0, 0.2)
-        add(f"{block}.ffn_up.weight", (ffn, hidden), Q.Q8_0, 0.2)
-        add(f"{block}.ffn_down.weight", (hidden, ffn), Q.Q4_0, 0.2)
-        add(f"{block}.attn_norm.weight", (hidden,), Q.F32, 0.1, 1.0)
-        add(f"{block}.ffn_norm.weight", (hidden,), Q.F32, 0.1, 1.0)
-        if architecture == "qwen3":
-            add(f"{block}.attn_q_norm.weight", (head_dim,), Q.F32, 0.1, 1.0)
-            add(f"{block}.attn_k_norm.weight", (head_dim,), Q.F32, 0.1, 1.0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
 def test_a_qwen_files_blocks_are_transformers_weights_and_greedy_speculation_is_exact(
     tmp_path, cache_dir, monkeypatch, architecture
 ):
-    """Qwen files keep their rows in transformers' order (no rotary reordering to undo), Qwen2's
-    biases ride on the blocks' Linears, and the model runs transformers' own layers on them."""
+    """Qwen files keep their rows in transformers' order (no rotary reordering to undo) and
+    Qwen2's biases ride on the blocks' Linears. Qwen2 runs the lean decoder's Python layer loop
+    (the fused C++ one takes no biases), Qwen3 transformers' layers (its per-head norms); the
+    runner's steps give transformers' logits either way."""
     path = tmp_path / f"tiny-{architecture}.gguf"
-    write_tiny_gguf(embedded_gguf_path(), path, architecture)
+    write_random_gguf(path, architecture, SHAPES["tiny"])
     model, tokenizer = load_model(str(path), ModelConfig(dtype="gguf", cache_dir=cache_dir))
     reference, _ = load_model(str(path), ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
-    assert model.config.model_type == architecture and not getattr(model, "nasd_lean_decoder", False)
-    linears = {name: module for name, module in model.named_modules() if isinstance(module, QuantLinear)}
+    assert model.config.model_type == architecture
+    assert getattr(model, "nasd_lean_decoder", False) == (architecture == "qwen2")
+    assert not getattr(model, "nasd_fused_layers", False)
+    linears = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, QuantLinear) and not name.endswith(("qkv_proj", "gate_up_proj"))
+    }
     assert len(linears) == 2 * 7 + 1  # every projection, and the output on the vocabulary's blocks
     for name, linear in linears.items():
         expected = reference.get_submodule(name)
@@ -355,11 +309,20 @@ def test_a_qwen_files_blocks_are_transformers_weights_and_greedy_speculation_is_
         assert linear.bias is None or torch.equal(linear.bias, expected.bias), name
     # With float activations the blocks' Linears are the reference's to float32 rounding (a random
     # model's activations are too far from a trained one's for the int8 rounding's bound).
-    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    ids = tokenizer("The capital of France is Paris; of Italy,", return_tensors="pt").input_ids
     monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", False)
     with torch.no_grad():
         logits, expected = model(ids).logits, reference(ids).logits
     assert relative_error(logits, expected) < 1e-5
+    runner = ModelRunner(model, kv_cache_tokens=64, block_size=16, kv_cache_dtype="float32")
+    runner.cache.allocate(0, ids.shape[1])
+    stepped = torch.cat(
+        [
+            runner.forward([StepRow(0, ids[0, :4].tolist(), 4)]),
+            runner.forward([StepRow(0, ids[0, 4:].tolist(), 2)]),
+        ]
+    )
+    torch.testing.assert_close(stepped, torch.cat([logits[0, :4], logits[0, -2:]]), atol=2e-4, rtol=1e-4)
     monkeypatch.undo()
     prompts, max_tokens = PROMPTS[:3], [24, 16, 20]
     plain = run_staggered(Engine(model, tokenizer), prompts, max_tokens, SpecConfig(mode="off"))
