@@ -1,5 +1,5 @@
 """A llama-type model's step on a CPU as a short loop of fused calls (the GGUF path's forward;
-Qwen2's too, its biases riding on the q/k/v matmul).
+Qwen2's and Qwen3's too: biases ride on the q/k/v matmul, per-head norms run before rotary).
 
 Why: on a CPU a small tensor op's dispatch costs more than its arithmetic, and transformers runs
 about forty a decoder layer (RMSNorm's five, rotary's dozen, views, transposes, the residual
@@ -33,13 +33,14 @@ from nasd_core.model.quantized import QuantLinear
 
 logger = logging.getLogger(__name__)
 
-# Qwen2 is a llama with biases on its query, key and value (and a sliding window it may turn on).
-LEAN_MODEL_TYPES = frozenset({"llama", "qwen2"})
+# Qwen2 is a llama with biases on its query, key and value (and a sliding window it may turn on);
+# Qwen3 one that normalises each head's query and key before rotary.
+LEAN_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3"})
 _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 
 
 def lean_decoder_fits(model) -> bool:
-    """Whether ``model`` is one ``lean_forward`` computes: a Llama or Qwen2 on a CPU, SiLU MLP, its
+    """Whether ``model`` is one ``lean_forward`` computes: a Llama, Qwen2 or Qwen3 on a CPU, SiLU MLP, its
     projections GGUF blocks (``quantized.gguf_model``) and the C++ kernels built here."""
     from nasd_core.model import native
 
@@ -78,12 +79,13 @@ def use_lean_decoder(model) -> bool:
         return False
     merge_projections(model)
     model.nasd_lean_decoder = True
-    # decoder_layers takes one block tensor for each of a layer's q, k, v and gate, up, and no bias:
-    # layers whose types differ there (QuantLinears), or with biases (Qwen2), run the Python loop
-    # of lean_layer.
+    # decoder_layers takes one block tensor for each of a layer's q, k, v and gate, up, no bias and
+    # no per-head norm: layers whose types differ there (QuantLinears), with biases (Qwen2) or
+    # per-head norms (Qwen3) run the Python loop of lean_layer.
     model.nasd_fused_layers = all(
         isinstance(layer.self_attn.qkv_proj, QuantLinear)
         and layer.self_attn.qkv_proj.bias is None
+        and not hasattr(layer.self_attn, "q_norm")
         and isinstance(layer.mlp.gate_up_proj, QuantLinear)
         for layer in model.get_decoder().layers
     )
@@ -100,8 +102,11 @@ def lean_layer(
     config = attention.config
     norm = layer.input_layernorm
     residual, normed = torch.ops.nasd.rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
+    qkv = attention.qkv_proj(normed)
+    if hasattr(attention, "q_norm"):
+        qkv = normed_heads(attention, qkv, config.num_attention_heads, config.num_key_value_heads)
     query, key, value = torch.ops.nasd.rotary_split(
-        attention.qkv_proj(normed), cos, sin, config.num_attention_heads, config.num_key_value_heads
+        qkv, cos, sin, config.num_attention_heads, config.num_key_value_heads
     )
     # [tokens, heads, D] -> [1, heads, tokens, D] views, transformers' layout for attention.
     attended, _ = paged_attention(
@@ -117,6 +122,22 @@ def lean_layer(
     norm = layer.post_attention_layernorm
     residual, normed = torch.ops.nasd.rms_norm(hidden, residual, norm.weight, norm.variance_epsilon)
     return mlp.down_proj(torch.ops.nasd.silu_mul(mlp.gate_up_proj(normed))), residual
+
+
+def normed_heads(attention, qkv: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """``qkv`` ``[tokens, width]`` with each head's query and key through Qwen3's per-head RMSNorm
+    (``q_norm``, ``k_norm``), as transformers applies them before rotary."""
+    head_dim = attention.head_dim
+    query_width, key_width = heads * head_dim, kv_heads * head_dim
+    parts = []
+    for norm, start, width in (
+        (attention.q_norm, 0, query_width),
+        (attention.k_norm, query_width, key_width),
+    ):
+        by_head = qkv[:, start : start + width].reshape(-1, head_dim)
+        _, normed = torch.ops.nasd.rms_norm(by_head, None, norm.weight, norm.variance_epsilon)
+        parts.append(normed.reshape(qkv.shape[0], width))
+    return torch.cat([*parts, qkv[:, query_width + key_width :]], dim=1)
 
 
 def layer_weights(model) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:

@@ -286,16 +286,15 @@ def test_a_qwen_files_blocks_are_transformers_weights_and_greedy_speculation_is_
     tmp_path, cache_dir, monkeypatch, architecture
 ):
     """Qwen files keep their rows in transformers' order (no rotary reordering to undo) and
-    Qwen2's biases ride on the blocks' Linears. Qwen2 runs the lean decoder's Python layer loop
-    (the fused C++ one takes no biases), Qwen3 transformers' layers (its per-head norms); the
-    runner's steps give transformers' logits either way."""
+    Qwen2's biases ride on the blocks' Linears. Both run the lean decoder's Python layer loop
+    (the fused C++ one takes neither Qwen2's biases nor Qwen3's per-head norms), and the runner's
+    steps give transformers' logits."""
     path = tmp_path / f"tiny-{architecture}.gguf"
     write_random_gguf(path, architecture, SHAPES["tiny"])
     model, tokenizer = load_model(str(path), ModelConfig(dtype="gguf", cache_dir=cache_dir))
     reference, _ = load_model(str(path), ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
     assert model.config.model_type == architecture
-    assert getattr(model, "nasd_lean_decoder", False) == (architecture == "qwen2")
-    assert not getattr(model, "nasd_fused_layers", False)
+    assert model.nasd_lean_decoder and not model.nasd_fused_layers
     linears = {
         name: module
         for name, module in model.named_modules()
