@@ -314,9 +314,9 @@ class ModelConfig(_Config):
     dtype: Literal["float32", "bfloat16", "float16", "gguf"] = Field(
         "float32",
         description="Weights dtype; 'gguf' keeps a GGUF file's blocks (the embedded model's or a *.gguf "
-        "name's) on a CPU where a kernel multiplies them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; "
-        "other types, and files of other architectures than llama, load as float32; "
-        "nasd_core/model/quantized.py).",
+        "name's) on a CPU where a kernel multiplies them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, "
+        "Q6_K; other types are float32, and files of other architectures than llama, Qwen2 and Qwen3 "
+        "load as float32; nasd_core/model/quantized.py).",
     )
     device: str = Field("cpu", description="torch device string.")
     cache_dir: str | None = Field(None, description="Where converted GGUF files' weights are cached.")

@@ -83,10 +83,16 @@ def use_lean_decoder(model) -> bool:
     # no per-head norm: layers whose types differ there (QuantLinears), with biases (Qwen2) or
     # per-head norms (Qwen3) run the Python loop of lean_layer.
     model.nasd_fused_layers = all(
-        isinstance(layer.self_attn.qkv_proj, QuantLinear)
-        and layer.self_attn.qkv_proj.bias is None
+        all(
+            isinstance(linear, QuantLinear) and linear.bias is None
+            for linear in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        )
         and not hasattr(layer.self_attn, "q_norm")
-        and isinstance(layer.mlp.gate_up_proj, QuantLinear)
         for layer in model.get_decoder().layers
     )
     logger.info("steps run the lean decoder (fused CPU kernels, merged projections)")

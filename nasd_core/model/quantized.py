@@ -433,7 +433,9 @@ def gguf_model(config, gguf_path: Path) -> nn.Module:
             values, kind = values_of(f"{key}.weight", linear.out_features, heads.get(gguf_name))
             bias = None
             if linear.bias is not None:
-                bias = weight(*values_of(f"{key}.bias", linear.out_features), linear.bias.shape)
+                # llama.cpp reorders a bias's rows with its weight's.
+                values = values_of(f"{key}.bias", linear.out_features, heads.get(gguf_name))
+                bias = weight(*values, linear.bias.shape)
             if kind in BLOCK_FORMATS:
                 setattr(parent, child_name, QuantLinear(values, kind, linear.in_features, bias))
                 replaced += 1

@@ -3,7 +3,8 @@
 The files are real GGUF files written here from the embedded one with gguf-py: the same
 metadata (tokenizer included), some weights re-quantized to other block types (the K-quants by
 plain rounding here, as gguf-py has no quantizer for them). Weights whose type has a kernel
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) are kept as the file's blocks; the others are
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K) are kept as the file's blocks (Q3_K is
+covered by the kernel tests only: neither gguf-py nor these tests quantize to it); the others are
 float32 as gguf-py reads them. Either way the model holds the file's own values, those of
 transformers' float32 conversion (the reference here), and no float32 copy of the blocks is made.
 """
