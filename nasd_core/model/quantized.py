@@ -434,8 +434,8 @@ def gguf_model(config, gguf_path: Path) -> nn.Module:
             bias = None
             if linear.bias is not None:
                 # llama.cpp reorders a bias's rows with its weight's.
-                values = values_of(f"{key}.bias", linear.out_features, heads.get(gguf_name))
-                bias = weight(*values, linear.bias.shape)
+                bias_values = values_of(f"{key}.bias", linear.out_features, heads.get(gguf_name))
+                bias = weight(*bias_values, linear.bias.shape)
             if kind in BLOCK_FORMATS:
                 setattr(parent, child_name, QuantLinear(values, kind, linear.in_features, bias))
                 replaced += 1
