@@ -120,24 +120,21 @@ def _convert_gguf(gguf_path: Path, target: Path, weights: bool) -> None:
         model = AutoModelForCausalLM.from_pretrained(
             gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
         )
-        # A GGUF-loaded model carries its quantizer and refuses save_pretrained; copy the
-        # dequantized weights into a plain model of the same config and save that instead.
         config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(model.state_dict())
     else:  # the file's metadata only: no tensor is read
         config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    saved = config
+    if weights:
+        # A GGUF-loaded model carries its quantizer and refuses save_pretrained; copy the
+        # dequantized weights into a plain model of the same config and save that instead.
+        saved = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        saved.load_state_dict(model.state_dict())
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
-        if weights:
-            plain.save_pretrained(staging)
-        else:
-            config.save_pretrained(staging)
+        saved.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         # Atomic publish: concurrent replicas converting at once all end with one whole copy.
         os.replace(staging, target)
@@ -170,6 +167,27 @@ def load_tokenizer(name: str | None = None, cache_dir: str | None = None):
     return AutoTokenizer.from_pretrained(resolve_model_dir(name, cache_dir, weights=False))
 
 
+def _blocks_config(name: str | None, cache_dir: str | None):
+    """The config of GGUF file ``name`` where ``dtype="gguf"`` can keep its blocks (the C++
+    kernels built, an architecture ``gguf_model`` knows); None, with a warning, where it loads
+    as float32 instead. Reads the config-only conversion: the file's tensors stay unread."""
+    from transformers import AutoConfig
+
+    if not quant_kernel_available():
+        logger.warning("dtype 'gguf' needs NASD's C++ kernels, which are unavailable here: using float32")
+        return None
+    model_config = AutoConfig.from_pretrained(resolve_model_dir(name, cache_dir, weights=False))
+    if model_config.model_type not in GGUF_MODEL_TYPES:
+        # The loader knows these architectures' tensor names and row order; others still serve.
+        logger.warning(
+            "dtype 'gguf' keeps the blocks of %s files, not %r: using float32",
+            ", ".join(GGUF_MODEL_TYPES),
+            model_config.model_type,
+        )
+        return None
+    return model_config
+
+
 def load_model(name: str | None = None, config: ModelConfig | None = None):
     """Load a causal LM and its tokenizer, in eval mode.
 
@@ -185,7 +203,7 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     Raises:
         ModelLoadError: the model or tokenizer cannot be found or loaded.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -198,31 +216,15 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
             "dtype 'gguf' runs a GGUF file's own blocks (the embedded model's or a *.gguf path) on a CPU only"
         )
     try:
-        if quantized:
-            # The file's config and tokenizer only: its blocks are read into the model directly.
-            model_dir = resolve_model_dir(name, config.cache_dir, weights=False)
-            model_config = AutoConfig.from_pretrained(model_dir)
-            if not quant_kernel_available():
-                logger.warning(
-                    "dtype 'gguf' needs NASD's C++ kernels, which are unavailable here: using float32"
-                )
-                quantized = False
-            elif model_config.model_type not in GGUF_MODEL_TYPES:
-                # The loader knows these architectures' tensor names and row order; others still serve.
-                logger.warning(
-                    "dtype 'gguf' keeps the blocks of %s files, not %r: using float32",
-                    ", ".join(GGUF_MODEL_TYPES),
-                    model_config.model_type,
-                )
-                quantized = False
-        if quantized:
-            tokenizer = load_tokenizer(model_dir)
-            model = gguf_model(model_config, gguf_file(name))
+        blocks_config = _blocks_config(name, config.cache_dir) if quantized else None
+        if blocks_config is not None:
+            tokenizer = load_tokenizer(name, config.cache_dir)
+            model = gguf_model(blocks_config, gguf_file(name))
             use_lean_decoder(model)
         else:
             model_dir = resolve_model_dir(name, config.cache_dir)
             tokenizer = load_tokenizer(model_dir)
-            dtype = torch.float32 if config.dtype == "gguf" else getattr(torch, config.dtype)
+            dtype = torch.float32 if quantized else getattr(torch, config.dtype)
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     except ModelLoadError:
         raise

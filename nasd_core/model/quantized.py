@@ -363,12 +363,12 @@ def _gguf_tensors(gguf_path: Path) -> dict[str, tuple[torch.Tensor, int]]:
     return tensors
 
 
-def _has_submodule(module: nn.Module, path: str) -> bool:
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    """``module``'s submodule at ``path``, or None where it has none."""
     try:
-        module.get_submodule(path)
+        return module.get_submodule(path)
     except AttributeError:
-        return False
-    return True
+        return None
 
 
 def _type_name(kind: int) -> str:
@@ -443,7 +443,7 @@ def gguf_model(config, gguf_path: Path) -> nn.Module:
                 linear.weight = weight(values, kind, linear.weight.shape)
                 linear.bias = bias
         for gguf_name, module_path in LAYER_NORMS.items():
-            norm = layer.get_submodule(module_path) if _has_submodule(layer, module_path) else None
+            norm = _submodule(layer, module_path)
             if norm is not None:
                 values = values_of(f"blk.{index}.{gguf_name}.weight", norm.weight.shape[0])
                 norm.weight = weight(*values, norm.weight.shape)
