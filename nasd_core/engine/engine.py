@@ -49,7 +49,7 @@ from nasd_core.sampling import TokenDraws
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import Draft, RequestDrafter, SharedIndex
 from nasd_core.speculation.ngram import NGramIndex
-from nasd_core.speculation.policy import AcceptanceEstimator, DraftPayoff, StepTimeModel
+from nasd_core.speculation.policy import AcceptanceEstimator, DraftPayoff, DraftPlan, StepTimeModel
 from nasd_core.speculation.verify import verify_rows
 from nasd_core.structured import Grammars
 
@@ -423,7 +423,7 @@ class Engine:
         for request, row in step.chunks:
             request.stats.prefill_time_s += step_s * len(row.token_ids) / num_positions
         self.scheduler.chunks_done(step)
-        self._commit(step, drafts, plan.lengths, logits, emitted_rows, step_s, drafting_s)
+        self._commit(step, drafts, plan, logits, emitted_rows, step_s, drafting_s)
         # After the streaming: learning does not hold up the rows' tokens.
         self._tail.append(
             lambda: self.speculator.learn(step, step_rows, plan, step_s, wall_s, num_emitted, shape, captured)
@@ -433,7 +433,7 @@ class Engine:
         self,
         step: ScheduledStep,
         drafts: list[Draft],
-        lengths: list[int],
+        plan: DraftPlan,
         logits: torch.Tensor,
         emitted_rows: list[list[int]],
         step_s: float,
@@ -443,13 +443,14 @@ class Engine:
         advance, and its cached length becomes that of the tokens it holds (rejected drafts'
         slots are overwritten by the next step)."""
         learn_started = now = time.perf_counter()
+        lengths = plan.lengths
         offset = 0
         for request, draft, length, emitted in zip(step.rows, drafts, lengths, emitted_rows):
             # Only an n-gram index learns alternatives (a suffix store holds the sequence alone).
             learns = request.spec.is_speculating and request.drafter.local_index is not None
             if request.spec.filler_top_k > 1 and learns:
                 self._learn_alternatives(request, logits[offset : offset + len(emitted)], emitted)
-            kept = request.advance(draft, length, emitted)
+            kept = request.advance(draft, length, emitted, plan.cost_ratio)
             # The cache holds every token but the last, which the next step feeds.
             self.cache.set_length(request.request_id, len(request.tokens) - 1)
             if request.logprobs is not None:

@@ -13,7 +13,13 @@ from nasd_core.metrics import SpecStats
 from nasd_core.processors import LogitsProcessors
 from nasd_core.sampling import TokenDraws
 from nasd_core.speculation.drafter import Draft, RequestDrafter
-from nasd_core.speculation.policy import AcceptanceEstimator, RowDraft, dormant_steps
+from nasd_core.speculation.policy import (
+    INITIAL_PACE_CREDIT,
+    AcceptanceEstimator,
+    RowDraft,
+    dormant_steps,
+    pace_credit,
+)
 from nasd_core.speculation.verify import VerifyRow
 
 
@@ -58,6 +64,9 @@ class Request:
     # and steps left before the next lookup.
     num_misses: int = 0
     num_dormant: int = 0
+    # How far the request is ahead of its pace floor, in plain steps (``policy.pace_credit``):
+    # the batch's drafts may not slow it below ``policy.MIN_ROW_PACE`` of plain decoding.
+    pace_credit: float = INITIAL_PACE_CREDIT
     cancelled: bool = False
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -103,11 +112,13 @@ class Request:
         matched as it can be, given the drafter's ``longest_match`` (asked only where
         ``looks_up``: no draft is built); nothing while the row rests."""
         if self.num_dormant:
-            return RowDraft("off", 0, 0, self.acceptance)
+            return RowDraft("off", 0, 0, self.acceptance, pace_credit=self.pace_credit)
         match_length, source = match
         # Without a match there is no draft, unless unknown contexts are filled with guesses.
         available = self.draft_cap if match_length or not self.spec.stop_if_unknown else 0
-        return RowDraft(self.mode, available, match_length, self.acceptance, source)
+        return RowDraft(
+            self.mode, available, match_length, self.acceptance, source, pace_credit=self.pace_credit
+        )
 
     def rest(self, num_positions: int, num_rows: int) -> None:
         """Record what this step's best case gave the row: a miss makes it rest longer."""
@@ -127,7 +138,13 @@ class Request:
     def row_draft(self, draft: Draft) -> RowDraft:
         """What the batch policy knows about this row given this step's ``draft``."""
         return RowDraft(
-            self.mode, len(draft.tokens), draft.match_length, self.acceptance, draft.source, draft.splits
+            self.mode,
+            len(draft.tokens),
+            draft.match_length,
+            self.acceptance,
+            draft.source,
+            draft.splits,
+            self.pace_credit,
         )
 
     def learn_acceptance(self, draft: Draft, num_drafted: int, num_emitted: int) -> None:
@@ -139,11 +156,13 @@ class Request:
         """What verification needs of this row this step."""
         return VerifyRow(self.params, self.draws, self.num_output, self.processors)
 
-    def advance(self, draft: Draft, num_drafted: int, emitted: list[int]) -> list[int]:
+    def advance(self, draft: Draft, num_drafted: int, emitted: list[int], cost_ratio: float) -> list[int]:
         """Take one verified step: ``num_drafted`` tokens of ``draft`` were verified and
-        ``emitted`` came out. Updates the output and counters (the drafter learns the new tokens
-        when it next looks up, the acceptance in ``learn_acceptance``); returns the tokens
-        actually kept (a stop condition can cut the step short)."""
+        ``emitted`` came out, in a step ``cost_ratio`` times as dear as without its drafts.
+        Updates the output, pace and counters (the drafter learns the new tokens when it next
+        looks up, the acceptance in ``learn_acceptance``); returns the tokens actually kept (a
+        stop condition can cut the step short)."""
+        self.pace_credit = pace_credit(self.pace_credit, len(emitted), cost_ratio)
         num_accepted = len(emitted) - 1
         num_taken = self.stopper.extend(emitted)
         kept = emitted[:num_taken]

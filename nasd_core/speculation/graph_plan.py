@@ -14,6 +14,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+import numpy as np
+
 from nasd_core.model.step_graphs import ROW_BUCKETS, bucket
 from nasd_core.speculation.policy import (
     EWMA_WEIGHT,
@@ -21,6 +23,7 @@ from nasd_core.speculation.policy import (
     DraftPlan,
     RowDraft,
     along_rows,
+    keeps_pace,
     min_draft_gain,
 )
 
@@ -103,26 +106,32 @@ def plan_graph_drafts(
     forced = [row.num_available if row.mode == "on" else 0 for row in rows]
     narrowest_index = bisect.bisect_left(widths, 1 + max(forced))
     reaches = [row.acceptance.reaches(row) if row.mode != "off" and row.num_available else [] for row in rows]
-    base_tokens = num_rows + sum(sum(reach) for reach, row in zip(reaches, rows) if row.mode == "on")
+    # Each row's expected tokens without the chosen width's drafts (an "on" row's are forced).
+    own_base = np.array([1 + (sum(reach) if row.mode == "on" else 0.0) for reach, row in zip(reaches, rows)])
+    base_tokens = float(own_base.sum())
     auto = [index for index, row in enumerate(rows) if row.mode == "auto" and reaches[index]]
     if narrowest_index == len(widths) or not auto:  # nothing to choose, or no shape holds it
         return DraftPlan(forced)
 
-    def rate(width: int, expected: float, num_drafting: int) -> float:
-        seconds = step_time.estimate(num_rows, width) + drafting_s_per_row * num_drafting
-        return expected / seconds
+    def seconds(width: int, num_drafting: int) -> float:
+        return step_time.estimate(num_rows, width) + drafting_s_per_row * num_drafting
 
-    plain = rate(widths[narrowest_index], base_tokens, 0)
-    best_rate, best_width, best_expected = plain, 0, base_tokens
+    plain_s = seconds(widths[narrowest_index], 0)
+    plain = base_tokens / plain_s
+    credits = np.array([row.pace_credit for row in rows])
+    best_rate, best_width, best_expected, best_s = plain, 0, base_tokens, plain_s
     for width in widths[narrowest_index:]:
-        expected = base_tokens + sum(sum(reaches[index][: width - 1]) for index in auto)
-        candidate = rate(width, expected, len(auto))
-        if candidate > best_rate:
-            best_rate, best_width, best_expected = candidate, width, expected
+        own = own_base.copy()  # each row's expected tokens at this width
+        for index in auto:
+            own[index] += sum(reaches[index][: width - 1])
+        step_s = seconds(width, len(auto))
+        candidate = own.sum() / step_s
+        if candidate > best_rate and keeps_pace(credits, own[:, None], np.array([step_s / plain_s]))[0]:
+            best_rate, best_width, best_expected, best_s = candidate, width, own.sum(), step_s
     if not best_width or payoff * best_rate <= (1 + min_draft_gain(num_rows)) * plain:
         return DraftPlan(forced, 0, base_tokens, 1.0)
     lengths = list(forced)
     for index in auto:
         lengths[index] = min(len(reaches[index]), best_width - 1)
     num_chosen = sum(lengths) - sum(forced)
-    return DraftPlan(lengths, num_chosen, best_expected, best_rate / plain)
+    return DraftPlan(lengths, num_chosen, best_expected, best_rate / plain, best_s / plain_s)

@@ -94,6 +94,40 @@ def dormant_steps(num_rows: int, num_misses: int) -> int:
     return min(1 << (num_misses - 1), num_rows // ROWS_PER_DORMANT_STEP, MAX_DORMANT_STEPS)
 
 
+# No request's tokens per second may fall below this share of what plain decoding would give
+# it (its first INITIAL_PACE_CREDIT plain steps of slack aside). Why per row: a step's throughput
+# is its rows' sum, so drafts that pay for the batch can still slow a row whose own drafts rarely
+# land, and every row of a step waits for the whole step. At 8 rows on 2 cores a drafted position
+# costs ~5% of a step: in a mixed stream (HTTP, commit 72c495b) creative chats ran at 0.80x of
+# off while the stream ran 1.30x, and in a wave of eight creative chats 24% of the tokens were
+# accepted drafts, yet the wave took 126 steps to off's 129, each dearer (0.92x): its slowest
+# chat, accepting next to nothing, set its end.
+MIN_ROW_PACE = 0.97
+# A request starts one plain step ahead of its floor. Why not zero: a row new to the batch has
+# earned nothing yet, so at zero every newcomer without a draft kept the whole batch plain (rag
+# quotes in waves of 8, in process, 5 interleaved runs: 1.24x of off at zero, 1.41x at one step,
+# 1.40x with no floor; creative text, 9 runs: 0.98x, 0.99x and 0.96x).
+INITIAL_PACE_CREDIT = 1.0
+
+
+def pace_credit(credit: float, num_emitted: int, cost_ratio: float) -> float:
+    """A row's credit after a step that emitted ``num_emitted`` of its tokens at ``cost_ratio``
+    times the plain step's cost, in plain steps: what plain decoding would have spent on those
+    tokens, allowed ``1 / MIN_ROW_PACE`` of it, less what the step spent. It runs over the
+    request's life, so a row's accepted drafts pay for the other rows' later (a creative chat
+    accepting a quarter of its drafts earns what eight rows' drafts cost it), and a row whose
+    drafts were promised but missed stops the dear steps until it is back on pace."""
+    return credit + num_emitted / MIN_ROW_PACE - cost_ratio
+
+
+def keeps_pace(credits: np.ndarray, own_tokens: np.ndarray, cost_ratios: np.ndarray) -> np.ndarray:
+    """Per candidate plan (columns), whether every row (``credits``, one per row) stays at its
+    pace floor: ``own_tokens[row, plan]`` expected tokens of the row, at ``cost_ratios[plan]``
+    times the plain step's cost."""
+    floors = (credits[:, None] + own_tokens / MIN_ROW_PACE).min(axis=0)
+    return cost_ratios <= floors
+
+
 # Matched context lengths above 4 share their acceptance counts by span (5-7, 8-15, 16-31,
 # 32+): the suffix source matches up to 64 tokens, and a request verifies too few drafts to
 # learn 60 lengths apart, while a 9- and a 12-token match are copies alike.
@@ -471,6 +505,9 @@ class RowDraft:
     # Per drafted token, whether the source's stored continuations split there (a built suffix
     # draft; empty for a best case or a source without counts: priced as unanimous).
     splits: Sequence[bool] = ()
+    # How far the row is ahead of its pace floor, in plain steps (``pace_credit``); inf: the
+    # row sets no floor on the step.
+    pace_credit: float = math.inf
 
 
 def draft_position_cap(num_rows: int, step_time: StepTimeModel) -> int:
@@ -496,6 +533,7 @@ class DraftPlan:
     num_chosen: int = 0
     expected_tokens: float = 0.0
     gain: float = 1.0
+    cost_ratio: float = 1.0  # the step's estimated time over the same step's without these drafts
 
 
 def plan_batch_drafts(
@@ -530,7 +568,7 @@ def plan_batch_drafts(
     num_rows = len(rows) + num_other_rows
     forced = [row.num_available if row.mode == "on" else 0 for row in rows]
     base_positions = num_other_positions + len(rows) + sum(forced)
-    base_tokens = float(len(rows))
+    own_base = np.ones(len(rows))  # each row's expected tokens without the policy's drafts
     reach_lists: list[list[float]] = []
     row_indices: list[int] = []
     for index, row in enumerate(rows):
@@ -538,7 +576,7 @@ def plan_batch_drafts(
             continue
         reaches = row.acceptance.reaches(row)
         if row.mode == "on":
-            base_tokens += sum(reaches)
+            own_base[index] += sum(reaches)
             continue
         reach_lists.append(reaches)
         row_indices.append(index)
@@ -563,15 +601,30 @@ def plan_batch_drafts(
     first_of_row = np.zeros(len(gain_values), dtype=np.int64)
     first_of_row[np.unique(row_of, return_index=True)[1]] = 1
     # Per total of draft positions (0..len(gain_values)): expected tokens, rows drafting, seconds.
-    expected = base_tokens + np.concatenate(([0.0], np.cumsum(gain_values)))
+    expected = own_base.sum() + np.concatenate(([0.0], np.cumsum(gain_values)))
     drafted_rows = np.concatenate(([0], np.cumsum(first_of_row)))
     added = cost.many(base_positions + np.arange(len(gain_values) + 1)) - base_seconds
-    tokens_per_s = expected / (decode_seconds + added + drafting_s_per_row * drafted_rows)
+    seconds = decode_seconds + added + drafting_s_per_row * drafted_rows
+    tokens_per_s = expected / seconds
+    credits = np.array([row.pace_credit for row in rows])
+    if np.isfinite(credits).any():  # totals that would leave a row behind its pace are out
+        own = np.zeros((len(rows), len(gain_values) + 1))
+        own[row_of, np.arange(1, len(gain_values) + 1)] = gain_values
+        own = own_base[:, None] + np.cumsum(own, axis=1)
+        paced = keeps_pace(credits, own, seconds / seconds[0])
+        paced[0] = True
+        tokens_per_s = np.where(paced, tokens_per_s, -np.inf)
     best = _explored(tokens_per_s, num_rows, base_positions, step_time)
     if best and payoff * tokens_per_s[best] <= (1 + min_draft_gain(num_rows)) * tokens_per_s[0]:
         best = 0
     lengths = (np.asarray(forced) + np.bincount(row_of[:best], minlength=len(rows))).tolist()
-    return DraftPlan(lengths, best, float(expected[best]), float(tokens_per_s[best] / tokens_per_s[0]))
+    return DraftPlan(
+        lengths,
+        best,
+        float(expected[best]),
+        float(tokens_per_s[best] / tokens_per_s[0]),
+        float(seconds[best] / seconds[0]),
+    )
 
 
 # How fast DraftPayoff follows its steps: each step's reading weighs this much (~30 steps).

@@ -12,9 +12,15 @@ from nasd_core.config import EngineConfig
 from nasd_core.engine.async_engine import AsyncEngine
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
+from nasd_core.speculation import policy
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import LOCAL_SOURCE, RequestDrafter
-from nasd_core.speculation.policy import MIN_PAYOFF, AcceptanceEstimator, DraftPlan, StepTimeModel
+from nasd_core.speculation.policy import (
+    MIN_PAYOFF,
+    AcceptanceEstimator,
+    DraftPlan,
+    StepTimeModel,
+)
 
 PROMPTS = [
     "one, two, three, four, five,",
@@ -305,6 +311,38 @@ def test_auto_drafts_less_where_drafted_steps_have_not_delivered(model, tokenize
         if not discounted:
             assert engine.payoff.num_read >= engine.stats.num_steps // len(PROMPTS)  # read its steps
     assert drafted[True] < drafted[False]
+
+
+@pytest.mark.parametrize("floor", [True, False], ids=["paced", "unpaced"])
+def test_other_rows_drafts_never_slow_a_row_below_its_pace(model, tokenizer, single_runs, monkeypatch, floor):
+    """Copying rows in ``auto`` share steps with rows that do not speculate, and each drafted
+    position costs 3% of a step: the copiers' drafts pay for the batch, but every position slows
+    the plain rows. Started at no credit, their pace credit (plain steps ahead of 0.97x of plain
+    decoding, on the engine's cost model) never goes below zero; without the floor it does, and
+    more is drafted. Outputs unchanged either way."""
+    if not floor:
+        monkeypatch.setattr(policy, "keeps_pace", lambda credits, own, cost_ratios: cost_ratios > 0)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=12))
+    engine.step_time = FixedStepTimes(lambda rows, positions: 0.1 * (1 + 0.03 * (positions - rows)))
+    copying = {1, 2, 4, 6, 9, 10}
+    ids = [
+        engine.add_request(
+            prompt,
+            SamplingParams(max_tokens=max_tokens),
+            SpecConfig(mode="auto" if index in copying else "off"),
+        )
+        for index, (prompt, max_tokens) in enumerate(zip(PROMPTS, MAX_TOKENS))
+    ]
+    for request_id in ids:
+        engine.requests[request_id].pace_credit = 0.0
+    plain = [engine.requests[request_id] for index, request_id in enumerate(ids) if index not in copying]
+    lowest = 0.0
+    while not engine.is_finished():
+        engine.step()
+        lowest = min(lowest, *(request.pace_credit for request in plain))
+    assert [engine.pop_result(request_id).token_ids for request_id in ids] == single_runs
+    assert engine.stats.num_accepted > 0
+    assert (lowest >= 0) == floor
 
 
 def test_engines_given_one_calibration_start_from_what_earlier_engines_learned(model, tokenizer):

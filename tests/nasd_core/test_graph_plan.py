@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nasd_core.model.step_graphs import POSITION_BUCKETS
 from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
 from nasd_core.speculation.policy import AcceptanceEstimator, RowDraft
@@ -66,3 +68,16 @@ def test_a_discounted_payoff_withholds_drafts_near_the_bar():
     step_time = graph_times({1: 5.0, 2: 5.5, 4: 6.0, 8: 7.0, 17: 9.0})
     assert sum(plan_graph_drafts(rows, WIDTHS, step_time).lengths) > 0
     assert plan_graph_drafts(rows, WIDTHS, step_time, payoff=0.5).lengths == [0] * 4
+
+
+def test_a_width_that_would_slow_a_row_below_its_pace_is_not_chosen():
+    """Four rows, one copying: at a surface where a 1 x 17 step costs 1.6x a plain one, the
+    copier's drafts pay for the batch, but the rows with nothing to draft would run at 1/1.6 of
+    plain decoding; without credit they keep the step plain."""
+    dear = {1: 5.0, 2: 5.5, 4: 6.0, 8: 6.5, 17: 8.0}
+    copier = RowDraft("auto", 16, 8, copying(AcceptanceEstimator()), "request")
+    idle = [RowDraft("auto", 0, 0, AcceptanceEstimator()) for _ in range(3)]  # no floor set
+    plan = plan_graph_drafts([copier, *idle], WIDTHS, graph_times(dear))
+    assert plan.lengths[0] == 16 and plan.cost_ratio == pytest.approx(8.0 / 5.0)
+    idle = [RowDraft("auto", 0, 0, AcceptanceEstimator(), pace_credit=0.0) for _ in range(3)]
+    assert plan_graph_drafts([copier, *idle], WIDTHS, graph_times(dear)).lengths == [0] * 4

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from nasd_core.metrics import SpecStats
@@ -12,6 +14,7 @@ from nasd_core.speculation.policy import (
     MAX_SAMPLE_RATIO,
     MIN_DRAFT_GAIN,
     MIN_PAYOFF,
+    MIN_ROW_PACE,
     MIN_TRUSTED_SAMPLES,
     PRIOR_SPLIT_FIRST_ACCEPT,
     PRIOR_SPLIT_NEXT_ACCEPT,
@@ -25,6 +28,7 @@ from nasd_core.speculation.policy import (
     dormant_steps,
     draft_position_cap,
     match_bucket,
+    pace_credit,
     plan_batch_drafts,
     pooled_acceptance,
     snap_extra,
@@ -472,3 +476,47 @@ def test_one_row_drafts_whatever_pays_and_a_batch_needs_the_margin():
     plan = plan_batch_drafts([row], one_row)
     assert plan.lengths == [1] and 1.0 < plan.gain < 1.05
     assert plan_batch_drafts([row, RowDraft("auto", 1, 1, AcceptanceEstimator())], two_rows).lengths == [0, 0]
+
+
+def paced_rows(credit: float) -> tuple[list[RowDraft], StepTimeModel]:
+    """Eight rows: four copying (4-token drafts, always accepted), four with nothing to draft
+    at ``credit``; each extra position costs 5% of a plain step (8 rows on 2 cores)."""
+    step_time = StepTimeModel()
+    for extra in (0, 4, 8, 16, 32):
+        step_time.observe(8, 8 + extra, 0.025 * (1 + 0.05 * extra), 3)
+    copying = [row("auto", 4, 6, accepted_all=True) for _ in range(4)]
+    idle = [RowDraft("auto", 0, 0, AcceptanceEstimator(), pace_credit=credit) for _ in range(4)]
+    return copying + idle, step_time
+
+
+def test_no_row_is_slowed_below_its_pace_by_the_others_drafts():
+    """The batch's best plan (16 positions: ~2.9x the tokens for 1.8x the time) would slow the
+    rows with nothing to draft to 1/1.8 of plain decoding; at no credit they allow a step at
+    most 1/MIN_ROW_PACE as dear, so no copying row drafts."""
+    rows, step_time = paced_rows(credit=math.inf)
+    unpaced = plan_batch_drafts(rows, step_time)
+    assert unpaced.lengths == [4] * 4 + [0] * 4 and unpaced.cost_ratio == pytest.approx(1.8)
+    rows, step_time = paced_rows(credit=0.0)
+    assert plan_batch_drafts(rows, step_time).lengths == [0] * 8
+    # With credit for ~one dear step, the rows allow it: 0.8 plain steps ahead (and 1/0.97) >= 1.8.
+    rows, step_time = paced_rows(credit=0.8)
+    assert plan_batch_drafts(rows, step_time).lengths == [4] * 4 + [0] * 4
+
+
+def test_a_row_pays_for_dear_steps_with_its_own_drafts():
+    """A row expecting its own accepted drafts keeps pace in a dearer step: its credit is not
+    needed where its own tokens cover the cost."""
+    step_time = StepTimeModel()
+    for extra in (0, 4, 8, 16, 32):
+        step_time.observe(2, 2 + extra, 0.02 * (1 + 0.05 * extra), 3)
+    copying = [row("auto", 8, 6, accepted_all=True) for _ in range(2)]
+    copying[1].pace_credit = 0.0
+    assert plan_batch_drafts(copying, step_time).lengths == [8, 8]
+
+
+def test_pace_credit_runs_over_the_request():
+    # A plain step earns 1/MIN_ROW_PACE - 1 of a step; a step twice as dear that emitted 3 tokens
+    # earns 3/MIN_ROW_PACE - 2; one that emitted 1 token falls behind by 1 - 1/MIN_ROW_PACE.
+    assert pace_credit(0.0, 1, 1.0) == pytest.approx(1 / MIN_ROW_PACE - 1)
+    assert pace_credit(0.5, 3, 2.0) == pytest.approx(0.5 + 3 / MIN_ROW_PACE - 2)
+    assert pace_credit(0.0, 1, 2.0) < 0
