@@ -9,6 +9,9 @@ whenever no draft is likely enough to repay the extra verification cost.
 Acceptance is estimated per draft source by the length of the context the draft matched (a
 one-token match is a weak guess, a six-token match usually a copy), Beta-smoothed towards priors.
 The step time t(rows, positions) is measured online (EWMA per batch shape) on top of a prior shape.
+
+A batch's plan maximises the step's expected tokens per second, within each row's pace: no row
+may fall below ``MIN_ROW_PACE`` of what plain decoding would give it (``pace_credit``).
 """
 
 from __future__ import annotations
