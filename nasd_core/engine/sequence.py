@@ -144,7 +144,7 @@ class Request:
             self.acceptance,
             draft.source,
             draft.splits,
-            self.pace_credit,
+            pace_credit=self.pace_credit,
         )
 
     def learn_acceptance(self, draft: Draft, num_drafted: int, num_emitted: int) -> None:

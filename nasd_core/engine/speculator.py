@@ -85,8 +85,8 @@ class Speculator:
             len(step.chunks),
             step.num_chunk_positions,
         )
-        if builds_all:  # priced on the drafts themselves: rows that got none rest
-            for request, length in zip(rows, plan.lengths):
+        if builds_all:  # priced on the drafts themselves: rows that got none (nor wanted any) rest
+            for request, length in zip(rows, plan.wanted or plan.lengths):
                 request.rest(length, len(rows) + len(step.chunks))
         if rows:
             widest = max(plan.lengths)
@@ -174,11 +174,12 @@ class Speculator:
             num_other_rows,
             num_other_positions,
             self.drafting_s_per_row,
-        ).lengths
+        )
         num_rows = len(rows) + num_other_rows
-        for request, length in zip(rows, best):
+        # A row held back only by another row's pace did not miss: it rests by what it wanted.
+        for request, length in zip(rows, best.wanted or best.lengths):
             request.rest(length, num_rows)
-        return self._build(rows, [length > 0 for length in best])
+        return self._build(rows, [length > 0 for length in best.lengths])
 
     def _build(self, rows: list[Request], wanted: list[bool]) -> list[Draft]:
         """The drafts of the ``wanted`` rows (the others get none), built in one call, timed."""

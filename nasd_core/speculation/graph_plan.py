@@ -6,7 +6,7 @@ rows really use. Once a width is paid for, every row may draft up to it for noth
 the device. So the choice is one width per step: for each width, every ``auto`` row drafts as
 far as it allows (each further draft adds the chance it is reached and accepted), and the
 width with the most expected tokens per second wins, if it beats plain decoding by the
-policy's bar.
+policy's bar and keeps every row at its pace floor (``policy.keeps_pace``).
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def plan_graph_drafts(
         payoff: the share of a drafted step's promise such steps deliver (``DraftPayoff.factor``).
 
     Returns:
-        The plan; ``gain`` is its expected tokens per second over the plain step's.
+        The plan; ``gain`` is its expected tokens per second over the plain step's, and
+        ``cost_ratio`` its step's estimated time over the plain step's.
     """
     if not rows:
         return DraftPlan([])
@@ -113,25 +114,43 @@ def plan_graph_drafts(
     if narrowest_index == len(widths) or not auto:  # nothing to choose, or no shape holds it
         return DraftPlan(forced)
 
-    def seconds(width: int, num_drafting: int) -> float:
-        return step_time.estimate(num_rows, width) + drafting_s_per_row * num_drafting
-
-    plain_s = seconds(widths[narrowest_index], 0)
+    plain_s = step_time.estimate(num_rows, widths[narrowest_index])
     plain = base_tokens / plain_s
-    credits = np.array([row.pace_credit for row in rows])
-    best_rate, best_width, best_expected, best_s = plain, 0, base_tokens, plain_s
-    for width in widths[narrowest_index:]:
-        own = own_base.copy()  # each row's expected tokens at this width
-        for index in auto:
-            own[index] += sum(reaches[index][: width - 1])
-        step_s = seconds(width, len(auto))
-        candidate = own.sum() / step_s
-        if candidate > best_rate and keeps_pace(credits, own[:, None], np.array([step_s / plain_s]))[0]:
-            best_rate, best_width, best_expected, best_s = candidate, width, own.sum(), step_s
-    if not best_width or payoff * best_rate <= (1 + min_draft_gain(num_rows)) * plain:
+    candidates = widths[narrowest_index:]
+    own = np.repeat(own_base[:, None], len(candidates), axis=1)  # each row's expected tokens by width
+    for index in auto:
+        own[index] += [sum(reaches[index][: width - 1]) for width in candidates]
+    step_s = np.array([step_time.estimate(num_rows, width) for width in candidates])
+    step_s += drafting_s_per_row * len(auto)
+    rates = own.sum(axis=0) / step_s
+    paced = keeps_pace(np.array([row.pace_credit for row in rows]), own, step_s / plain_s)
+    best = _best_width(np.where(paced, rates, 0.0), plain, payoff, num_rows)
+    if best is None:
         return DraftPlan(forced, 0, base_tokens, 1.0)
+    unpaced = _best_width(rates, plain, payoff, num_rows)
     lengths = list(forced)
     for index in auto:
-        lengths[index] = min(len(reaches[index]), best_width - 1)
+        lengths[index] = min(len(reaches[index]), candidates[best] - 1)
     num_chosen = sum(lengths) - sum(forced)
-    return DraftPlan(lengths, num_chosen, best_expected, best_rate / plain, best_s / plain_s)
+    wanted = None
+    if unpaced is not None and unpaced != best:
+        wanted = list(forced)
+        for index in auto:
+            wanted[index] = min(len(reaches[index]), candidates[unpaced] - 1)
+    return DraftPlan(
+        lengths,
+        num_chosen,
+        float(own[:, best].sum()),
+        float(rates[best] / plain),
+        float(step_s[best] / plain_s),
+        wanted,
+    )
+
+
+def _best_width(rates: np.ndarray, plain: float, payoff: float, num_rows: int) -> int | None:
+    """The index of the width with the most tokens per second, if it beats the plain step's
+    ``plain`` by the policy's bar once discounted by ``payoff``; None: no width does."""
+    best = int(np.argmax(rates))
+    if rates[best] <= plain or payoff * rates[best] <= (1 + min_draft_gain(num_rows)) * plain:
+        return None
+    return best

@@ -117,17 +117,22 @@ def pace_credit(credit: float, num_emitted: int, cost_ratio: float) -> float:
     """A row's credit after a step that emitted ``num_emitted`` of its tokens at ``cost_ratio``
     times the plain step's cost, in plain steps: what plain decoding would have spent on those
     tokens, allowed ``1 / MIN_ROW_PACE`` of it, less what the step spent. It runs over the
-    request's life, so a row's accepted drafts pay for the other rows' later (a creative chat
-    accepting a quarter of its drafts earns what eight rows' drafts cost it), and a row whose
-    drafts were promised but missed stops the dear steps until it is back on pace."""
+    request's life, uncapped, so the floor holds for the request's whole time rather than each
+    step: a row's accepted drafts pay for the other rows' later (a creative chat accepting a
+    quarter of its drafts earns what eight rows' drafts cost it), and a row whose own drafts
+    were promised but missed keeps the steps plain until it is back on pace. Costs are the
+    engine's estimates; what ``on`` rows' forced drafts and building drafts add is not charged."""
     return credit + num_emitted / MIN_ROW_PACE - cost_ratio
 
 
-def keeps_pace(credits: np.ndarray, own_tokens: np.ndarray, cost_ratios: np.ndarray) -> np.ndarray:
-    """Per candidate plan (columns), whether every row (``credits``, one per row) stays at its
-    pace floor: ``own_tokens[row, plan]`` expected tokens of the row, at ``cost_ratios[plan]``
-    times the plain step's cost."""
-    floors = (credits[:, None] + own_tokens / MIN_ROW_PACE).min(axis=0)
+def keeps_pace(
+    credits: np.ndarray, own_tokens: np.ndarray, cost_ratios: np.ndarray, floor: float = math.inf
+) -> np.ndarray:
+    """Per candidate plan (columns), whether every row stays at its pace floor: row i, ``credits[i]``
+    plain steps ahead, expects ``own_tokens[i, plan]`` of its tokens from a step costing
+    ``cost_ratios[plan]`` times the step without the plan's drafts. ``floor``: the lowest floor of
+    rows left out of ``own_tokens`` because their tokens are the same in every plan."""
+    floors = np.minimum((credits[:, None] + own_tokens / MIN_ROW_PACE).min(axis=0, initial=math.inf), floor)
     return cost_ratios <= floors
 
 
@@ -536,7 +541,11 @@ class DraftPlan:
     num_chosen: int = 0
     expected_tokens: float = 0.0
     gain: float = 1.0
-    cost_ratio: float = 1.0  # the step's estimated time over the same step's without these drafts
+    # The step's estimated time over the same step's without the policy's drafts.
+    cost_ratio: float = 1.0
+    # Per row, the length the plan would have given it without the pace floor (None: the floor
+    # held nothing back): a row held back only by another row's pace did not miss.
+    wanted: list[int] | None = None
 
 
 def plan_batch_drafts(
@@ -553,7 +562,8 @@ def plan_batch_drafts(
     Row i's j-th draft token adds ``a_first * a_next^(j-1)`` expected tokens (falling with
     j), so for any total number of draft positions the best split takes the largest such
     gains over all rows; the step's total is then the one with the most expected tokens per
-    second, ``(rows + sum of gains) / t(rows, positions)``. ``on`` rows always verify their
+    second, ``(rows + sum of gains) / t(rows, positions)``, among the totals that keep every
+    row at its pace floor (``MIN_ROW_PACE``, ``keeps_pace``). ``on`` rows always verify their
     whole draft, ``off`` rows none. ``num_other_rows`` / ``num_other_positions``: prompt
     chunks riding in the same step (their cost is sunk: drafts are priced by what they add).
     ``max_draft_positions`` caps the step's total draft positions (the engine passes
@@ -607,27 +617,54 @@ def plan_batch_drafts(
     expected = own_base.sum() + np.concatenate(([0.0], np.cumsum(gain_values)))
     drafted_rows = np.concatenate(([0], np.cumsum(first_of_row)))
     added = cost.many(base_positions + np.arange(len(gain_values) + 1)) - base_seconds
-    seconds = decode_seconds + added + drafting_s_per_row * drafted_rows
-    tokens_per_s = expected / seconds
-    credits = np.array([row.pace_credit for row in rows])
-    if np.isfinite(credits).any():  # totals that would leave a row behind its pace are out
-        own = np.zeros((len(rows), len(gain_values) + 1))
-        own[row_of, np.arange(1, len(gain_values) + 1)] = gain_values
-        own = own_base[:, None] + np.cumsum(own, axis=1)
-        paced = keeps_pace(credits, own, seconds / seconds[0])
-        paced[0] = True
-        tokens_per_s = np.where(paced, tokens_per_s, -np.inf)
+    drafting_seconds = drafting_s_per_row * drafted_rows
+    tokens_per_s = expected / (decode_seconds + added + drafting_seconds)
+    # What each row waits for: this step, chunks and all, over the same step without drafts.
+    cost_ratios = 1 + (added + drafting_seconds) / base_seconds
+    unpaced = tokens_per_s
+    paced = _paced_totals(rows, own_base, row_of, gain_values, cost_ratios)
+    tokens_per_s = np.where(paced, tokens_per_s, -np.inf)
     best = _explored(tokens_per_s, num_rows, base_positions, step_time)
     if best and payoff * tokens_per_s[best] <= (1 + min_draft_gain(num_rows)) * tokens_per_s[0]:
         best = 0
     lengths = (np.asarray(forced) + np.bincount(row_of[:best], minlength=len(rows))).tolist()
+    wanted = None
+    unpaced_best = int(np.argmax(unpaced))
+    if unpaced_best > best and payoff * unpaced[unpaced_best] > (1 + min_draft_gain(num_rows)) * unpaced[0]:
+        wanted = (np.asarray(forced) + np.bincount(row_of[:unpaced_best], minlength=len(rows))).tolist()
     return DraftPlan(
         lengths,
         best,
         float(expected[best]),
         float(tokens_per_s[best] / tokens_per_s[0]),
-        float(seconds[best] / seconds[0]),
+        float(cost_ratios[best]),
+        wanted,
     )
+
+
+def _paced_totals(
+    rows: list[RowDraft],
+    own_base: np.ndarray,
+    row_of: np.ndarray,
+    gain_values: np.ndarray,
+    cost_ratios: np.ndarray,
+) -> np.ndarray:
+    """Per total of draft positions (taking ``gain_values`` in order, ``row_of`` their rows),
+    whether it keeps every row at its pace floor; a plain step always does (it is the floor's
+    measure). Only the rows that get drafts expect more tokens as the total grows: the others
+    are one floor."""
+    floors = np.array([row.pace_credit for row in rows]) + own_base / MIN_ROW_PACE
+    if floors.min() >= cost_ratios.max():  # every total keeps pace (the usual case: rows in credit)
+        return np.ones(len(cost_ratios), dtype=bool)
+    drafting = np.unique(row_of)
+    own = np.zeros((len(drafting), len(gain_values) + 1))
+    own[np.searchsorted(drafting, row_of), np.arange(1, len(gain_values) + 1)] = gain_values
+    own = own_base[drafting, None] + np.cumsum(own, axis=1)
+    others = np.delete(floors, drafting)
+    credits = np.array([rows[index].pace_credit for index in drafting])
+    paced = keeps_pace(credits, own, cost_ratios, others.min(initial=math.inf))
+    paced[0] = True
+    return paced
 
 
 # How fast DraftPayoff follows its steps: each step's reading weighs this much (~30 steps).

@@ -12,7 +12,7 @@ from nasd_core.config import EngineConfig
 from nasd_core.engine.async_engine import AsyncEngine
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
-from nasd_core.speculation import policy
+from nasd_core.speculation import graph_plan, policy
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import LOCAL_SOURCE, RequestDrafter
 from nasd_core.speculation.policy import (
@@ -321,7 +321,8 @@ def test_other_rows_drafts_never_slow_a_row_below_its_pace(model, tokenizer, sin
     decoding, on the engine's cost model) never goes below zero; without the floor it does, and
     more is drafted. Outputs unchanged either way."""
     if not floor:
-        monkeypatch.setattr(policy, "keeps_pace", lambda credits, own, cost_ratios: cost_ratios > 0)
+        for module in (policy, graph_plan):
+            monkeypatch.setattr(module, "keeps_pace", lambda credits, own, ratios, floor=0: ratios > 0)
     engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=12))
     engine.step_time = FixedStepTimes(lambda rows, positions: 0.1 * (1 + 0.03 * (positions - rows)))
     copying = {1, 2, 4, 6, 9, 10}

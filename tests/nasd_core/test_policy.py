@@ -520,3 +520,29 @@ def test_pace_credit_runs_over_the_request():
     assert pace_credit(0.0, 1, 1.0) == pytest.approx(1 / MIN_ROW_PACE - 1)
     assert pace_credit(0.5, 3, 2.0) == pytest.approx(0.5 + 3 / MIN_ROW_PACE - 2)
     assert pace_credit(0.0, 1, 2.0) < 0
+
+
+def test_a_row_held_back_by_another_rows_pace_did_not_miss():
+    """The plan says what the floor held back (``wanted``), so that a copying row that got no
+    positions only because another row is behind its pace does not rest as if its draft missed."""
+    rows, step_time = paced_rows(credit=0.0)
+    plan = plan_batch_drafts(rows, step_time)
+    assert plan.lengths == [0] * 8 and plan.wanted == [4] * 4 + [0] * 4
+    rows, step_time = paced_rows(credit=math.inf)
+    assert plan_batch_drafts(rows, step_time).wanted is None
+
+
+def test_pace_is_measured_against_the_step_with_its_prompt_chunks():
+    """A row waits for the step it rides in, prompt chunks and all: drafts that add 16 positions
+    to a step of 8 rows and 256 prompt positions slow it by their share of that whole step (6%,
+    within 0.1 plain steps of credit), not of a decode step alone (1.8x, which it would not allow)."""
+    step_time = StepTimeModel()
+    for num_rows in (8, 9):
+        for extra in (0, 4, 8, 16, 32, 256, 264, 272, 288):
+            step_time.observe(num_rows, num_rows + extra, 0.025 * (1 + 0.05 * extra), 3)
+    copying = [row("auto", 4, 6, accepted_all=True) for _ in range(4)]
+    idle = [RowDraft("auto", 0, 0, AcceptanceEstimator(), pace_credit=0.1) for _ in range(4)]
+    plan = plan_batch_drafts(copying + idle, step_time, num_other_rows=1, num_other_positions=256)
+    chunk_step = step_time.estimate(9, 8 + 256)  # 8 decode positions and the chunk's
+    assert plan.lengths == [4] * 4 + [0] * 4
+    assert plan.cost_ratio == pytest.approx(step_time.estimate(9, 8 + 256 + 16) / chunk_step)
