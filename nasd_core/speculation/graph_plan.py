@@ -23,8 +23,8 @@ from nasd_core.speculation.policy import (
     DraftPlan,
     RowDraft,
     along_rows,
+    beats_plain,
     keeps_pace,
-    min_draft_gain,
 )
 
 # Before a width is timed: each position per row adds this share of a one-position step (an H100
@@ -128,15 +128,16 @@ def plan_graph_drafts(
     if best is None:
         return DraftPlan(forced, 0, base_tokens, 1.0)
     unpaced = _best_width(rates, plain, payoff, num_rows)
-    lengths = list(forced)
-    for index in auto:
-        lengths[index] = min(len(reaches[index]), candidates[best] - 1)
-    num_chosen = sum(lengths) - sum(forced)
-    wanted = None
-    if unpaced is not None and unpaced != best:
-        wanted = list(forced)
+
+    def lengths_at(candidate: int) -> list[int]:  # every auto row drafts up to the width
+        lengths = list(forced)
         for index in auto:
-            wanted[index] = min(len(reaches[index]), candidates[unpaced] - 1)
+            lengths[index] = min(len(reaches[index]), candidates[candidate] - 1)
+        return lengths
+
+    lengths = lengths_at(best)
+    num_chosen = sum(lengths) - sum(forced)
+    wanted = lengths_at(unpaced) if unpaced is not None and unpaced != best else None
     return DraftPlan(
         lengths,
         num_chosen,
@@ -151,6 +152,6 @@ def _best_width(rates: np.ndarray, plain: float, payoff: float, num_rows: int) -
     """The index of the width with the most tokens per second, if it beats the plain step's
     ``plain`` by the policy's bar once discounted by ``payoff``; None: no width does."""
     best = int(np.argmax(rates))
-    if rates[best] <= plain or payoff * rates[best] <= (1 + min_draft_gain(num_rows)) * plain:
+    if rates[best] <= plain or not beats_plain(rates[best], plain, payoff, num_rows):
         return None
     return best

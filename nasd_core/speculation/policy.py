@@ -97,31 +97,22 @@ def dormant_steps(num_rows: int, num_misses: int) -> int:
     return min(1 << (num_misses - 1), num_rows // ROWS_PER_DORMANT_STEP, MAX_DORMANT_STEPS)
 
 
-# No request's tokens per second may fall below this share of what plain decoding would give
-# it (its first INITIAL_PACE_CREDIT plain steps of slack aside). Why per row: a step's throughput
-# is its rows' sum, so drafts that pay for the batch can still slow a row whose own drafts rarely
-# land, and every row of a step waits for the whole step. At 8 rows on 2 cores a drafted position
-# costs ~5% of a step: in a mixed stream (HTTP, commit 72c495b) creative chats ran at 0.80x of
-# off while the stream ran 1.30x, and in a wave of eight creative chats 24% of the tokens were
-# accepted drafts, yet the wave took 126 steps to off's 129, each dearer (0.92x): its slowest
-# chat, accepting next to nothing, set its end.
+# No request's tokens per second may fall below this share of what plain decoding would give it.
+# Why per row: every row waits for the whole step, so drafts that pay for the batch can still slow
+# a row whose own drafts rarely land (creative chats beside copying ones: docs/results.md).
 MIN_ROW_PACE = 0.97
-# A request starts one plain step ahead of its floor. Why not zero: a row new to the batch has
-# earned nothing yet, so at zero every newcomer without a draft kept the whole batch plain (rag
-# quotes in waves of 8, in process, 5 interleaved runs: 1.24x of off at zero, 1.41x at one step,
-# 1.40x with no floor; creative text, 9 runs: 0.98x, 0.99x and 0.96x).
+# A request starts one plain step ahead of its floor: at zero, every newcomer without a draft kept
+# the whole batch plain (measured in docs/results.md, "Every request keeps its pace").
 INITIAL_PACE_CREDIT = 1.0
 
 
 def pace_credit(credit: float, num_emitted: int, cost_ratio: float) -> float:
     """A row's credit after a step that emitted ``num_emitted`` of its tokens at ``cost_ratio``
     times the plain step's cost, in plain steps: what plain decoding would have spent on those
-    tokens, allowed ``1 / MIN_ROW_PACE`` of it, less what the step spent. It runs over the
-    request's life, uncapped, so the floor holds for the request's whole time rather than each
-    step: a row's accepted drafts pay for the other rows' later (a creative chat accepting a
-    quarter of its drafts earns what eight rows' drafts cost it), and a row whose own drafts
-    were promised but missed keeps the steps plain until it is back on pace. Costs are the
-    engine's estimates; what ``on`` rows' forced drafts and building drafts add is not charged."""
+    tokens, allowed ``1 / MIN_ROW_PACE`` of it, less what the step spent. Uncapped, so the floor
+    holds over the request's life: a row's accepted drafts pay for the other rows' later, and a
+    row whose own drafts missed keeps the steps plain until it is back on pace. Costs are the
+    engine's estimates; ``on`` rows' forced drafts and building drafts are not charged."""
     return credit + num_emitted / MIN_ROW_PACE - cost_ratio
 
 
@@ -625,15 +616,18 @@ def plan_batch_drafts(
     paced = _paced_totals(rows, own_base, row_of, gain_values, cost_ratios)
     tokens_per_s = np.where(paced, tokens_per_s, -np.inf)
     best = _explored(tokens_per_s, num_rows, base_positions, step_time)
-    if best and payoff * tokens_per_s[best] <= (1 + min_draft_gain(num_rows)) * tokens_per_s[0]:
+    if best and not beats_plain(tokens_per_s[best], tokens_per_s[0], payoff, num_rows):
         best = 0
-    lengths = (np.asarray(forced) + np.bincount(row_of[:best], minlength=len(rows))).tolist()
+
+    def lengths_at(total: int) -> list[int]:
+        return (np.asarray(forced) + np.bincount(row_of[:total], minlength=len(rows))).tolist()
+
     wanted = None
     unpaced_best = int(np.argmax(unpaced))
-    if unpaced_best > best and payoff * unpaced[unpaced_best] > (1 + min_draft_gain(num_rows)) * unpaced[0]:
-        wanted = (np.asarray(forced) + np.bincount(row_of[:unpaced_best], minlength=len(rows))).tolist()
+    if unpaced_best > best and beats_plain(unpaced[unpaced_best], unpaced[0], payoff, num_rows):
+        wanted = lengths_at(unpaced_best)
     return DraftPlan(
-        lengths,
+        lengths_at(best),
         best,
         float(expected[best]),
         float(tokens_per_s[best] / tokens_per_s[0]),
@@ -653,7 +647,8 @@ def _paced_totals(
     whether it keeps every row at its pace floor; a plain step always does (it is the floor's
     measure). Only the rows that get drafts expect more tokens as the total grows: the others
     are one floor."""
-    floors = np.array([row.pace_credit for row in rows]) + own_base / MIN_ROW_PACE
+    credits = np.array([row.pace_credit for row in rows])
+    floors = credits + own_base / MIN_ROW_PACE
     if floors.min() >= cost_ratios.max():  # every total keeps pace (the usual case: rows in credit)
         return np.ones(len(cost_ratios), dtype=bool)
     drafting = np.unique(row_of)
@@ -661,8 +656,7 @@ def _paced_totals(
     own[np.searchsorted(drafting, row_of), np.arange(1, len(gain_values) + 1)] = gain_values
     own = own_base[drafting, None] + np.cumsum(own, axis=1)
     others = np.delete(floors, drafting)
-    credits = np.array([rows[index].pace_credit for index in drafting])
-    paced = keeps_pace(credits, own, cost_ratios, others.min(initial=math.inf))
+    paced = keeps_pace(credits[drafting], own, cost_ratios, others.min(initial=math.inf))
     paced[0] = True
     return paced
 
@@ -685,6 +679,12 @@ def min_draft_gain(num_rows: int) -> float:
     if num_rows == 1:
         return 0.0
     return MIN_DRAFT_GAIN if num_rows < LARGE_BATCH_ROWS else LARGE_BATCH_MIN_DRAFT_GAIN
+
+
+def beats_plain(rate: float, plain_rate: float, payoff: float, num_rows: int) -> bool:
+    """Whether a drafted step's promised tokens per second, discounted by ``payoff``, beat the
+    plain step's by the bar of ``num_rows`` rows (``min_draft_gain``)."""
+    return payoff * rate > (1 + min_draft_gain(num_rows)) * plain_rate
 
 
 def payoff_bucket(num_rows: int) -> int:
