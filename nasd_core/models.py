@@ -111,11 +111,21 @@ def _converted_dir(gguf_path: Path, cache_dir: Path, embedded: bool, weights: bo
     return cache_dir / "models" / f"{stem}-{fingerprint}{'' if weights else '-config'}"
 
 
+def _map_head_width() -> None:
+    """Have transformers read a Qwen3 file's head width (``attention.key_length``), as it does a
+    llama's (``rope.dimension_count``) and a Qwen3-MoE's: its mapping reads it nowhere, so a Qwen3
+    file's heads were taken as Qwen3Config's default 128 wide whatever the file's."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    GGUF_CONFIG_MAPPING["qwen3"].setdefault("attention.key_length", "head_dim")
+
+
 def _convert_gguf(gguf_path: Path, target: Path, weights: bool) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s once into %s", gguf_path.name, target)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    _map_head_width()
     if weights:
         model = AutoModelForCausalLM.from_pretrained(
             gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
@@ -148,12 +158,16 @@ def _convert_gguf(gguf_path: Path, target: Path, weights: bool) -> None:
 def resolve_model_dir(name: str | None, cache_dir: str | None = None, weights: bool = True) -> str:
     """Where ``from_pretrained`` should load ``name`` from (a GGUF file, the embedded model
     included, is converted once into the cache: its config, tokenizer and, with ``weights``,
-    dequantized weights)."""
+    dequantized weights). Without ``weights``, a conversion with them serves where one exists."""
     if not is_gguf(name):
         return str(name)
     gguf_path = gguf_file(name)
-    target = _converted_dir(
-        gguf_path, Path(cache_dir) if cache_dir else default_cache_dir(), is_embedded(name), weights
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    full = _converted_dir(gguf_path, root, is_embedded(name), weights=True)
+    target = (
+        full
+        if weights or (full / "config.json").is_file()
+        else _converted_dir(gguf_path, root, is_embedded(name), weights=False)
     )
     if not (target / "config.json").is_file():
         _convert_gguf(gguf_path, target, weights)

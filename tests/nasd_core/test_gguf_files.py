@@ -11,6 +11,7 @@ transformers' float32 conversion (the reference here), and no float32 copy of th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -30,7 +31,7 @@ from nasd_core.model import quantized
 from nasd_core.model.cpu_kernels import invariant_threads
 from nasd_core.model.model_runner import ModelRunner, StepRow
 from nasd_core.model.quantized import QuantLinear, QuantLinears, dequantize
-from nasd_core.models import embedded_gguf_path, load_model
+from nasd_core.models import embedded_gguf_path, load_model, resolve_model_dir
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered
 from tests.nasd_core.test_quantized import INT8_RELATIVE_ERROR, relative_error
 
@@ -282,19 +283,25 @@ def test_types_without_a_kernel_keep_the_files_values_and_mixed_types_their_own_
     assert relative_error(logits, expected) < 10 * INT8_RELATIVE_ERROR
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+@pytest.mark.parametrize(("architecture", "head_dim"), [("qwen2", None), ("qwen3", 32)])
 def test_a_qwen_files_blocks_are_transformers_weights_and_greedy_speculation_is_exact(
-    tmp_path, cache_dir, monkeypatch, architecture
+    tmp_path, cache_dir, monkeypatch, architecture, head_dim
 ):
     """Qwen files keep their rows in transformers' order (no rotary reordering to undo) and
     Qwen2's biases ride on the blocks' Linears. Both run the lean decoder's Python layer loop
     (the fused C++ one takes neither Qwen2's biases nor Qwen3's per-head norms), and the runner's
-    steps give transformers' logits."""
-    path = tmp_path / f"tiny-{architecture}.gguf"
-    write_random_gguf(path, architecture, SHAPES["tiny"])
+    steps give transformers' logits. A Qwen3 file's heads need not be 128 wide (the file's
+    ``key_length``, which transformers' GGUF mapping reads only for Qwen3-MoE). Once the float32
+    load has converted the file with its weights, its config and tokenizer come from there."""
+    path = tmp_path / f"tiny-{architecture}-{head_dim}.gguf"
+    write_random_gguf(path, architecture, dataclasses.replace(SHAPES["tiny"], head_dim=head_dim))
     model, tokenizer = load_model(str(path), ModelConfig(dtype="gguf", cache_dir=cache_dir))
     reference, _ = load_model(str(path), ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
     assert model.config.model_type == architecture
+    assert head_dim is None or model.config.head_dim == reference.config.head_dim == head_dim
+    # The float32 load converted the file with its weights: config and tokenizer now come from there.
+    full = resolve_model_dir(str(path), cache_dir)
+    assert resolve_model_dir(str(path), cache_dir, weights=False) == full
     assert model.nasd_lean_decoder and not model.nasd_fused_layers
     linears = {
         name: module
