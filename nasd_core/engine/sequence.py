@@ -15,6 +15,7 @@ from nasd_core.sampling import TokenDraws
 from nasd_core.speculation.drafter import Draft, RequestDrafter
 from nasd_core.speculation.policy import (
     INITIAL_PACE_CREDIT,
+    INITIAL_PREFILL_PACE_CREDIT,
     AcceptanceEstimator,
     RowDraft,
     dormant_steps,
@@ -67,6 +68,8 @@ class Request:
     # How far the request is ahead of its pace floor, in plain steps (``policy.pace_credit``):
     # the batch's drafts may not slow it below ``policy.MIN_ROW_PACE`` of plain decoding.
     pace_credit: float = INITIAL_PACE_CREDIT
+    # The same for its prompt's chunks, each one plain step of progress (``policy.prefill_floor``).
+    prefill_pace_credit: float = INITIAL_PREFILL_PACE_CREDIT
     cancelled: bool = False
     arrival_time: float = 0.0
     first_token_time: float | None = None

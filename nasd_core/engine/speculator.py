@@ -14,6 +14,7 @@ it, and what its drafts delivered to that path's ``DraftPayoff``.
 
 from __future__ import annotations
 
+import math
 import time
 
 from nasd_core.engine.scheduler import ScheduledStep
@@ -30,6 +31,7 @@ from nasd_core.speculation.policy import (
     StepTimeModel,
     draft_position_cap,
     plan_batch_drafts,
+    prefill_floor,
 )
 from nasd_core.structured import GRAMMAR_SOURCE
 
@@ -76,14 +78,16 @@ class Speculator:
         # A runner with fixed-shape steps (a GPU) builds every looked-up row's draft at once and
         # prices them once, prompt chunks or not: its host time is the step's bound.
         builds_all = self.runner.graph_widths is not None
+        chunk_floor = prefill_floor(request.prefill_pace_credit for request, _ in step.chunks)
         if builds_all:
             drafts = self._build(rows, [request.looks_up for request in rows])
         else:
-            drafts = self._drafts(rows, len(step.chunks), step.num_chunk_positions)
+            drafts = self._drafts(rows, len(step.chunks), step.num_chunk_positions, chunk_floor)
         plan = self.plan(
             [request.row_draft(draft) for request, draft in zip(rows, drafts)],
             len(step.chunks),
             step.num_chunk_positions,
+            chunk_floor=chunk_floor,
         )
         if builds_all:  # priced on the drafts themselves: rows that got none (nor wanted any) rest
             for request, length in zip(rows, plan.wanted or plan.lengths):
@@ -99,10 +103,12 @@ class Speculator:
         num_other_rows: int,
         num_other_positions: int,
         drafting_s_per_row: float = 0.0,
+        chunk_floor: float = math.inf,
     ) -> DraftPlan:
         """The policy's draft length per row: a fixed-shape step's by its width; a packed step's
         with its total draft positions capped by what has been timed (``draft_position_cap``);
-        promises discounted by what drafted steps of this many rows delivered (``DraftPayoff``)."""
+        promises discounted by what drafted steps of this many rows delivered (``DraftPayoff``);
+        ``chunk_floor``: the prompt chunks' pace floor (``policy.prefill_floor``)."""
         num_rows = len(row_drafts) + num_other_rows
         widths = self.runner.graph_widths
         if widths is not None and not num_other_rows:
@@ -121,6 +127,7 @@ class Speculator:
             num_other_positions,
             drafting_s_per_row,
             self.payoff.factor(num_rows),
+            chunk_floor,
         )
 
     def learn(
@@ -156,7 +163,9 @@ class Speculator:
             self.payoff.record(len(step.rows), plan, estimate, wall_s, num_emitted)
         self.step_time.observe(len(step_rows), num_positions, step_s)
 
-    def _drafts(self, rows: list[Request], num_other_rows: int, num_other_positions: int) -> list[Draft]:
+    def _drafts(
+        self, rows: list[Request], num_other_rows: int, num_other_positions: int, chunk_floor: float
+    ) -> list[Draft]:
         """This step's drafts, built only for the rows whose best case gets draft positions."""
         if not rows:
             return []
@@ -174,6 +183,7 @@ class Speculator:
             num_other_rows,
             num_other_positions,
             self.drafting_s_per_row,
+            chunk_floor,
         )
         num_rows = len(rows) + num_other_rows
         # A row held back only by another row's pace did not miss: it rests by what it wanted.

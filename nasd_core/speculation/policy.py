@@ -20,7 +20,7 @@ import bisect
 import itertools
 import math
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,6 +104,10 @@ MIN_ROW_PACE = 0.97
 # A request starts one plain step ahead of its floor: at zero, every newcomer without a draft kept
 # the whole batch plain (measured in docs/results.md, "Every request keeps its pace").
 INITIAL_PACE_CREDIT = 1.0
+# Its prompt's chunks keep their own pace, with no slack: a chunk step is 5-17 decode steps long
+# on a CPU, and one step of slack let the running rows' drafts make a creative wave's chunk steps
+# 1.39x as dear as plain ones (docs/results.md, "Where the time goes at eight requests").
+INITIAL_PREFILL_PACE_CREDIT = 0.0
 
 
 def pace_credit(credit: float, num_emitted: int, cost_ratio: float) -> float:
@@ -114,6 +118,13 @@ def pace_credit(credit: float, num_emitted: int, cost_ratio: float) -> float:
     row whose own drafts missed keeps the steps plain until it is back on pace. Costs are the
     engine's estimates; ``on`` rows' forced drafts and building drafts are not charged."""
     return credit + num_emitted / MIN_ROW_PACE - cost_ratio
+
+
+def prefill_floor(credits: Iterable[float]) -> float:
+    """The pace floor a step's prompt chunks set, from their requests' prefill credits: each
+    chunk is one plain step of its prompt's progress, so a step may cost at most ``credit + 1 /
+    MIN_ROW_PACE`` times the plain one (inf: no chunks)."""
+    return min(credits, default=math.inf) + 1 / MIN_ROW_PACE
 
 
 def keeps_pace(
@@ -547,6 +558,7 @@ def plan_batch_drafts(
     num_other_positions: int = 0,
     drafting_s_per_row: float = 0.0,
     payoff: float = 1.0,
+    chunk_floor: float = math.inf,
 ) -> DraftPlan:
     """Per-row draft lengths for one ragged step (each row pays only for its own positions).
 
@@ -556,7 +568,9 @@ def plan_batch_drafts(
     second, ``(rows + sum of gains) / t(rows, positions)``, among the totals that keep every
     row at its pace floor (``MIN_ROW_PACE``, ``keeps_pace``). ``on`` rows always verify their
     whole draft, ``off`` rows none. ``num_other_rows`` / ``num_other_positions``: prompt
-    chunks riding in the same step (their cost is sunk: drafts are priced by what they add).
+    chunks riding in the same step (their cost is sunk: drafts are priced by what they add);
+    ``chunk_floor``: the lowest pace floor of their requests (``prefill_floor``), which the step's
+    cost may not pass either.
     ``max_draft_positions`` caps the step's total draft positions (the engine passes
     ``draft_position_cap``).
     ``drafting_s_per_row``: what building one row's draft costs, charged once per row that
@@ -613,7 +627,7 @@ def plan_batch_drafts(
     # What each row waits for: this step, chunks and all, over the same step without drafts.
     cost_ratios = 1 + (added + drafting_seconds) / base_seconds
     unpaced = tokens_per_s
-    paced = _paced_totals(rows, own_base, row_of, gain_values, cost_ratios)
+    paced = _paced_totals(rows, own_base, row_of, gain_values, cost_ratios, chunk_floor)
     tokens_per_s = np.where(paced, tokens_per_s, -np.inf)
     best = _explored(tokens_per_s, num_rows, base_positions, step_time)
     if best and not beats_plain(tokens_per_s[best], tokens_per_s[0], payoff, num_rows):
@@ -642,21 +656,22 @@ def _paced_totals(
     row_of: np.ndarray,
     gain_values: np.ndarray,
     cost_ratios: np.ndarray,
+    chunk_floor: float = math.inf,
 ) -> np.ndarray:
     """Per total of draft positions (taking ``gain_values`` in order, ``row_of`` their rows),
-    whether it keeps every row at its pace floor; a plain step always does (it is the floor's
-    measure). Only the rows that get drafts expect more tokens as the total grows: the others
-    are one floor."""
+    whether it keeps every row, and the prompt chunks' requests (``chunk_floor``), at their pace
+    floors; a plain step always does (it is the floor's measure). Only the rows that get drafts
+    expect more tokens as the total grows: the others are one floor."""
     credits = np.array([row.pace_credit for row in rows])
     floors = credits + own_base / MIN_ROW_PACE
-    if floors.min() >= cost_ratios.max():  # every total keeps pace (the usual case: rows in credit)
+    if min(floors.min(), chunk_floor) >= cost_ratios.max():  # every total keeps pace (rows in credit)
         return np.ones(len(cost_ratios), dtype=bool)
     drafting = np.unique(row_of)
     own = np.zeros((len(drafting), len(gain_values) + 1))
     own[np.searchsorted(drafting, row_of), np.arange(1, len(gain_values) + 1)] = gain_values
     own = own_base[drafting, None] + np.cumsum(own, axis=1)
     others = np.delete(floors, drafting)
-    paced = keeps_pace(credits[drafting], own, cost_ratios, others.min(initial=math.inf))
+    paced = keeps_pace(credits[drafting], own, cost_ratios, others.min(initial=chunk_floor))
     paced[0] = True
     return paced
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 
 import pytest
 
 from nasd_core import SamplingParams, SpecConfig, generate
 from nasd_core.config import EngineConfig
+from nasd_core.engine import speculator
 from nasd_core.engine.async_engine import AsyncEngine
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
@@ -343,6 +345,40 @@ def test_other_rows_drafts_never_slow_a_row_below_its_pace(model, tokenizer, sin
         lowest = min(lowest, *(request.pace_credit for request in plain))
     assert [engine.pop_result(request_id).token_ids for request_id in ids] == single_runs
     assert engine.stats.num_accepted > 0
+    assert (lowest >= 0) == floor
+
+
+@pytest.mark.parametrize("floor", [True, False], ids=["paced", "unpaced"])
+def test_running_rows_drafts_never_slow_a_prompts_chunks_below_their_pace(
+    model, tokenizer, single_runs, monkeypatch, floor
+):
+    """A prompt prefilled in chunks beside copying rows in ``auto`` waits for every chunk step,
+    drafts and all: its chunks keep their own pace, with no slack (``policy.prefill_floor``), so
+    its prefill credit never goes below zero; without that floor it does. Outputs unchanged."""
+    if not floor:
+        monkeypatch.setattr(speculator, "prefill_floor", lambda credits: math.inf)
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=12, prefill_chunk_tokens=4))
+    engine.step_time = FixedStepTimes(lambda rows, positions: 0.1 * (1 + 0.03 * (positions - rows)))
+    late = 2  # a code prompt of ~30 tokens: seven chunk steps of 4 tokens
+    spec = SpecConfig(mode="auto")
+    ids = {
+        index: engine.add_request(PROMPTS[index], SamplingParams(max_tokens=MAX_TOKENS[index]), spec)
+        for index in (1, 4, 6, 9, 10)
+    }
+    for _ in range(12):  # the copiers are running (and drafting) when the prompt comes
+        engine.step()
+    ids[late] = engine.add_request(PROMPTS[late], SamplingParams(max_tokens=MAX_TOKENS[late]), spec)
+    prompt = engine.requests[ids[late]]
+    lowest, chunk_steps = 0.0, 0
+    while not engine.is_finished():
+        prefilling = prompt.num_prefilled < len(prompt.prompt_ids) - 1
+        engine.step()
+        chunk_steps += prefilling
+        lowest = min(lowest, prompt.prefill_pace_credit)
+    assert {index: engine.pop_result(request_id).token_ids for index, request_id in ids.items()} == {
+        index: single_runs[index] for index in ids
+    }
+    assert chunk_steps >= 5
     assert (lowest >= 0) == floor
 
 

@@ -31,6 +31,7 @@ from nasd_core.speculation.policy import (
     pace_credit,
     plan_batch_drafts,
     pooled_acceptance,
+    prefill_floor,
     snap_extra,
 )
 
@@ -546,3 +547,23 @@ def test_pace_is_measured_against_the_step_with_its_prompt_chunks():
     chunk_step = step_time.estimate(9, 8 + 256)  # 8 decode positions and the chunk's
     assert plan.lengths == [4] * 4 + [0] * 4
     assert plan.cost_ratio == pytest.approx(step_time.estimate(9, 8 + 256 + 16) / chunk_step)
+
+
+def test_a_prompts_chunks_keep_their_pace_in_the_step_they_ride_in():
+    """The request whose prompt a step prefills waits for the whole step too: its chunks' floor
+    (``prefill_floor``: no slack at first, then 1/MIN_ROW_PACE - 1 of a step per plain chunk
+    step) holds the running rows' drafts to what it allows, however much credit those rows have."""
+    step_time = StepTimeModel()
+    for extra in (0, 4, 8, 16, 32, 64, 68, 72, 80, 96):
+        step_time.observe(9, 9 + extra, 0.025 * (1 + 0.05 * extra), 3)
+    copying = [row("auto", 4, 6, accepted_all=True) for _ in range(8)]
+    chunk = {"num_other_rows": 1, "num_other_positions": 64}
+    assert prefill_floor([]) == math.inf
+    assert prefill_floor([0.5, 0.0]) == pytest.approx(1 / MIN_ROW_PACE)
+    unpaced = plan_batch_drafts(copying, step_time, **chunk)
+    assert sum(unpaced.lengths) == 32 and unpaced.cost_ratio > 1.3
+    fresh = plan_batch_drafts(copying, step_time, **chunk, chunk_floor=prefill_floor([0.0]))
+    assert fresh.cost_ratio <= 1 / MIN_ROW_PACE and sum(fresh.lengths) < 8
+    assert fresh.wanted == unpaced.lengths  # held back by the prompt's pace: no row missed
+    ahead = plan_batch_drafts(copying, step_time, **chunk, chunk_floor=prefill_floor([0.3]))
+    assert sum(fresh.lengths) < sum(ahead.lengths) and ahead.cost_ratio <= 0.3 + 1 / MIN_ROW_PACE
