@@ -93,6 +93,11 @@ def keep_compiled_kernels(cache_dir: str | None = None) -> None:
     os.environ.setdefault(INDUCTOR_CACHE_ENV, str(folder / "inductor"))
 
 
+# Part of a conversion's cache key: raised when what a conversion writes changes (2: a Qwen3
+# file's head width), so that older conversions are not read.
+CONVERSION_VERSION = 2
+
+
 def _converted_dir(gguf_path: Path, cache_dir: Path, embedded: bool, weights: bool) -> Path:
     import transformers
 
@@ -105,7 +110,7 @@ def _converted_dir(gguf_path: Path, cache_dir: Path, embedded: bool, weights: bo
         f"{gguf_path.name}:{stat.st_size}:{major}"
         if embedded
         else f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{major}"
-    )
+    ) + f":{CONVERSION_VERSION}"
     fingerprint = hashlib.sha256(key.encode()).hexdigest()[:16]
     stem = "smollm2-135m-instruct" if embedded else re.sub(r"[^a-z0-9.]+", "-", gguf_path.stem.lower())
     return cache_dir / "models" / f"{stem}-{fingerprint}{'' if weights else '-config'}"
@@ -117,7 +122,9 @@ def _map_head_width() -> None:
     file's heads were taken as Qwen3Config's default 128 wide whatever the file's."""
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    GGUF_CONFIG_MAPPING["qwen3"].setdefault("attention.key_length", "head_dim")
+    mapping = GGUF_CONFIG_MAPPING.get("qwen3")
+    if mapping is not None:
+        mapping.setdefault("attention.key_length", "head_dim")
 
 
 def _convert_gguf(gguf_path: Path, target: Path, weights: bool) -> None:

@@ -54,7 +54,6 @@ from nasd_core.speculation.policy import (
     DraftPayoff,
     DraftPlan,
     StepTimeModel,
-    pace_credit,
 )
 from nasd_core.speculation.verify import verify_rows
 from nasd_core.structured import Grammars
@@ -428,7 +427,7 @@ class Engine:
         num_positions = sum(len(row.token_ids) for row in step_rows)
         for request, row in step.chunks:
             request.stats.prefill_time_s += step_s * len(row.token_ids) / num_positions
-            request.prefill_pace_credit = pace_credit(request.prefill_pace_credit, 1, plan.cost_ratio)
+            request.prefilled_chunk(plan.cost_ratio)
         self.scheduler.chunks_done(step)
         self._commit(step, drafts, plan, logits, emitted_rows, step_s, drafting_s)
         # After the streaming: learning does not hold up the rows' tokens.

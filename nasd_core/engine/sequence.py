@@ -159,6 +159,11 @@ class Request:
         """What verification needs of this row this step."""
         return VerifyRow(self.params, self.draws, self.num_output, self.processors)
 
+    def prefilled_chunk(self, cost_ratio: float) -> None:
+        """One of its prompt's chunks went in, in a step ``cost_ratio`` times as dear as without
+        its drafts: one plain step of the prompt's progress (``policy.prefill_floor``)."""
+        self.prefill_pace_credit = pace_credit(self.prefill_pace_credit, 1, cost_ratio)
+
     def advance(self, draft: Draft, num_drafted: int, emitted: list[int], cost_ratio: float) -> list[int]:
         """Take one verified step: ``num_drafted`` tokens of ``draft`` were verified and
         ``emitted`` came out, in a step ``cost_ratio`` times as dear as without its drafts.

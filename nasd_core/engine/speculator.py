@@ -186,7 +186,8 @@ class Speculator:
             chunk_floor,
         )
         num_rows = len(rows) + num_other_rows
-        # A row held back only by another row's pace did not miss: it rests by what it wanted.
+        # A row held back only by another row's or a prompt's pace did not miss: it rests by what it
+        # wanted.
         for request, length in zip(rows, best.wanted or best.lengths):
             request.rest(length, num_rows)
         return self._build(rows, [length > 0 for length in best.lengths])

@@ -10,8 +10,9 @@ Acceptance is estimated per draft source by the length of the context the draft 
 one-token match is a weak guess, a six-token match usually a copy), Beta-smoothed towards priors.
 The step time t(rows, positions) is measured online (EWMA per batch shape) on top of a prior shape.
 
-A batch's plan maximises the step's expected tokens per second, within each row's pace: no row
-may fall below ``MIN_ROW_PACE`` of what plain decoding would give it (``pace_credit``).
+A batch's plan maximises the step's expected tokens per second, within each request's pace: no
+row may fall below ``MIN_ROW_PACE`` of what plain decoding would give it (``pace_credit``), nor a
+prompt being prefilled in the step below that share of plain prefill's (``prefill_floor``).
 """
 
 from __future__ import annotations
@@ -104,14 +105,15 @@ MIN_ROW_PACE = 0.97
 # A request starts one plain step ahead of its floor: at zero, every newcomer without a draft kept
 # the whole batch plain (measured in docs/results.md, "Every request keeps its pace").
 INITIAL_PACE_CREDIT = 1.0
-# Its prompt's chunks keep their own pace, with no slack: a chunk step is 5-17 decode steps long
-# on a CPU, and one step of slack let the running rows' drafts make a creative wave's chunk steps
-# 1.39x as dear as plain ones (docs/results.md, "Where the time goes at eight requests").
+# Its prompt's chunks keep their own pace, with no slack: a chunk step is many decode steps long on
+# a CPU, so one step of slack let the running rows' drafts make chunk steps far dearer
+# (docs/results.md, "Where the time goes at eight requests").
 INITIAL_PREFILL_PACE_CREDIT = 0.0
 
 
 def pace_credit(credit: float, num_emitted: int, cost_ratio: float) -> float:
-    """A row's credit after a step that emitted ``num_emitted`` of its tokens at ``cost_ratio``
+    """A row's credit after a step that emitted ``num_emitted`` of its tokens (a prompt's: 1 per
+    chunk, ``prefill_floor``) at ``cost_ratio``
     times the plain step's cost, in plain steps: what plain decoding would have spent on those
     tokens, allowed ``1 / MIN_ROW_PACE`` of it, less what the step spent. Uncapped, so the floor
     holds over the request's life: a row's accepted drafts pay for the other rows' later, and a
@@ -123,7 +125,9 @@ def pace_credit(credit: float, num_emitted: int, cost_ratio: float) -> float:
 def prefill_floor(credits: Iterable[float]) -> float:
     """The pace floor a step's prompt chunks set, from their requests' prefill credits: each
     chunk is one plain step of its prompt's progress, so a step may cost at most ``credit + 1 /
-    MIN_ROW_PACE`` times the plain one (inf: no chunks)."""
+    MIN_ROW_PACE`` times the plain one (inf: no chunks). Charged as the rows' credit is
+    (``pace_credit``: estimates, uncapped; ``on`` rows' forced drafts and building drafts
+    uncharged); requests still queued, or waiting to copy another's prefill, set no floor."""
     return min(credits, default=math.inf) + 1 / MIN_ROW_PACE
 
 
@@ -546,7 +550,7 @@ class DraftPlan:
     # The step's estimated time over the same step's without the policy's drafts.
     cost_ratio: float = 1.0
     # Per row, the length the plan would have given it without the pace floor (None: the floor
-    # held nothing back): a row held back only by another row's pace did not miss.
+    # held nothing back): a row held back only by another row's or a prompt's pace did not miss.
     wanted: list[int] | None = None
 
 

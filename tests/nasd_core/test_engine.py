@@ -373,7 +373,7 @@ def test_running_rows_drafts_never_slow_a_prompts_chunks_below_their_pace(
     while not engine.is_finished():
         prefilling = prompt.num_prefilled < len(prompt.prompt_ids) - 1
         engine.step()
-        chunk_steps += prefilling
+        chunk_steps += int(prefilling)
         lowest = min(lowest, prompt.prefill_pace_credit)
     assert {index: engine.pop_result(request_id).token_ids for index, request_id in ids.items()} == {
         index: single_runs[index] for index in ids
