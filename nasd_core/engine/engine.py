@@ -49,12 +49,7 @@ from nasd_core.sampling import TokenDraws
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import Draft, RequestDrafter, SharedIndex
 from nasd_core.speculation.ngram import NGramIndex
-from nasd_core.speculation.policy import (
-    AcceptanceEstimator,
-    DraftPayoff,
-    DraftPlan,
-    StepTimeModel,
-)
+from nasd_core.speculation.policy import AcceptanceEstimator, DraftPayoff, DraftPlan, StepTimeModel
 from nasd_core.speculation.verify import verify_rows
 from nasd_core.structured import Grammars
 

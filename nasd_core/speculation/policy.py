@@ -106,19 +106,19 @@ MIN_ROW_PACE = 0.97
 # the whole batch plain (measured in docs/results.md, "Every request keeps its pace").
 INITIAL_PACE_CREDIT = 1.0
 # Its prompt's chunks keep their own pace, with no slack: a chunk step is many decode steps long on
-# a CPU, so one step of slack let the running rows' drafts make chunk steps far dearer
-# (docs/results.md, "Where the time goes at eight requests").
+# a CPU, so a step of slack would be a whole chunk step's worth of the rows' drafts (with no floor
+# at all they made chunk steps far dearer: docs/results.md, "Where the time goes at eight requests").
 INITIAL_PREFILL_PACE_CREDIT = 0.0
 
 
 def pace_credit(credit: float, num_emitted: int, cost_ratio: float) -> float:
     """A row's credit after a step that emitted ``num_emitted`` of its tokens (a prompt's: 1 per
-    chunk, ``prefill_floor``) at ``cost_ratio``
-    times the plain step's cost, in plain steps: what plain decoding would have spent on those
-    tokens, allowed ``1 / MIN_ROW_PACE`` of it, less what the step spent. Uncapped, so the floor
-    holds over the request's life: a row's accepted drafts pay for the other rows' later, and a
-    row whose own drafts missed keeps the steps plain until it is back on pace. Costs are the
-    engine's estimates; ``on`` rows' forced drafts and building drafts are not charged."""
+    chunk, ``prefill_floor``) at ``cost_ratio`` times the plain step's cost, in plain steps: what
+    plain decoding would have spent on those tokens, allowed ``1 / MIN_ROW_PACE`` of it, less what
+    the step spent. Uncapped, so the floor holds over the request's life: a row's accepted drafts
+    pay for the other rows' later, and a row whose own drafts missed keeps the steps plain until
+    it is back on pace. Costs are the engine's estimates; ``on`` rows' forced drafts and building
+    drafts are not charged."""
     return credit + num_emitted / MIN_ROW_PACE - cost_ratio
 
 
@@ -660,7 +660,7 @@ def _paced_totals(
     row_of: np.ndarray,
     gain_values: np.ndarray,
     cost_ratios: np.ndarray,
-    chunk_floor: float = math.inf,
+    chunk_floor: float,
 ) -> np.ndarray:
     """Per total of draft positions (taking ``gain_values`` in order, ``row_of`` their rows),
     whether it keeps every row, and the prompt chunks' requests (``chunk_floor``), at their pace
