@@ -382,6 +382,19 @@ def test_running_rows_drafts_never_slow_a_prompts_chunks_below_their_pace(
     assert (lowest >= 0) == floor
 
 
+def test_steps_with_prompt_chunks_are_not_read_into_the_packed_step_model(model, tokenizer):
+    """A chunk step costs by its prompt's context, which the packed model does not key: only
+    decode steps are read into it on a runner without graphs (a cheap early chunk read in capped
+    every narrower width, and drafts beside later chunks looked free)."""
+    engine = Engine(model, tokenizer, EngineConfig(prefill_chunk_tokens=8))
+    request_id = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=4), SpecConfig(mode="off"))
+    while not engine.is_finished():
+        engine.step()
+    assert len(engine.pop_result(request_id).token_ids) == 4
+    assert engine.step_time.measured(1, 1) is not None  # the plain decode steps were read
+    assert engine.step_time.widest_measured(1) == 0  # and no chunk step (up to 8 positions)
+
+
 def test_engines_given_one_calibration_start_from_what_earlier_engines_learned(model, tokenizer):
     """A new engine's requests start from the acceptance that the earlier requests of engines
     sharing its calibration measured, not from the fixed prior table; an engine given none
