@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import time
@@ -86,20 +87,28 @@ async def stream_one(client: openai.AsyncOpenAI, messages: Messages, mode: str, 
 
 
 async def run_requests(
-    base_url: str, conversations: list[Messages], concurrency: int, mode: str, max_tokens: int
+    base_url: str,
+    conversations: list[Messages],
+    concurrency: int,
+    mode: str,
+    max_tokens: int,
+    interval_s: float | None = None,
 ) -> tuple[list[dict], float]:
     """All ``conversations``, ``concurrency`` at a time, through one client: each one's
-    ``stream_one`` result, in order, and the seconds they took together."""
+    ``stream_one`` result, in order, and the seconds they took together. ``interval_s``: request
+    i is sent no sooner than ``i * interval_s`` after the first (arrivals at a fixed rate)."""
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
     gate = asyncio.Semaphore(concurrency)
+    started = time.perf_counter()
 
-    async def gated(messages: Messages) -> dict:
+    async def gated(index: int, messages: Messages) -> dict:
+        if interval_s is not None:
+            await asyncio.sleep(max(0.0, started + index * interval_s - time.perf_counter()))
         async with gate:
             return await stream_one(client, messages, mode, max_tokens)
 
-    started = time.perf_counter()
     try:
-        results = await asyncio.gather(*(gated(messages) for messages in conversations))
+        results = await asyncio.gather(*itertools.starmap(gated, enumerate(conversations)))
     finally:
         await client.close()
     return results, time.perf_counter() - started

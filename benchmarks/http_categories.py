@@ -16,6 +16,11 @@ accepted drafts save nothing once a faster one finishes. A server's load is rath
 mixed requests kept eight in flight, where a finished chat's slot takes the next: the ``mixed``
 cell sends ``MIXED_PER_CATEGORY`` new chats of every category, interleaved, that way, and
 reads each category's tokens over its requests' own seconds there as well as the whole run's.
+In that closed loop a faster server is also sent its next prompts sooner, so each request shares
+more steps with other prompts' chunks. The ``arrivals`` cell sends as many new chats at a fixed
+rate instead, the same for every server (``ARRIVAL_LOAD`` of the rate at which ``off`` finished
+the mixed cell's), and reads each category the same way: how long a server takes over the same
+requests arriving at the same times.
 
     python -m benchmarks.http_categories            # 4 prompts per category at C=1, 8 at C=8
     python -m benchmarks.http_categories --quick    # 2 and 8, fewer categories
@@ -53,6 +58,9 @@ QUICK_REQUESTS = {1: 2, 8: 8}
 # The mixed cell: chats per category, eight in flight.
 MIXED_PER_CATEGORY = 4
 MIXED_CONCURRENCY = 8
+# The arrivals cell sends chats at this share of the rate at which off finished the mixed cell's:
+# near its capacity, but below it, so that its queue does not grow without bound.
+ARRIVAL_LOAD = 0.8
 
 
 def category_prompts(tokenizer, category: str, count: int, skip: int) -> list:
@@ -69,8 +77,9 @@ def run(
     max_tokens: int,
     num_cpus: int,
     app_args: dict,
-) -> tuple[dict, dict]:
-    """Every category's cells at each concurrency, then the mixed cell: (cells, mixed)."""
+) -> tuple[dict, dict, dict]:
+    """Every category's cells at each concurrency, then the mixed cell and the arrivals cell:
+    (cells, mixed, arrivals)."""
     cells: dict[str, dict] = {}
     with served_modes(1, num_cpus, MODES, dtype="gguf", app_args=app_args) as urls:
         for index, category in enumerate(categories):
@@ -81,21 +90,33 @@ def run(
                 row, _ = run_modes(urls, prompts, level, max_tokens, index + level)
                 cells.setdefault(category, {})[str(level)] = row
                 print(category, level, row["auto_over_off"], row["control_over_off"], flush=True)
-        mixed = run_mixed(urls, tokenizer, categories, sum(requests.values()), max_tokens)
-    return cells, mixed
+        skip = sum(requests.values())
+        mixed = run_mixed(urls, tokenizer, categories, skip, max_tokens)
+        off = mixed["off"]
+        interval_s = off["seconds"] / off["requests"] / ARRIVAL_LOAD
+        arrivals = run_mixed(urls, tokenizer, categories, skip + MIXED_PER_CATEGORY, max_tokens, interval_s)
+    return cells, mixed, arrivals
 
 
 def run_modes(
-    urls: dict, conversations: list, concurrency: int, max_tokens: int, shift: int
+    urls: dict,
+    conversations: list,
+    concurrency: int,
+    max_tokens: int,
+    shift: int,
+    interval_s: float | None = None,
 ) -> tuple[dict, dict[str, list[dict]]]:
-    """``conversations`` through every mode's server in turn (the order rotated by ``shift``):
-    the row of each mode's summary and engine counters, the ratios to ``off`` and whether the
-    texts agree; and each mode's per-request results."""
+    """``conversations`` through every mode's server in turn (the order rotated by ``shift``;
+    ``interval_s``: sent at that fixed interval, ``run_requests``): the row of each mode's
+    summary and engine counters, the ratios to ``off`` and whether the texts agree; and each
+    mode's per-request results."""
     row: dict = {}
     results: dict[str, list[dict]] = {}
     for mode in rotated(MODES, shift):
         before = engine_counters(urls[mode])
-        cell = run_requests(urls[mode], conversations, concurrency, speculation_of(mode), max_tokens)
+        cell = run_requests(
+            urls[mode], conversations, concurrency, speculation_of(mode), max_tokens, interval_s
+        )
         results[mode], elapsed = asyncio.run(cell)
         row[mode] = summarise(results[mode], elapsed)
         row[mode]["engine"] = counters_delta(before, engine_counters(urls[mode]))
@@ -117,15 +138,24 @@ def category_rates(names: list[str], results: list[dict]) -> dict[str, float]:
     return {name: tokens / seconds for name, (tokens, seconds) in totals.items()}
 
 
-def run_mixed(urls: dict, tokenizer, categories: tuple[str, ...], skip: int, max_tokens: int) -> dict:
+def run_mixed(
+    urls: dict,
+    tokenizer,
+    categories: tuple[str, ...],
+    skip: int,
+    max_tokens: int,
+    interval_s: float | None = None,
+) -> dict:
     """Every category's next ``MIXED_PER_CATEGORY`` chats, taken in turn, ``MIXED_CONCURRENCY``
-    in flight: the whole run's tokens/s by mode and each category's tokens over its requests'
-    seconds (queueing excluded)."""
+    in flight (``interval_s``: each sent that long after the one before, however many are in
+    flight): the whole run's tokens/s by mode and each category's tokens over its requests'
+    seconds (the client's queueing excluded)."""
     by_category = {name: category_prompts(tokenizer, name, MIXED_PER_CATEGORY, skip) for name in categories}
     order = [(name, by_category[name][i]) for i in range(MIXED_PER_CATEGORY) for name in categories]
     names = [name for name, _ in order]
+    concurrency = MIXED_CONCURRENCY if interval_s is None else len(order)
     row, results = run_modes(
-        urls, [messages for _, messages in order], MIXED_CONCURRENCY, max_tokens, len(categories)
+        urls, [messages for _, messages in order], concurrency, max_tokens, len(categories), interval_s
     )
     rates = {mode: category_rates(names, mode_results) for mode, mode_results in results.items()}
     row["categories"] = {
@@ -135,7 +165,10 @@ def run_mixed(urls: dict, tokenizer, categories: tuple[str, ...], skip: int, max
         }
         for name in categories
     }
-    print("mixed", MIXED_CONCURRENCY, row["auto_over_off"], row["control_over_off"], flush=True)
+    if interval_s is not None:
+        row["interval_s"] = round(interval_s, 3)
+    cell = "mixed" if interval_s is None else "arrivals"
+    print(cell, row["auto_over_off"], row["control_over_off"], flush=True)
     return row
 
 
@@ -159,13 +192,14 @@ def overall(cells: dict, level: str) -> dict[str, float]:
 
 def markdown_table(payload: dict) -> str:
     cells = payload["cells"]
-    mixed = payload.get("mixed")
+    streams = {name: payload[name] for name in ("mixed", "arrivals") if payload.get(name)}
     levels = list(next(iter(cells.values())))
     names = ["off tok/s", "auto / off", "control / off"]
     header = " | ".join(f"C={level} {name}" for level in levels for name in names)
-    if mixed:
-        header += f" | mixed C={MIXED_CONCURRENCY} auto / off | mixed control / off"
-    columns = len(names) * len(levels) + (2 if mixed else 0)
+    labels = {"mixed": f"mixed C={MIXED_CONCURRENCY}", "arrivals": "arrivals"}
+    for name in streams:
+        header += f" | {labels[name]} auto / off | {name} control / off"
+    columns = len(names) * len(levels) + 2 * len(streams)
     lines = [f"| category | {header} |", "|---|" + "---|" * columns]
 
     def values(row: dict, key: str) -> str:
@@ -184,9 +218,10 @@ def markdown_table(payload: dict) -> str:
     for name, row in cells.items():
         kind = " (repetitive)" if name in REPETITIVE else ""
         line = f"| {name}{kind} | " + " | ".join(values(row[level], name) for level in levels)
-        lines.append(line + (mixed_values(mixed["categories"][name], name) if mixed else "") + " |")
+        line += "".join(mixed_values(stream["categories"][name], name) for stream in streams.values())
+        lines.append(line + " |")
     line = "| all | " + " | ".join(values(payload["overall"][level], "all") for level in levels)
-    lines.append(line + (mixed_values(mixed, "all") if mixed else "") + " |")
+    lines.append(line + "".join(mixed_values(stream, "all") for stream in streams.values()) + " |")
     return "\n".join(lines)
 
 
@@ -227,7 +262,7 @@ def main() -> None:
     app_args = {} if args.probe_max_rows is None else {"probe_max_rows": args.probe_max_rows}
     if args.num_cpus is None:
         app_args["prefill_threads"] = cores
-    cells, mixed = run(tokenizer, categories, requests, args.max_tokens, num_cpus, app_args)
+    cells, mixed, arrivals = run(tokenizer, categories, requests, args.max_tokens, num_cpus, app_args)
     payload = {
         "benchmark": "http_categories",
         "meta": run_metadata(model, "gguf", "benchmarks.http_categories"),
@@ -237,7 +272,9 @@ def main() -> None:
         "cells": cells,
         "overall": {str(level): overall(cells, str(level)) for level in requests},
         "mixed": mixed,
+        "arrivals": arrivals,
         "identical": mixed["identical"]
+        and arrivals["identical"]
         and all(row["identical"] for c in cells.values() for row in c.values()),
     }
     publish_run("http_categories", "gguf", args.quick, payload, plot, markdown_table)

@@ -112,7 +112,8 @@ def test_http_cell_summary_and_table():
 
 def test_http_categories_mixed_cell_rates_and_table():
     """The mixed cell reads each category over its own requests' seconds (not the run's), and
-    its column joins the table only where the payload has one (older results have none)."""
+    its columns, and the arrivals cell's, join the table only where the payload has them (older
+    results have none)."""
     from benchmarks import http_categories
 
     results = [{"tokens": 10, "seconds": 1.0}, {"tokens": 30, "seconds": 1.0}, {"tokens": 20, "seconds": 4.0}]
@@ -134,6 +135,15 @@ def test_http_categories_mixed_cell_rates_and_table():
     assert header.endswith("| mixed C=8 auto / off | mixed control / off |")
     assert creative == "| creative | 20.0 | 1.50x | 1.00x | 0.80x | 1.01x |"
     assert total == "| all | 20.0 | **1.50x** | 1.00x | **1.30x** | 0.99x |"
+    payload["arrivals"] = {
+        "auto_over_off": 1.1,
+        "control_over_off": 1.02,
+        "categories": {"creative": {"auto_over_off": 0.97, "control_over_off": 0.95}},
+    }
+    header, _, creative, total = http_categories.markdown_table(payload).splitlines()
+    assert header.endswith("| mixed control / off | arrivals auto / off | arrivals control / off |")
+    assert creative.endswith("| 0.80x | 1.01x | 0.97x | 0.95x |")
+    assert total.endswith("| **1.30x** | 0.99x | **1.10x** | 1.02x |")
 
 
 def test_distinct_prompts_never_repeat_and_say_when_they_run_out():
