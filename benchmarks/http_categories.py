@@ -166,6 +166,14 @@ def run_mixed(
         for name in categories
     }
     if interval_s is not None:
+        # Every server's tokens/s over the run is the arrival rate: the cell's own figure is every
+        # request's tokens over their own seconds, as its categories' are.
+        every = {
+            mode: category_rates(["all"] * len(names), mode_results)["all"]
+            for mode, mode_results in results.items()
+        }
+        row["auto_over_off"] = round(every["auto"] / every["off"], 3)
+        row["control_over_off"] = round(every["off:control"] / every["off"], 3)
         row["interval_s"] = round(interval_s, 3)
     cell = "mixed" if interval_s is None else "arrivals"
     print(cell, row["auto_over_off"], row["control_over_off"], flush=True)
