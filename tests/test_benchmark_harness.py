@@ -126,20 +126,17 @@ def test_http_categories_mixed_cell_rates_and_table():
     overall = {"off_tok_s": 20.0, "auto_over_off": 1.5, "control_over_off": 1.0}
     payload = {"cells": {"creative": {"8": cell}}, "overall": {"8": overall}}
     assert "mixed" not in http_categories.markdown_table(payload)
-    payload["mixed"] = {
-        "auto_over_off": 1.3,
-        "control_over_off": 0.99,
-        "categories": {"creative": {"auto_over_off": 0.8, "control_over_off": 1.01}},
-    }
+
+    def stream(auto: float, control: float, creative_auto: float, creative_control: float) -> dict:
+        creative = {"auto_over_off": creative_auto, "control_over_off": creative_control}
+        return {"auto_over_off": auto, "control_over_off": control, "categories": {"creative": creative}}
+
+    payload["mixed"] = stream(1.3, 0.99, 0.8, 1.01)
     header, _, creative, total = http_categories.markdown_table(payload).splitlines()
     assert header.endswith("| mixed C=8 auto / off | mixed control / off |")
     assert creative == "| creative | 20.0 | 1.50x | 1.00x | 0.80x | 1.01x |"
     assert total == "| all | 20.0 | **1.50x** | 1.00x | **1.30x** | 0.99x |"
-    payload["arrivals"] = {
-        "auto_over_off": 1.1,
-        "control_over_off": 1.02,
-        "categories": {"creative": {"auto_over_off": 0.97, "control_over_off": 0.95}},
-    }
+    payload["arrivals"] = stream(1.1, 1.02, 0.97, 0.95)
     header, _, creative, total = http_categories.markdown_table(payload).splitlines()
     assert header.endswith("| mixed control / off | arrivals auto / off | arrivals control / off |")
     assert creative.endswith("| 0.80x | 1.01x | 0.97x | 0.95x |")
