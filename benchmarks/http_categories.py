@@ -19,8 +19,9 @@ reads each category's tokens over its requests' own seconds there as well as the
 In that closed loop a faster server is also sent its next prompts sooner, so each request shares
 more steps with other prompts' chunks. The ``arrivals`` cell sends as many new chats at a fixed
 rate instead, the same for every server (``ARRIVAL_LOAD`` of the rate at which ``off`` finished
-the mixed cell's), and reads each category the same way: how long a server takes over the same
-requests arriving at the same times.
+the mixed cell's chats, which are other ones: the load is near its capacity, not exactly that
+share), and reads each category the same way: how long a server takes over the same requests
+arriving at the same times.
 
     python -m benchmarks.http_categories            # 4 prompts per category at C=1, 8 at C=8
     python -m benchmarks.http_categories --quick    # 2 and 8, fewer categories
@@ -147,15 +148,18 @@ def run_mixed(
     interval_s: float | None = None,
 ) -> dict:
     """Every category's next ``MIXED_PER_CATEGORY`` chats, taken in turn, ``MIXED_CONCURRENCY``
-    in flight (``interval_s``: each sent that long after the one before, however many are in
-    flight): the whole run's tokens/s by mode and each category's tokens over its requests'
-    seconds (the client's queueing excluded)."""
+    in flight: the whole run's tokens/s by mode and each category's tokens over its requests'
+    seconds (the client's queueing excluded). ``interval_s``: each chat is sent that long after
+    the one before, however many are in flight, and the cell's own figure is every request's
+    tokens over their own seconds (``request_tok_s`` by mode)."""
     by_category = {name: category_prompts(tokenizer, name, MIXED_PER_CATEGORY, skip) for name in categories}
     order = [(name, by_category[name][i]) for i in range(MIXED_PER_CATEGORY) for name in categories]
     names = [name for name, _ in order]
     concurrency = MIXED_CONCURRENCY if interval_s is None else len(order)
+    # The arrivals cell starts its rotation one server later than the mixed cell's.
+    shift = len(categories) + (interval_s is not None)
     row, results = run_modes(
-        urls, [messages for _, messages in order], concurrency, max_tokens, len(categories), interval_s
+        urls, [messages for _, messages in order], concurrency, max_tokens, shift, interval_s
     )
     rates = {mode: category_rates(names, mode_results) for mode, mode_results in results.items()}
     row["categories"] = {
@@ -172,6 +176,8 @@ def run_mixed(
             mode: category_rates(["all"] * len(names), mode_results)["all"]
             for mode, mode_results in results.items()
         }
+        for mode, rate in every.items():
+            row[mode]["request_tok_s"] = round(rate, 2)
         row["auto_over_off"] = round(every["auto"] / every["off"], 3)
         row["control_over_off"] = round(every["off:control"] / every["off"], 3)
         row["interval_s"] = round(interval_s, 3)

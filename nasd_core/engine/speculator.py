@@ -9,8 +9,8 @@ tenth of a ~6 ms GPU step at 64 rows). A row that got no draft position
 rests a few steps before its next lookup (``policy.dormant_steps``). A step of fixed shapes (CUDA
 graphs) is priced by its width (``graph_plan``), any other by its rows and positions
 (``policy.plan_batch_drafts``); after the step, its time goes to the model of the path that ran
-it (on a CPU, decode steps only: wide steps extrapolate from the probe's), and what its drafts
-delivered to that path's ``DraftPayoff``.
+it (on a CPU, steps without prompt chunks only: wider ones extrapolate from those), and what its
+drafts delivered to that path's ``DraftPayoff``.
 """
 
 from __future__ import annotations
@@ -144,7 +144,8 @@ class Speculator:
     ) -> None:
         """Record the step's time in the model of the path that ran it (``shape``: the fixed
         shape of a verification step; None: a step with prompt chunks, in graphs or not, or a
-        packed one, which the packed model prices), and what its drafts delivered
+        packed one, which the packed model prices; a step with chunks is read there only on a
+        runner with graphs), and what its drafts delivered
         (``num_emitted`` tokens in ``wall_s`` with drafting). A step that ``captured`` a shape
         is no reading: its time is the capture's, not the shape's. (``shape`` and ``captured``
         are the runner's at the step: the engine may call this during the next one.)"""
@@ -165,8 +166,9 @@ class Speculator:
         # A step with prompt chunks costs by its prompts' contexts, which the model does not key:
         # read in, a cheap early chunk capped every narrower column, and 76 draft positions
         # beside a 262-position chunk step looked free (165 ms estimated, 305 ms measured).
-        # Where the probe timed packed steps, wide steps extrapolate from those instead; a graph
-        # runner's probe times none, so there chunk steps are the packed model's only readings.
+        # Wide steps extrapolate from the steps run without chunks (the probe's, where one ran).
+        # A graph runner's decode steps are read into its graph model, so there chunk steps (and
+        # steps too wide for its graphs) are all the packed model has.
         if not step.chunks or self.runner.graph_widths is not None:
             self.step_time.observe(len(step_rows), num_positions, step_s)
 

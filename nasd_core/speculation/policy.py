@@ -302,7 +302,8 @@ class StepTimeModel:
     *extra* positions (beyond one per row; 0 = a plain decode step), bucketed by
     ``snap_extra``. Unmeasured shapes are interpolated linearly along rows within a column
     (a column not measured around that row count borrows the shape of one that is), then
-    along extra positions between columns; beyond the measurements the last slope continues.
+    along extra positions between columns; beyond the measurements the last slope continues
+    (at least the measured range's mean slope).
     A step with fewer positions never costs more than one with more, so a column's estimate
     is capped by every wider one: a noisy high reading cannot make the policy skip it for good.
     """
@@ -416,9 +417,9 @@ class StepTimeModel:
 class Curve:
     """A step's estimated seconds at a fixed row count, by its total positions: one measured
     value per column of extra positions (``by_extra``; ``extras`` its sorted keys), linear
-    between columns; wider than every column, the last measured slope continues (never
-    cheaper); narrower than every column, or beyond a lone one, the nearest column scaled by
-    the prior shape."""
+    between columns; wider than every column, the last measured slope continues, or the measured
+    range's mean slope where that is steeper; narrower than every column, or beyond a lone one,
+    the nearest column scaled by the prior shape."""
 
     def __init__(self, num_rows: int, by_extra: dict[int, float], extras: list[int]) -> None:
         self.num_rows = num_rows
@@ -443,7 +444,11 @@ class Curve:
         out[below] = ys[0] * prior[below] / first_prior
         beyond = num_extra > xs[-1]
         if len(xs) >= 2:
-            slope = max(0.0, (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+            # Never below the measured range's mean slope: the last two columns alone can read
+            # flat from noise, and a step carrying a prompt chunk, far wider than any decode step,
+            # would then price its drafts as free.
+            last = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            slope = max(0.0, last, (ys[-1] - ys[0]) / (xs[-1] - xs[0]))
             out[beyond] = ys[-1] + slope * (num_extra[beyond] - xs[-1])
         else:
             out[beyond] = ys[0] * prior[beyond] / first_prior

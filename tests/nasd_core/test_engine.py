@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,7 +14,9 @@ from nasd_core.config import EngineConfig
 from nasd_core.engine import speculator
 from nasd_core.engine.async_engine import AsyncEngine
 from nasd_core.engine.engine import Engine
+from nasd_core.engine.scheduler import ScheduledStep
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
+from nasd_core.model.model_runner import StepRow
 from nasd_core.speculation import graph_plan, policy
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import LOCAL_SOURCE, RequestDrafter
@@ -393,6 +396,17 @@ def test_steps_with_prompt_chunks_are_not_read_into_the_packed_step_model(model,
     assert len(engine.pop_result(request_id).token_ids) == 4
     assert engine.step_time.measured(1, 1) is not None  # the plain decode steps were read
     assert engine.step_time.widest_measured(1) == 0  # and no chunk step (up to 8 positions)
+
+
+@pytest.mark.parametrize("graph_widths", [None, (1, 2, 4)])
+def test_only_a_graph_runner_reads_chunk_steps_into_the_packed_model(graph_widths):
+    """A graph runner's decode steps go to its graph model: its steps with prompt chunks stay the
+    packed model's readings, where a runner without graphs reads none of them."""
+    learner = speculator.Speculator(SimpleNamespace(graph_widths=graph_widths), Calibration())
+    chunk = StepRow("prompt", [1] * 32, 0)
+    step = ScheduledStep(rows=[], chunks=[(None, chunk)])
+    learner.learn(step, [chunk], DraftPlan([]), 0.1, 0.1, 0, shape=None, captured=False)
+    assert (learner.step_time.measured(1, 32) is not None) == (graph_widths is not None)
 
 
 def test_engines_given_one_calibration_start_from_what_earlier_engines_learned(model, tokenizer):

@@ -549,6 +549,22 @@ def test_pace_is_measured_against_the_step_with_its_prompt_chunks():
     assert plan.cost_ratio == pytest.approx(step_time.estimate(9, 8 + 256 + 16) / chunk_step)
 
 
+def test_drafts_beside_a_prompt_chunk_are_not_free_past_flat_widest_columns():
+    """Without a probe the packed model holds only the decode steps it ran, and a step carrying
+    a 256-position prompt chunk is far wider than any of them. Where the two widest columns read
+    flat (noise), the estimate continues at the measured range's mean slope, not flat: drafts
+    beside the chunk cost something, and the prompt's floor holds them back."""
+    step_time = StepTimeModel()
+    for extra, seconds in ((0, 0.015), (8, 0.021), (16, 0.027), (24, 0.027)):
+        step_time.observe(9, 9 + extra, seconds, 3)
+    copying = [row("auto", 4, 6, accepted_all=True) for _ in range(8)]
+    chunk = {"num_other_rows": 1, "num_other_positions": 256}
+    unpaced = plan_batch_drafts(copying, step_time, **chunk)
+    assert sum(unpaced.lengths) > 0 and unpaced.cost_ratio > 1 / MIN_ROW_PACE
+    paced = plan_batch_drafts(copying, step_time, **chunk, chunk_floor=prefill_floor([0.0]))
+    assert paced.cost_ratio <= 1 / MIN_ROW_PACE and sum(paced.lengths) < sum(unpaced.lengths)
+
+
 def test_a_prompts_chunks_keep_their_pace_in_the_step_they_ride_in():
     """The request whose prompt a step prefills waits for the whole step too: its chunks' floor
     (``prefill_floor``: no slack at first, then 1/MIN_ROW_PACE - 1 of a step per plain chunk
