@@ -60,9 +60,8 @@ QUICK_REQUESTS = {1: 2, 8: 8}
 MIXED_PER_CATEGORY = 4
 MIXED_CONCURRENCY = 8
 # The arrivals cell sends chats at this share of the rate at which off finished the mixed cell's:
-# a load that keeps several requests in flight, yet well below capacity. At 0.8 a mixed cell that
-# ran ~10% fast put the load near capacity, where latency moves most with small differences: the
-# control server's requests read 0.56x of the first off's in one run (0.92x-1.04x in two others).
+# several requests in flight, yet well below capacity, where latency swings with small differences
+# (0.8 came too near it: docs/results.md).
 ARRIVAL_LOAD = 0.6
 
 

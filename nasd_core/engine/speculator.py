@@ -163,12 +163,9 @@ class Speculator:
         if reads_payoff:
             estimate = self.step_time.estimate(len(step.rows), num_positions)
             self.payoff.record(len(step.rows), plan, estimate, wall_s, num_emitted)
-        # A step with prompt chunks costs by its prompts' contexts, which the model does not key:
-        # read in, a cheap early chunk capped every narrower column, and 76 draft positions
-        # beside a 262-position chunk step looked free (165 ms estimated, 305 ms measured).
-        # Wide steps extrapolate from the steps run without chunks (the probe's, where one ran).
-        # A graph runner's decode steps are read into its graph model, so there chunk steps (and
-        # steps too wide for its graphs) are all the packed model has.
+        # A chunk step costs by its prompt's context, which the model does not key: read in, a cheap
+        # one capped every narrower width and drafts beside chunks looked free (docs/results.md).
+        # A graph runner's decode steps go to its graph model, so there chunk steps are kept.
         if not step.chunks or self.runner.graph_widths is not None:
             self.step_time.observe(len(step_rows), num_positions, step_s)
 
