@@ -29,6 +29,11 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "kernels.h"
 #include "simd.h"
 
@@ -397,14 +402,20 @@ void quant_linear_impl(const float* x, int64_t rows, int64_t in_features, const 
 // Every row tile (V::rows rows) then reads the panel, so a weight is unpacked once per call.
 
 // Instructions for the integer sums (all give the same bits): scalar; AVX2's maddubs; VNNI's
-// vpdpbusd on 8 outputs at a time (AVX-VNNI or AVX-512 VL) or 16 (AVX-512).
-enum Q8Path : int64_t { kQ8Scalar = 0, kQ8Avx2 = 1, kQ8Vnni = 2, kQ8Vnni512 = 3 };
+// vpdpbusd on 8 outputs at a time (AVX-VNNI or AVX-512 VL) or 16 (AVX-512); AMX's tile dot
+// products on 16 rows x 16 outputs at a time (Intel from Sapphire Rapids on).
+enum Q8Path : int64_t { kQ8Scalar = 0, kQ8Avx2 = 1, kQ8Vnni = 2, kQ8Vnni512 = 3, kQ8Amx = 4 };
 
 #if defined(NASD_AVX2) && ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
 #define NASD_VNNI 1
 #endif
 #if defined(NASD_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define NASD_VNNI512 1
+#endif
+#if defined(NASD_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define NASD_AMX 1
+constexpr int64_t kQ8Best = kQ8Amx;
+#elif defined(NASD_VNNI512)
 constexpr int64_t kQ8Best = kQ8Vnni512;
 #elif defined(NASD_VNNI)
 constexpr int64_t kQ8Best = kQ8Vnni;
@@ -414,7 +425,23 @@ constexpr int64_t kQ8Best = kQ8Avx2;
 constexpr int64_t kQ8Best = kQ8Scalar;
 #endif
 
-std::atomic<int64_t> q8_path{kQ8Best};  // the tests switch it to compare the paths' bits
+#ifdef NASD_AMX
+// Linux hands a process the tile registers' state only when asked (arch_prctl, once per process).
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+#endif
+
+// The best path this build and this process can run.
+int64_t q8_best() {
+#ifdef NASD_AMX
+  if (!amx_permitted()) return kQ8Vnni512;
+#endif
+  return kQ8Best;
+}
+
+std::atomic<int64_t> q8_path{q8_best()};  // the tests switch it to compare the paths' bits
 
 // A call's activations, quantized: [rows, in_features] codes, [rows, num_blocks] the rest.
 struct Q8Rows {
@@ -485,15 +512,17 @@ inline float quantize_block_q8(const float* x, int8_t* q, int32_t* sum, int32_t*
   return amax / 127.0f;
 }
 
+// `padded_rows` (>= rows) rows are allocated, the ones past `rows` zeros (AMX reads whole tiles).
 template <int64_t Kind, int64_t Path>
-Q8Rows quantize_rows(const float* x, int64_t rows, int64_t in_features) {
+Q8Rows quantize_rows(const float* x, int64_t rows, int64_t in_features, int64_t padded_rows = 0) {
   const int64_t num_blocks = in_features / kBlock;
+  const int64_t allocated = std::max(rows, padded_rows);
   Q8Rows q;
-  q.codes.resize(rows * in_features);
-  q.scale.resize(rows * num_blocks);
-  q.offset.resize(rows * num_blocks);
-  q.start.resize(rows * num_blocks);
-  q.start_high.resize(kHalves<Kind> ? rows * num_blocks : 0);
+  q.codes.resize(allocated * in_features);
+  q.scale.resize(allocated * num_blocks);
+  q.offset.resize(allocated * num_blocks);
+  q.start.resize(allocated * num_blocks);
+  q.start_high.resize(kHalves<Kind> ? allocated * num_blocks : 0);
   at::parallel_for(0, rows * num_blocks, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       int32_t sum, low_sum;
@@ -703,10 +732,29 @@ struct Lanes16 {
 };
 #endif
 
-// The tile's V::outs outputs for `Rows` rows from `row` on, into out[r * V::outs + j].
+// acc[r] += sum over blocks (in order) of m_w * d_x s, for Q4_1, Q4_K and Q5 (`sx`: the rows' d_x s).
+// Rows go 8 at a time through the blocks, so 8 chains of multiply-adds overlap (one row's chain
+// alone waits out every multiply-add's latency).
+template <typename V, int Rows>
+inline void add_offsets(typename V::Float* acc, const float* offsets, const float* sx, int64_t num_blocks) {
+  constexpr int part = Rows / ((Rows + 7) / 8);  // at most 8, dividing Rows (12: two of 6)
+  static_assert(Rows % part == 0);
+  for (int first = 0; first < Rows; first += part) {
+    typename V::Float acc_m[part];
+    _Pragma("GCC unroll 8") for (int r = 0; r < part; ++r) acc_m[r] = V::zerof();
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      const typename V::Float m = V::loadf(offsets + b * V::outs);
+      _Pragma("GCC unroll 8") for (int r = 0; r < part; ++r) acc_m[r] =
+          V::fma(m, V::splatf(sx[(first + r) * num_blocks + b]), acc_m[r]);
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < part; ++r) acc[first + r] = V::add(acc[first + r], acc_m[r]);
+  }
+}
+
+// The tile's V::outs outputs for `Rows` rows from `row` on, into out[r * stride + j].
 template <int64_t Kind, int64_t Path, typename V, int Rows>
 inline void q8_tile(const uint8_t* codes, const float* scales, const float* offsets, int64_t num_blocks,
-                    const Q8Rows& q, int64_t row, float* out) {
+                    const Q8Rows& q, int64_t row, float* out, int64_t stride) {
   using Int = typename V::Int;
   using Float = typename V::Float;
   constexpr int64_t group = 4 * V::outs;
@@ -783,16 +831,8 @@ inline void q8_tile(const uint8_t* codes, const float* scales, const float* offs
           V::fma_int(V::mul(dw_high, V::splatf(dx[r * num_blocks + b])), high[r], acc[r]);
     }
   }
-  if constexpr (kOffset<Kind>) {
-    const float* sx = q.offset.data() + row * num_blocks;
-    _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) {
-      Float acc_m = V::zerof();
-      for (int64_t b = 0; b < num_blocks; ++b)
-        acc_m = V::fma(V::loadf(offsets + b * V::outs), V::splatf(sx[r * num_blocks + b]), acc_m);
-      acc[r] = V::add(acc[r], acc_m);
-    }
-  }
-  _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) V::store(out + r * V::outs, acc[r]);
+  if constexpr (kOffset<Kind>) add_offsets<V, Rows>(acc, offsets, q.offset.data() + row * num_blocks, num_blocks);
+  _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) V::store(out + r * stride, acc[r]);
 }
 
 template <int64_t Kind, int64_t Path, typename V>
@@ -817,12 +857,15 @@ void q8_simd(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t* 
                               next_count * row_bytes);
       for (int64_t r = 0; r < rows; r += V::rows) {
         const int64_t n = std::min<int64_t>(V::rows, rows - r);
+        // A whole tile's outputs go straight to `out`; a last partial one's through tile_out.
+        float* into = count == outs ? out + r * out_features + first : tile_out;
+        const int64_t stride = count == outs ? out_features : outs;
         switch (n) {
 // Only the row counts a tile of V takes are instantiated (n never exceeds V::rows).
 #define NASD_Q8_ROWS(N)                                                                                      \
   case N:                                                                                                    \
     if constexpr (N <= V::rows)                                                                              \
-      q8_tile<Kind, Path, V, N>(codes.data(), scales.data(), offsets.data(), num_blocks, q, r, tile_out);   \
+      q8_tile<Kind, Path, V, N>(codes.data(), scales.data(), offsets.data(), num_blocks, q, r, into, stride); \
     break;
           NASD_Q8_ROWS(1)
           NASD_Q8_ROWS(2)
@@ -834,10 +877,165 @@ void q8_simd(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t* 
           NASD_Q8_ROWS(8)
 #undef NASD_Q8_ROWS
         }
-        for (int64_t i = 0; i < n; ++i)
-          std::memcpy(out + (r + i) * out_features + first, tile_out + i * outs, sizeof(float) * count);
+        if (count < outs)
+          for (int64_t i = 0; i < n; ++i)
+            std::memcpy(out + (r + i) * out_features + first, tile_out + i * outs, sizeof(float) * count);
       }
     }
+  });
+}
+#endif
+
+#ifdef NASD_AMX
+// AMX: a tile dot product sums 16 rows' activations against 16 outputs' codes over a block (or,
+// Q6_K, each half block) exactly in int32, where VNNI takes one vpdpbusd per row and 4 inputs.
+// The float epilogue is Lanes16's, in the same order, so the bits are the other paths'.
+// Tiles: 0, 1 the sums (Q6_K: low and high halves); 2, 3 the rows' codes; 4, 5 the panel's.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+template <int64_t Kind>
+TileConfig amx_config() {
+  constexpr int k = kHalves<Kind> ? kBlock / 2 : kBlock;  // inputs summed per tile product
+  TileConfig c;
+  for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = 64;
+  for (int t : {2, 3}) c.rows[t] = 16, c.colsb[t] = k;
+  for (int t : {4, 5}) c.rows[t] = k / 4, c.colsb[t] = 64;
+  return c;
+}
+
+// Blocks summed per pass before their epilogue: each block's sums leave the tile unit through
+// memory, so a pass's tile products (alternating between two sets of tiles) run back to back
+// and its epilogue then runs on vector registers alone.
+constexpr int64_t kAmxBlocks = 8;
+
+// Fewer rows go the VNNI x 16 way (the same bits): below two tiles of rows a tile product's fixed
+// cost outweighs what it saves (measured in docs/results.md).
+constexpr int64_t kAmxMinRows = 32;
+
+// The integer sums of rows `row`..`row` + 15 and the panel's 16 outputs over blocks [first, end):
+// sums[(b - first) * 2 + half][r * 16 + j] (half 1: Q6_K's high halves).
+template <int64_t Kind>
+inline void amx_sums(const uint8_t* codes, const int8_t* x, int64_t in_features, int64_t first, int64_t end,
+                     int32_t* sums) {
+  for (int64_t b = first; b < end; ++b) {
+    const uint8_t* panel = codes + b * 8 * 64;
+    const int8_t* xb = x + b * kBlock;
+    int32_t* into = sums + (b - first) * 2 * 256;
+    if constexpr (kHalves<Kind>) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_loadd(2, xb, in_features);
+      _tile_loadd(4, panel, 64);
+      _tile_loadd(3, xb + kBlock / 2, in_features);
+      _tile_loadd(5, panel + 4 * 64, 64);
+      _tile_dpbssd(0, 2, 4);
+      _tile_dpbssd(1, 3, 5);
+      _tile_stored(0, into, 64);
+      _tile_stored(1, into + 256, 64);
+    } else if ((b - first) % 2 == 0) {
+      _tile_zero(0);
+      _tile_loadd(2, xb, in_features);
+      _tile_loadd(4, panel, 64);
+      if constexpr (kSignedBytes<Kind>) _tile_dpbssd(0, 2, 4);
+      else _tile_dpbsud(0, 2, 4);  // activations signed, codes unsigned
+      _tile_stored(0, into, 64);
+    } else {
+      _tile_zero(1);
+      _tile_loadd(3, xb, in_features);
+      _tile_loadd(5, panel, 64);
+      if constexpr (kSignedBytes<Kind>) _tile_dpbssd(1, 3, 5);
+      else _tile_dpbsud(1, 3, 5);
+      _tile_stored(1, into, 64);
+    }
+  }
+}
+
+// Rows rows (of a tile of 16 read from `row` on; those past the call's rows are zeros) times the
+// panel's 16 outputs, into out[r * stride + j].
+template <int64_t Kind, int Rows>
+inline void amx_tile(const uint8_t* codes, const float* scales, const float* offsets, int64_t num_blocks,
+                     const Q8Rows& q, int64_t row, float* out, int64_t stride) {
+  using V = Lanes16;
+  constexpr bool starts = kStartPerSum<Kind, kQ8Amx> != 0;
+  static_assert(!(starts && kHalves<Kind>), "only Q4_0 starts its sums off zero here");
+  const int64_t in_features = num_blocks * kBlock;
+  const int8_t* x = q.codes.data() + row * in_features;
+  const float* dx = q.scale.data() + row * num_blocks;
+  const int32_t* start = q.start.data() + row * num_blocks;
+  alignas(64) int32_t sums[kAmxBlocks * 2 * 256];
+  V::Float acc[Rows];
+  _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) acc[r] = V::zerof();
+  for (int64_t first = 0; first < num_blocks; first += kAmxBlocks) {
+    const int64_t end = std::min(num_blocks, first + kAmxBlocks);
+    amx_sums<Kind>(codes, x, in_features, first, end, sums);
+    for (int64_t b = first; b < end; ++b) {
+      const int32_t* block_sums = sums + (b - first) * 2 * 256;
+      const V::Float dw = V::loadf(scales + b * 16);
+      _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) {
+        V::Int isum = _mm512_load_si512(block_sums + 16 * r);
+        if constexpr (starts) isum = _mm512_add_epi32(isum, V::splat(start[r * num_blocks + b]));
+        acc[r] = V::fma_int(V::mul(dw, V::splatf(dx[r * num_blocks + b])), isum, acc[r]);
+      }
+      if constexpr (kHalves<Kind>) {
+        const V::Float dw_high = V::loadf(offsets + b * 16);
+        _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) acc[r] = V::fma_int(
+            V::mul(dw_high, V::splatf(dx[r * num_blocks + b])), _mm512_load_si512(block_sums + 256 + 16 * r), acc[r]);
+      }
+    }
+  }
+  if constexpr (kOffset<Kind>) add_offsets<V, Rows>(acc, offsets, q.offset.data() + row * num_blocks, num_blocks);
+  _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) V::store(out + r * stride, acc[r]);
+}
+
+// q8_simd's loop with AMX tiles: `q` holds its rows padded to a multiple of 16.
+template <int64_t Kind>
+void q8_amx(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t* weight, int64_t out_features,
+            float* out) {
+  constexpr int64_t outs = 16;
+  const int64_t num_blocks = in_features / kBlock;
+  const int64_t row_bytes = num_blocks * kBlockBytes<Kind>;
+  const int64_t tiles = (out_features + outs - 1) / outs;
+  const std::vector<uint8_t> zeros(row_bytes, 0);
+  static const TileConfig config = amx_config<Kind>();
+  at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
+    _tile_loadconfig(&config);  // per thread: the configuration is a thread's register state
+    std::vector<uint8_t> codes(num_blocks * 32 * outs);
+    std::vector<float> scales(num_blocks * outs), offsets(kOffset<Kind> || kHalves<Kind> ? num_blocks * outs : 0);
+    alignas(64) float tile_out[16 * outs];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t first = tile * outs, count = std::min(outs, out_features - first);
+      const uint8_t* outputs[outs];
+      for (int64_t j = 0; j < outs; ++j) outputs[j] = j < count ? weight + (first + j) * row_bytes : zeros.data();
+      const int64_t next_count = tile + 1 < end ? std::min(outs, out_features - first - outs) : 0;
+      const uint8_t* next = next_count > 0 ? weight + (first + outs) * row_bytes : weight;
+      repack_tile<Kind, outs>(outputs, num_blocks, codes.data(), scales.data(), offsets.data(), next,
+                              next_count * row_bytes);
+      for (int64_t r = 0; r < rows; r += 16) {
+        const int64_t n = std::min<int64_t>(16, rows - r);
+        // A whole tile of 16 rows and outputs goes straight to `out`; other tiles through tile_out,
+        // their epilogue run for n rounded up to 4 (the padding rows are zeros, their sums unused).
+        const bool whole = count == outs && n == 16;
+        float* into = whole ? out + r * out_features + first : tile_out;
+        const int64_t stride = whole ? out_features : outs;
+        const auto multiply = [&]<int Rows>() {
+          amx_tile<Kind, Rows>(codes.data(), scales.data(), offsets.data(), num_blocks, q, r, into, stride);
+        };
+        switch ((n + 3) / 4) {
+          case 1: multiply.template operator()<4>(); break;
+          case 2: multiply.template operator()<8>(); break;
+          case 3: multiply.template operator()<12>(); break;
+          default: multiply.template operator()<16>();
+        }
+        if (!whole)
+          for (int64_t i = 0; i < n; ++i)
+            std::memcpy(out + (r + i) * out_features + first, tile_out + i * outs, sizeof(float) * count);
+      }
+    }
+    _tile_release();
   });
 }
 #endif
@@ -846,6 +1044,13 @@ template <int64_t Kind>
 void quant_linear_q8_impl(const float* x, int64_t rows, int64_t in_features, const uint8_t* weight,
                           int64_t out_features, float* out) {
   switch (q8_path.load()) {
+#ifdef NASD_AMX
+    case kQ8Amx:
+      if (rows >= kAmxMinRows)
+        return q8_amx<Kind>(quantize_rows<Kind, kQ8Amx>(x, rows, in_features, (rows + 15) / 16 * 16), rows,
+                            in_features, weight, out_features, out);
+      [[fallthrough]];
+#endif
 #ifdef NASD_VNNI512
     case kQ8Vnni512:
       return q8_simd<Kind, kQ8Vnni, Lanes16>(quantize_rows<Kind, kQ8Vnni>(x, rows, in_features), rows, in_features,
@@ -926,7 +1131,7 @@ at::Tensor quant_linear_q8(const at::Tensor& input, const at::Tensor& weight, in
 }
 
 int64_t quant_linear_q8_path(int64_t path) {
-  if (path >= 0) q8_path = std::min(path, kQ8Best);
+  if (path >= 0) q8_path = std::min(path, q8_best());
   return q8_path.load();
 }
 
@@ -937,7 +1142,7 @@ TORCH_LIBRARY_FRAGMENT(nasd, m) {
   m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(nasd::quant_linear));
   m.def("quant_linear_q8(Tensor input, Tensor weight, int kind) -> Tensor");
   m.impl("quant_linear_q8", c10::DispatchKey::CPU, TORCH_FN(nasd::quant_linear_q8));
-  // quant_linear_q8's instructions: 0 scalar, 1 AVX2, 2 VNNI x 8, 3 VNNI x 16 (capped at what this build has;
+  // quant_linear_q8's instructions: 0 scalar, 1 AVX2, 2 VNNI x 8, 3 VNNI x 16, 4 AMX (capped at what this build has;
   // -1 leaves it). Returns the one in use. All give the same bits; the tests compare them.
   m.def("quant_linear_q8_path(int path=-1) -> int", TORCH_FN(nasd::quant_linear_q8_path));
 }
