@@ -102,7 +102,8 @@ def test_a_querys_output_is_the_same_bits_alone_or_in_a_wide_row(head_dim, block
     """Deterministic attention's promise (fixed units of keys): a query's output depends on its
     own keys only. A 70-position prompt chunk (210 query vectors, several of the kernel's blocks
     of vectors, the causal diagonal inside a unit) must give each position what that position
-    gets alone, as a decode row, and stay within rounding of SDPA."""
+    gets alone, as a decode row, and stay within rounding of SDPA; and the same bits with the
+    kernel's loops 8 lanes wide as 16 (AVX-512, where built)."""
     generator = torch.Generator().manual_seed(head_dim + block_size + unit_keys)
     num_kv_heads, groups, length, count = 3, 3, 300, 70
     num_blocks = -(-length // block_size)
@@ -115,22 +116,32 @@ def test_a_querys_output_is_the_same_bits_alone_or_in_a_wide_row(head_dim, block
     block_ids = torch.randperm(num_blocks + 1, generator=generator)[:num_blocks].to(torch.int32)
     query = torch.randn(count, num_kv_heads * groups, head_dim, generator=generator)
     scale = head_dim**-0.5
-    chunk = torch.ops.nasd.paged_attention(
-        query, keys, values, block_ids[None], torch.tensor([[0, count, length]]), scale, block_size, unit_keys
-    )
     # Every position alone, as one batch of single-position rows over the same blocks.
     alone_rows = torch.tensor([[j, 1, length - count + j + 1] for j in range(count)])
-    alone = torch.ops.nasd.paged_attention(
-        query,
-        keys,
-        values,
-        block_ids[None].expand(count, -1).contiguous(),
-        alone_rows,
-        scale,
-        block_size,
-        unit_keys,
-    )
-    assert torch.equal(chunk, alone)
+    best = torch.ops.nasd.paged_attention_lanes()
+    try:
+        for lanes in sorted({8, best}, reverse=True):
+            torch.ops.nasd.paged_attention_lanes(lanes)
+            chunk_rows = torch.tensor([[0, count, length]])
+            chunk = torch.ops.nasd.paged_attention(
+                query, keys, values, block_ids[None], chunk_rows, scale, block_size, unit_keys
+            )
+            alone = torch.ops.nasd.paged_attention(
+                query,
+                keys,
+                values,
+                block_ids[None].expand(count, -1).contiguous(),
+                alone_rows,
+                scale,
+                block_size,
+                unit_keys,
+            )
+            assert torch.equal(chunk, alone), f"{lanes} lanes"
+            if lanes == best:
+                widest = chunk
+            assert torch.equal(chunk, widest), f"{lanes} lanes against {best}"
+    finally:
+        torch.ops.nasd.paged_attention_lanes(best)
     expected = reference(
         query,
         keys.float(),

@@ -12,6 +12,8 @@ namespace nasd {
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, const at::Tensor& values,
                            const at::Tensor& block_table, const at::Tensor& rows, double scale,
                            int64_t block_size, int64_t keys_per_unit);
+// Sets the lanes of its loops (8, or 16 where built with AVX-512; <= 0 leaves them); returns them.
+int64_t paged_attention_lanes(int64_t wanted);
 
 // quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64_t kind);

@@ -76,6 +76,23 @@ inline __m256 load8(const at::Half* p) {
 }
 #endif
 
+// Lanes of the score and value loops: 16 on AVX-512, else 8. Both give the same bits (each score
+// and each output dimension is one chain in a fixed order, whatever the register holding it);
+// the tests switch it to compare them (nasd::paged_attention_lanes).
+#ifdef __AVX512F__
+constexpr int64_t kBestLanes = 16;
+#else
+constexpr int64_t kBestLanes = 8;
+#endif
+std::atomic<int64_t> lanes{kBestLanes};
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 inline void add_scaled(float weight, const float* __restrict x, float* __restrict y, int64_t size) {
 #pragma omp simd
   for (int64_t i = 0; i < size; ++i) y[i] += weight * x[i];
@@ -88,7 +105,7 @@ constexpr int64_t kMaxTransposedDim = 128;  // the widest head score_tile transp
 struct Scratch {
   std::vector<float> queries;  // [kVectorBlock, head_dim], pre-scaled
   std::vector<float> scores;   // [kVectorBlock, keys_per_unit rounded up to 8]
-  alignas(32) float transposed[kMaxTransposedDim * kTile];  // a key tile, [head_dim, kTile]
+  alignas(64) float transposed[kMaxTransposedDim * kTile];  // a key tile, [head_dim, kTile]
 };
 
 // Calls `body(first key, keys in the tile, pointer to the tile's first slot)` for the unit's
@@ -176,6 +193,22 @@ inline void add_weighted_values(const float* weights, int64_t run, const KV* til
                                 float* acc) {
 #ifdef NASD_AVX2
   if constexpr (kSimdHead<HeadDim>) {
+#ifdef __AVX512F__
+    // The same sums 16 dimensions a register: each dimension's chain over the keys is unchanged.
+    if (lanes.load(std::memory_order_relaxed) == 16) {
+    for (int64_t d0 = 0; d0 < HeadDim; d0 += 64) {
+      __m512 sum[4];
+      for (int64_t j = 0; j < 4; ++j) sum[j] = _mm512_loadu_ps(acc + d0 + 16 * j);
+      for (int64_t i = 0; i < run; ++i) {
+        const __m512 weight = _mm512_set1_ps(weights[i]);
+        const KV* value = tile + i * HeadDim + d0;
+        for (int64_t j = 0; j < 4; ++j) sum[j] = _mm512_fmadd_ps(weight, load16(value + 16 * j), sum[j]);
+      }
+      for (int64_t j = 0; j < 4; ++j) _mm512_storeu_ps(acc + d0 + 16 * j, sum[j]);
+    }
+    return;
+    }
+#endif
     // 64 dimensions at a time: 8 accumulators in registers while the tile's values stream past.
     for (int64_t d0 = 0; d0 < HeadDim; d0 += 64) {
       __m256 sum[8];
@@ -236,6 +269,34 @@ inline void score_tile(const float* q, int64_t count, int64_t head_dim, const KV
       }
     };
     int64_t v = 0;
+#ifdef __AVX512F__
+    // 16 keys a register: 4 vectors' 32 scores in 8 registers, each score the same chain over the
+    // dimensions as below.
+    alignas(64) float spill512[kTile];
+    for (; lanes.load(std::memory_order_relaxed) == 16 && v + 4 <= count; v += 4) {
+      __m512 acc[8];
+      for (auto& a : acc) a = _mm512_setzero_ps();
+      for (int64_t d = 0; d < HeadDim; ++d) {
+        const __m512 k0 = _mm512_load_ps(kt + d * kTile), k1 = _mm512_load_ps(kt + d * kTile + 16);
+        for (int64_t j = 0; j < 4; ++j) {
+          const __m512 b = _mm512_set1_ps(q[(v + j) * HeadDim + d]);
+          acc[2 * j] = _mm512_fmadd_ps(b, k0, acc[2 * j]);
+          acc[2 * j + 1] = _mm512_fmadd_ps(b, k1, acc[2 * j + 1]);
+        }
+      }
+      for (int64_t j = 0; j < 4; ++j) {
+        float* out = target + (v + j) * target_stride;
+        if (run == kTile) {
+          _mm512_storeu_ps(out, acc[2 * j]);
+          _mm512_storeu_ps(out + 16, acc[2 * j + 1]);
+        } else {
+          _mm512_store_ps(spill512, acc[2 * j]);
+          _mm512_store_ps(spill512 + 16, acc[2 * j + 1]);
+          std::memcpy(out, spill512, sizeof(float) * run);
+        }
+      }
+    }
+#endif
     for (; v + 2 <= count; v += 2) {
       const float* q0 = q + v * HeadDim;
       const float* q1 = q0 + HeadDim;
@@ -502,6 +563,11 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
   return out;
 }
 
+int64_t paged_attention_lanes(int64_t wanted) {
+  if (wanted > 0) lanes = wanted >= 16 ? kBestLanes : 8;
+  return lanes.load();
+}
+
 }  // namespace nasd
 
 TORCH_LIBRARY(nasd, m) {
@@ -509,4 +575,7 @@ TORCH_LIBRARY(nasd, m) {
       "paged_attention(Tensor query, Tensor keys, Tensor values, Tensor block_table, Tensor rows, "
       "float scale, int block_size, int keys_per_unit) -> Tensor");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(nasd::paged_attention));
+  // The lanes of paged_attention's loops: 8 or 16 (capped at what this build has; -1 leaves them).
+  // Returns the lanes in use. Both give the same bits; the tests compare them.
+  m.def("paged_attention_lanes(int lanes=-1) -> int", TORCH_FN(nasd::paged_attention_lanes));
 }
