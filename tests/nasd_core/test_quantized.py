@@ -196,7 +196,7 @@ def q8_reference(inputs: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch
 @pytest.fixture
 def q8_paths():
     """quant_linear_q8's instruction paths on this build (0 scalar, 1 AVX2, 2 VNNI x 8 outputs,
-    3 VNNI x 16, 4 AMX tiles from 32 rows on, VNNI x 16 below), each set in turn by the test; the
+    3 VNNI x 16, 4 AMX tiles from 64 rows on, VNNI x 16 below), each set in turn by the test; the
     best one is restored after it."""
     linear = QuantLinear(random_blocks(3, 8, 64), 3, 64)
     assert linear.native, "the C++ kernel did not build"
@@ -238,12 +238,12 @@ def test_int8_sums_at_their_bounds_are_their_definition_on_every_instruction_pat
     """Every code at its extreme times rows of +1 and -1 (int8 codes of 127 everywhere): the
     integer sums reach their bounds, the AVX2 path's 16-bit pair sums included (3810 a pair for
     nibbles over 8 groups, 7874 for Q5's codes, widened every group), and every path still gives
-    the reference's bits (36 rows: the AMX path's two whole tiles of rows and a partial one)."""
+    the reference's bits (68 rows: the AMX path's four whole tiles of rows and a partial one)."""
     name, size = layout(kind), BLOCK_FORMATS[kind][1]
     blocks = random_blocks(kind, 40, 96).clone()
     width, code = EXTREME_CODES.get(name, (32, 31))
     blocks.view(40, -1, size)[..., -width:] = code
-    inputs = torch.ones(36, 96)
+    inputs = torch.ones(68, 96)
     inputs[1::4] = -1
     inputs[2::4, ::2] = -1
     inputs[3::4, :48] = -1

@@ -344,10 +344,11 @@ inline void score_tile(const float* q, int64_t count, int64_t head_dim, const KV
   }
 }
 
-// Query vectors a unit scores at a time: their queries (4 KB at D = 64) and their scores over a
-// unit of 256 keys (16 KB) stay in the L1 / L2 cache through the three passes below, where a
-// prompt chunk's hundreds of vectors at once spilled its scores to memory (3x slower prefill).
-constexpr int64_t kVectorBlock = 16;
+// Query vectors a unit scores at a time: their queries (12 KB at D = 64) and their scores over a
+// unit of up to 1024 keys (192 KB) stay in the L2 cache through the three passes below, where a
+// prompt chunk's hundreds of vectors at once spilled its scores to memory (3x slower prefill);
+// each key tile is transposed once per block, so fewer, larger blocks transpose less.
+constexpr int64_t kVectorBlock = 48;
 
 // One unit: for each query of its row that uses this key/value head, the softmax partial over
 // the unit's keys it may see: (max score, sum of exponentials, exponential-weighted values).

@@ -912,9 +912,9 @@ TileConfig amx_config() {
 // and its epilogue then runs on vector registers alone.
 constexpr int64_t kAmxBlocks = 8;
 
-// Fewer rows go the VNNI x 16 way (the same bits): below two tiles of rows a tile product's fixed
-// cost outweighs what it saves (measured in docs/results.md).
-constexpr int64_t kAmxMinRows = 32;
+// Fewer rows go the VNNI x 16 way (the same bits): below four tiles of rows the tile products gain
+// little or lose (a 32-row verification step ran 0.93x; docs/results.md), prompt chunks gain.
+constexpr int64_t kAmxMinRows = 64;
 
 // The integer sums of rows `row`..`row` + 15 and the panel's 16 outputs over blocks [first, end):
 // sums[(b - first) * 2 + half][r * 16 + j] (half 1: Q6_K's high halves).
