@@ -835,54 +835,75 @@ inline void q8_tile(const uint8_t* codes, const float* scales, const float* offs
   _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) V::store(out + r * stride, acc[r]);
 }
 
+// No per-thread state (the VNNI loops).
+struct NoThreadState {};
+
+// Calls body(codes, scales, offsets, first, count) for every tile of Outs outputs of `weight`
+// (outputs [first, first + count)), repacked into a panel (repack_tile), the tiles shared out
+// among torch's threads `grain` at a time. Each thread constructs a ThreadState before its first
+// tile and destroys it after its last.
+template <int64_t Kind, int64_t Outs, typename ThreadState, typename Body>
+void for_each_panel(const uint8_t* weight, int64_t num_blocks, int64_t out_features, int64_t grain, Body body) {
+  const int64_t row_bytes = num_blocks * kBlockBytes<Kind>;
+  const int64_t tiles = (out_features + Outs - 1) / Outs;
+  const std::vector<uint8_t> zeros(row_bytes, 0);  // the missing outputs of a last partial tile
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    const ThreadState state;
+    std::vector<uint8_t> codes(num_blocks * 32 * Outs);
+    std::vector<float> scales(num_blocks * Outs), offsets(kOffset<Kind> || kHalves<Kind> ? num_blocks * Outs : 0);
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t first = tile * Outs, count = std::min(Outs, out_features - first);
+      const uint8_t* outputs[Outs];
+      for (int64_t j = 0; j < Outs; ++j) outputs[j] = j < count ? weight + (first + j) * row_bytes : zeros.data();
+      const int64_t next_count = tile + 1 < end ? std::min(Outs, out_features - first - Outs) : 0;
+      const uint8_t* next = next_count > 0 ? weight + (first + Outs) * row_bytes : weight;
+      repack_tile<Kind, Outs>(outputs, num_blocks, codes.data(), scales.data(), offsets.data(), next,
+                              next_count * row_bytes);
+      body(codes.data(), scales.data(), offsets.data(), first, count);
+    }
+  });
+}
+
+// Rows [r, r + n) of a tile's outputs [first, first + count) from `tile_out` (stride Outs) into `out`.
+inline void copy_partial_tile(const float* tile_out, int64_t outs, int64_t n, int64_t count, float* out,
+                              int64_t out_features, int64_t r, int64_t first) {
+  for (int64_t i = 0; i < n; ++i)
+    std::memcpy(out + (r + i) * out_features + first, tile_out + i * outs, sizeof(float) * count);
+}
+
 template <int64_t Kind, int64_t Path, typename V>
 void q8_simd(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t* weight, int64_t out_features,
              float* out) {
   constexpr int64_t outs = V::outs;
   const int64_t num_blocks = in_features / kBlock;
-  const int64_t row_bytes = num_blocks * kBlockBytes<Kind>;
-  const int64_t tiles = (out_features + outs - 1) / outs;
-  const std::vector<uint8_t> zeros(row_bytes, 0);  // the missing outputs of a last partial tile
-  at::parallel_for(0, tiles, 32 / outs, [&](int64_t begin, int64_t end) {
-    std::vector<uint8_t> codes(num_blocks * 32 * outs);
-    std::vector<float> scales(num_blocks * outs), offsets(kOffset<Kind> || kHalves<Kind> ? num_blocks * outs : 0);
-    alignas(64) float tile_out[V::rows * outs];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t first = tile * outs, count = std::min(outs, out_features - first);
-      const uint8_t* outputs[outs];
-      for (int64_t j = 0; j < outs; ++j) outputs[j] = j < count ? weight + (first + j) * row_bytes : zeros.data();
-      const int64_t next_count = tile + 1 < end ? std::min(outs, out_features - first - outs) : 0;
-      const uint8_t* next = next_count > 0 ? weight + (first + outs) * row_bytes : weight;
-      repack_tile<Kind, outs>(outputs, num_blocks, codes.data(), scales.data(), offsets.data(), next,
-                              next_count * row_bytes);
-      for (int64_t r = 0; r < rows; r += V::rows) {
-        const int64_t n = std::min<int64_t>(V::rows, rows - r);
-        // A whole tile's outputs go straight to `out`; a last partial one's through tile_out.
-        float* into = count == outs ? out + r * out_features + first : tile_out;
-        const int64_t stride = count == outs ? out_features : outs;
-        switch (n) {
+  for_each_panel<Kind, outs, NoThreadState>(
+      weight, num_blocks, out_features, 32 / outs,
+      [&](const uint8_t* codes, const float* scales, const float* offsets, int64_t first, int64_t count) {
+        alignas(64) float tile_out[V::rows * outs];
+        for (int64_t r = 0; r < rows; r += V::rows) {
+          const int64_t n = std::min<int64_t>(V::rows, rows - r);
+          // A whole tile's outputs go straight to `out`; a last partial one's through tile_out.
+          float* into = count == outs ? out + r * out_features + first : tile_out;
+          const int64_t stride = count == outs ? out_features : outs;
+          switch (n) {
 // Only the row counts a tile of V takes are instantiated (n never exceeds V::rows).
 #define NASD_Q8_ROWS(N)                                                                                      \
   case N:                                                                                                    \
-    if constexpr (N <= V::rows)                                                                              \
-      q8_tile<Kind, Path, V, N>(codes.data(), scales.data(), offsets.data(), num_blocks, q, r, into, stride); \
+    if constexpr (N <= V::rows) q8_tile<Kind, Path, V, N>(codes, scales, offsets, num_blocks, q, r, into, stride); \
     break;
-          NASD_Q8_ROWS(1)
-          NASD_Q8_ROWS(2)
-          NASD_Q8_ROWS(3)
-          NASD_Q8_ROWS(4)
-          NASD_Q8_ROWS(5)
-          NASD_Q8_ROWS(6)
-          NASD_Q8_ROWS(7)
-          NASD_Q8_ROWS(8)
+            NASD_Q8_ROWS(1)
+            NASD_Q8_ROWS(2)
+            NASD_Q8_ROWS(3)
+            NASD_Q8_ROWS(4)
+            NASD_Q8_ROWS(5)
+            NASD_Q8_ROWS(6)
+            NASD_Q8_ROWS(7)
+            NASD_Q8_ROWS(8)
 #undef NASD_Q8_ROWS
+          }
+          if (count < outs) copy_partial_tile(tile_out, outs, n, count, out, out_features, r, first);
         }
-        if (count < outs)
-          for (int64_t i = 0; i < n; ++i)
-            std::memcpy(out + (r + i) * out_features + first, tile_out + i * outs, sizeof(float) * count);
-      }
-    }
-  });
+      });
 }
 #endif
 
@@ -991,52 +1012,45 @@ inline void amx_tile(const uint8_t* codes, const float* scales, const float* off
   _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) V::store(out + r * stride, acc[r]);
 }
 
+// A thread's tile configuration: loaded before its first tile product, released after its last.
+template <int64_t Kind>
+struct AmxThreadState {
+  AmxThreadState() {
+    static const TileConfig config = amx_config<Kind>();
+    _tile_loadconfig(&config);
+  }
+  ~AmxThreadState() { _tile_release(); }
+};
+
 // q8_simd's loop with AMX tiles: `q` holds its rows padded to a multiple of 16.
 template <int64_t Kind>
 void q8_amx(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t* weight, int64_t out_features,
             float* out) {
   constexpr int64_t outs = 16;
   const int64_t num_blocks = in_features / kBlock;
-  const int64_t row_bytes = num_blocks * kBlockBytes<Kind>;
-  const int64_t tiles = (out_features + outs - 1) / outs;
-  const std::vector<uint8_t> zeros(row_bytes, 0);
-  static const TileConfig config = amx_config<Kind>();
-  at::parallel_for(0, tiles, 2, [&](int64_t begin, int64_t end) {
-    _tile_loadconfig(&config);  // per thread: the configuration is a thread's register state
-    std::vector<uint8_t> codes(num_blocks * 32 * outs);
-    std::vector<float> scales(num_blocks * outs), offsets(kOffset<Kind> || kHalves<Kind> ? num_blocks * outs : 0);
-    alignas(64) float tile_out[16 * outs];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t first = tile * outs, count = std::min(outs, out_features - first);
-      const uint8_t* outputs[outs];
-      for (int64_t j = 0; j < outs; ++j) outputs[j] = j < count ? weight + (first + j) * row_bytes : zeros.data();
-      const int64_t next_count = tile + 1 < end ? std::min(outs, out_features - first - outs) : 0;
-      const uint8_t* next = next_count > 0 ? weight + (first + outs) * row_bytes : weight;
-      repack_tile<Kind, outs>(outputs, num_blocks, codes.data(), scales.data(), offsets.data(), next,
-                              next_count * row_bytes);
-      for (int64_t r = 0; r < rows; r += 16) {
-        const int64_t n = std::min<int64_t>(16, rows - r);
-        // A whole tile of 16 rows and outputs goes straight to `out`; other tiles through tile_out,
-        // their epilogue run for n rounded up to 4 (the padding rows are zeros, their sums unused).
-        const bool whole = count == outs && n == 16;
-        float* into = whole ? out + r * out_features + first : tile_out;
-        const int64_t stride = whole ? out_features : outs;
-        const auto multiply = [&]<int Rows>() {
-          amx_tile<Kind, Rows>(codes.data(), scales.data(), offsets.data(), num_blocks, q, r, into, stride);
-        };
-        switch ((n + 3) / 4) {
-          case 1: multiply.template operator()<4>(); break;
-          case 2: multiply.template operator()<8>(); break;
-          case 3: multiply.template operator()<12>(); break;
-          default: multiply.template operator()<16>();
+  for_each_panel<Kind, outs, AmxThreadState<Kind>>(
+      weight, num_blocks, out_features, 2,
+      [&](const uint8_t* codes, const float* scales, const float* offsets, int64_t first, int64_t count) {
+        alignas(64) float tile_out[16 * outs];
+        for (int64_t r = 0; r < rows; r += 16) {
+          const int64_t n = std::min<int64_t>(16, rows - r);
+          // A whole tile of 16 rows and outputs goes straight to `out`; other tiles through
+          // tile_out, their epilogue run for n rounded up to 4 (the padding rows are zeros).
+          const bool whole = count == outs && n == 16;
+          float* into = whole ? out + r * out_features + first : tile_out;
+          const int64_t stride = whole ? out_features : outs;
+          const auto multiply = [&]<int Rows>() {
+            amx_tile<Kind, Rows>(codes, scales, offsets, num_blocks, q, r, into, stride);
+          };
+          switch ((n + 3) / 4) {
+            case 1: multiply.template operator()<4>(); break;
+            case 2: multiply.template operator()<8>(); break;
+            case 3: multiply.template operator()<12>(); break;
+            default: multiply.template operator()<16>();
+          }
+          if (!whole) copy_partial_tile(tile_out, outs, n, count, out, out_features, r, first);
         }
-        if (!whole)
-          for (int64_t i = 0; i < n; ++i)
-            std::memcpy(out + (r + i) * out_features + first, tile_out + i * outs, sizeof(float) * count);
-      }
-    }
-    _tile_release();
-  });
+      });
 }
 #endif
 
