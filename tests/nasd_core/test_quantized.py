@@ -10,6 +10,8 @@ units), so neither the batch nor where a prompt's chunks start changes a row's l
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import pytest
 import torch
@@ -207,7 +209,7 @@ def q8_paths():
 
 @pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_FORMATS[kind][0] for kind in KINDS])
 def test_int8_activations_are_their_definition_on_every_instruction_path(kind, q8_paths):
-    """The scalar fallback, AVX2 and VNNI paths all give the reference's bits: 70 rows, an odd
+    """The scalar fallback, AVX2, VNNI and AMX paths all give the reference's bits: 70 rows, an odd
     number of outputs (a partial tile), a block of zeros, blocks of very different sizes and one
     too small to scale (1e-38: taken as zeros)."""
     blocks = random_blocks(kind, 101, 160, seed=2)
@@ -220,6 +222,30 @@ def test_int8_activations_are_their_definition_on_every_instruction_path(kind, q
     for path in q8_paths:
         torch.ops.nasd.quant_linear_q8_path(path)
         assert torch.equal(torch.ops.nasd.quant_linear_q8(inputs, blocks, kind), expected), f"path {path}"
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=[BLOCK_FORMATS[kind][0] for kind in KINDS])
+def test_wide_rows_are_their_definition_on_every_instruction_path(kind, q8_paths):
+    """Inputs of 10 blocks (the AMX path sums 8 blocks a pass: a whole pass and a partial one)
+    at 75 and 79 rows (its last tile of rows 11 and 15 rows: epilogues of 12 and 16 rows)."""
+    blocks = random_blocks(kind, 37, 320, seed=3)
+    inputs = torch.randn(79, 320, generator=torch.Generator().manual_seed(6))
+    for rows in (75, 79):
+        expected = q8_reference(inputs[:rows], blocks, kind)
+        for path in q8_paths:
+            torch.ops.nasd.quant_linear_q8_path(path)
+            result = torch.ops.nasd.quant_linear_q8(inputs[:rows], blocks, kind)
+            assert torch.equal(result, expected), f"path {path}, {rows} rows"
+
+
+def test_a_cpu_with_amx_multiplies_on_it(q8_paths):
+    """Where the CPU has AMX (and so the -march=native build does), the OS granted its tiles and
+    path 4 runs: a refused permission would otherwise fall back to VNNI silently."""
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo if line.startswith("flags")), [])
+    if not {"amx_tile", "amx_int8", "avx512_vnni"} <= set(flags):
+        pytest.skip("this CPU has no AMX")
+    assert max(q8_paths) == 4
 
 
 # Each type's code bytes at the value that makes the integer sums largest: nibbles 15, Q5 codes 31,

@@ -84,7 +84,7 @@ constexpr int64_t kBestLanes = 16;
 #else
 constexpr int64_t kBestLanes = 8;
 #endif
-std::atomic<int64_t> lanes{kBestLanes};
+std::atomic<int64_t> loop_lanes{kBestLanes};
 
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -195,18 +195,18 @@ inline void add_weighted_values(const float* weights, int64_t run, const KV* til
   if constexpr (kSimdHead<HeadDim>) {
 #ifdef __AVX512F__
     // The same sums 16 dimensions a register: each dimension's chain over the keys is unchanged.
-    if (lanes.load(std::memory_order_relaxed) == 16) {
-    for (int64_t d0 = 0; d0 < HeadDim; d0 += 64) {
-      __m512 sum[4];
-      for (int64_t j = 0; j < 4; ++j) sum[j] = _mm512_loadu_ps(acc + d0 + 16 * j);
-      for (int64_t i = 0; i < run; ++i) {
-        const __m512 weight = _mm512_set1_ps(weights[i]);
-        const KV* value = tile + i * HeadDim + d0;
-        for (int64_t j = 0; j < 4; ++j) sum[j] = _mm512_fmadd_ps(weight, load16(value + 16 * j), sum[j]);
+    if (loop_lanes.load(std::memory_order_relaxed) == 16) {
+      for (int64_t d0 = 0; d0 < HeadDim; d0 += 64) {
+        __m512 sum[4];
+        for (int64_t j = 0; j < 4; ++j) sum[j] = _mm512_loadu_ps(acc + d0 + 16 * j);
+        for (int64_t i = 0; i < run; ++i) {
+          const __m512 weight = _mm512_set1_ps(weights[i]);
+          const KV* value = tile + i * HeadDim + d0;
+          for (int64_t j = 0; j < 4; ++j) sum[j] = _mm512_fmadd_ps(weight, load16(value + 16 * j), sum[j]);
+        }
+        for (int64_t j = 0; j < 4; ++j) _mm512_storeu_ps(acc + d0 + 16 * j, sum[j]);
       }
-      for (int64_t j = 0; j < 4; ++j) _mm512_storeu_ps(acc + d0 + 16 * j, sum[j]);
-    }
-    return;
+      return;
     }
 #endif
     // 64 dimensions at a time: 8 accumulators in registers while the tile's values stream past.
@@ -273,7 +273,7 @@ inline void score_tile(const float* q, int64_t count, int64_t head_dim, const KV
     // 16 keys a register: 4 vectors' 32 scores in 8 registers, each score the same chain over the
     // dimensions as below.
     alignas(64) float spill512[kTile];
-    for (; lanes.load(std::memory_order_relaxed) == 16 && v + 4 <= count; v += 4) {
+    for (; loop_lanes.load(std::memory_order_relaxed) == 16 && v + 4 <= count; v += 4) {
       __m512 acc[8];
       for (auto& a : acc) a = _mm512_setzero_ps();
       for (int64_t d = 0; d < HeadDim; ++d) {
@@ -345,9 +345,10 @@ inline void score_tile(const float* q, int64_t count, int64_t head_dim, const KV
 }
 
 // Query vectors a unit scores at a time: their queries (12 KB at D = 64) and their scores over a
-// unit of up to 1024 keys (192 KB) stay in the L2 cache through the three passes below, where a
-// prompt chunk's hundreds of vectors at once spilled its scores to memory (3x slower prefill);
-// each key tile is transposed once per block, so fewer, larger blocks transpose less.
+// unit of up to 1024 keys (attention.KERNEL_MAX_KEYS_PER_UNIT: 192 KB) stay in the L2 cache
+// through the three passes below, where a prompt chunk's hundreds of vectors at once spilled its
+// scores to memory (3x slower prefill). Each key tile is transposed once per block, so fewer,
+// larger blocks transpose less (and score more keys past early queries' diagonal, masked after).
 constexpr int64_t kVectorBlock = 48;
 
 // One unit: for each query of its row that uses this key/value head, the softmax partial over
@@ -565,8 +566,8 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& keys, cons
 }
 
 int64_t paged_attention_lanes(int64_t wanted) {
-  if (wanted > 0) lanes = wanted >= 16 ? kBestLanes : 8;
-  return lanes.load();
+  if (wanted > 0) loop_lanes = wanted >= 16 ? kBestLanes : 8;
+  return loop_lanes.load();
 }
 
 }  // namespace nasd

@@ -917,6 +917,7 @@ struct TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg reads 64 bytes");
 
 template <int64_t Kind>
 TileConfig amx_config() {
@@ -937,15 +938,19 @@ constexpr int64_t kAmxBlocks = 8;
 // little or lose (a 32-row verification step ran 0.93x; docs/results.md), prompt chunks gain.
 constexpr int64_t kAmxMinRows = 64;
 
+// Int32 sums a block leaves per 16 rows and outputs: one tile, two for Q6_K's halves.
+template <int64_t Kind>
+constexpr int64_t kAmxBlockSums = (kHalves<Kind> ? 2 : 1) * 256;
+
 // The integer sums of rows `row`..`row` + 15 and the panel's 16 outputs over blocks [first, end):
-// sums[(b - first) * 2 + half][r * 16 + j] (half 1: Q6_K's high halves).
+// sums[(b - first) * kAmxBlockSums + half * 256 + r * 16 + j] (half 1: Q6_K's high halves).
 template <int64_t Kind>
 inline void amx_sums(const uint8_t* codes, const int8_t* x, int64_t in_features, int64_t first, int64_t end,
                      int32_t* sums) {
   for (int64_t b = first; b < end; ++b) {
     const uint8_t* panel = codes + b * 8 * 64;
     const int8_t* xb = x + b * kBlock;
-    int32_t* into = sums + (b - first) * 2 * 256;
+    int32_t* into = sums + (b - first) * kAmxBlockSums<Kind>;
     if constexpr (kHalves<Kind>) {
       _tile_zero(0);
       _tile_zero(1);
@@ -987,14 +992,14 @@ inline void amx_tile(const uint8_t* codes, const float* scales, const float* off
   const int8_t* x = q.codes.data() + row * in_features;
   const float* dx = q.scale.data() + row * num_blocks;
   const int32_t* start = q.start.data() + row * num_blocks;
-  alignas(64) int32_t sums[kAmxBlocks * 2 * 256];
+  alignas(64) int32_t sums[kAmxBlocks * kAmxBlockSums<Kind>];
   V::Float acc[Rows];
   _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) acc[r] = V::zerof();
   for (int64_t first = 0; first < num_blocks; first += kAmxBlocks) {
     const int64_t end = std::min(num_blocks, first + kAmxBlocks);
     amx_sums<Kind>(codes, x, in_features, first, end, sums);
     for (int64_t b = first; b < end; ++b) {
-      const int32_t* block_sums = sums + (b - first) * 2 * 256;
+      const int32_t* block_sums = sums + (b - first) * kAmxBlockSums<Kind>;
       const V::Float dw = V::loadf(scales + b * 16);
       _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) {
         V::Int isum = _mm512_load_si512(block_sums + 16 * r);
@@ -1156,7 +1161,7 @@ TORCH_LIBRARY_FRAGMENT(nasd, m) {
   m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(nasd::quant_linear));
   m.def("quant_linear_q8(Tensor input, Tensor weight, int kind) -> Tensor");
   m.impl("quant_linear_q8", c10::DispatchKey::CPU, TORCH_FN(nasd::quant_linear_q8));
-  // quant_linear_q8's instructions: 0 scalar, 1 AVX2, 2 VNNI x 8, 3 VNNI x 16, 4 AMX (capped at what this build has;
+  // quant_linear_q8's instructions: 0 scalar, 1 AVX2, 2 VNNI x 8, 3 VNNI x 16, 4 AMX (capped at what this build and the OS allow;
   // -1 leaves it). Returns the one in use. All give the same bits; the tests compare them.
   m.def("quant_linear_q8_path(int path=-1) -> int", TORCH_FN(nasd::quant_linear_q8_path));
 }
