@@ -118,11 +118,11 @@ def test_a_querys_output_is_the_same_bits_alone_or_in_a_wide_row(head_dim, block
     scale = head_dim**-0.5
     # Every position alone, as one batch of single-position rows over the same blocks.
     alone_rows = torch.tensor([[j, 1, length - count + j + 1] for j in range(count)])
+    chunk_rows = torch.tensor([[0, count, length]])
     best = torch.ops.nasd.paged_attention_lanes()
     try:
         for lanes in sorted({8, best}, reverse=True):
             torch.ops.nasd.paged_attention_lanes(lanes)
-            chunk_rows = torch.tensor([[0, count, length]])
             chunk = torch.ops.nasd.paged_attention(
                 query, keys, values, block_ids[None], chunk_rows, scale, block_size, unit_keys
             )

@@ -732,6 +732,16 @@ struct Lanes16 {
 };
 #endif
 
+// One block's integer sums into the rows' accumulators, every path's float step:
+// acc[r] = fma(d_w * d_x, isum, acc[r]) (`dw`: the block's d_w of V::outs outputs; `dx`: the
+// block's d_x of row 0, rows num_blocks apart; isum_of(r): row r's sums).
+template <typename V, int Rows, typename Sums>
+inline void add_block(typename V::Float* acc, const float* dw, const float* dx, int64_t num_blocks, Sums isum_of) {
+  const typename V::Float scale = V::loadf(dw);
+  _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) acc[r] =
+      V::fma_int(V::mul(scale, V::splatf(dx[r * num_blocks])), isum_of(r), acc[r]);
+}
+
 // acc[r] += sum over blocks (in order) of m_w * d_x s, for Q4_1, Q4_K and Q5 (`sx`: the rows' d_x s).
 // Rows go 8 at a time through the blocks, so 8 chains of multiply-adds overlap (one row's chain
 // alone waits out every multiply-add's latency).
@@ -822,14 +832,9 @@ inline void q8_tile(const uint8_t* codes, const float* scales, const float* offs
       _Pragma("GCC unroll 8") for (int g = 4; g < 8; ++g) add_group(kHalves<Kind> ? high : isum, g);
     }
 #endif
-    const Float dw = V::loadf(scales + b * V::outs);
-    _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) acc[r] =
-        V::fma_int(V::mul(dw, V::splatf(dx[r * num_blocks + b])), isum[r], acc[r]);
-    if constexpr (kHalves<Kind>) {
-      const Float dw_high = V::loadf(offsets + b * V::outs);
-      _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) acc[r] =
-          V::fma_int(V::mul(dw_high, V::splatf(dx[r * num_blocks + b])), high[r], acc[r]);
-    }
+    add_block<V, Rows>(acc, scales + b * V::outs, dx + b, num_blocks, [&](int r) { return isum[r]; });
+    if constexpr (kHalves<Kind>)
+      add_block<V, Rows>(acc, offsets + b * V::outs, dx + b, num_blocks, [&](int r) { return high[r]; });
   }
   if constexpr (kOffset<Kind>) add_offsets<V, Rows>(acc, offsets, q.offset.data() + row * num_blocks, num_blocks);
   _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) V::store(out + r * stride, acc[r]);
@@ -935,7 +940,7 @@ TileConfig amx_config() {
 constexpr int64_t kAmxBlocks = 8;
 
 // Fewer rows go the VNNI x 16 way (the same bits): below four tiles of rows the tile products gain
-// little or lose (a 32-row verification step ran 0.93x; docs/results.md), prompt chunks gain.
+// little or lose (verification steps; docs/results.md), while prompt chunks gain.
 constexpr int64_t kAmxMinRows = 64;
 
 // Int32 sums a block leaves per 16 rows and outputs: one tile, two for Q6_K's halves.
@@ -963,6 +968,8 @@ inline void amx_sums(const uint8_t* codes, const int8_t* x, int64_t in_features,
       _tile_stored(0, into, 64);
       _tile_stored(1, into + 256, 64);
     } else if ((b - first) % 2 == 0) {
+      // Written out twice: GCC's tile intrinsics are macros that paste the tile number into the
+      // instruction, so it cannot be a template argument or variable.
       _tile_zero(0);
       _tile_loadd(2, xb, in_features);
       _tile_loadd(4, panel, 64);
@@ -1000,17 +1007,13 @@ inline void amx_tile(const uint8_t* codes, const float* scales, const float* off
     amx_sums<Kind>(codes, x, in_features, first, end, sums);
     for (int64_t b = first; b < end; ++b) {
       const int32_t* block_sums = sums + (b - first) * kAmxBlockSums<Kind>;
-      const V::Float dw = V::loadf(scales + b * 16);
-      _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) {
-        V::Int isum = _mm512_load_si512(block_sums + 16 * r);
-        if constexpr (starts) isum = _mm512_add_epi32(isum, V::splat(start[r * num_blocks + b]));
-        acc[r] = V::fma_int(V::mul(dw, V::splatf(dx[r * num_blocks + b])), isum, acc[r]);
-      }
-      if constexpr (kHalves<Kind>) {
-        const V::Float dw_high = V::loadf(offsets + b * 16);
-        _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) acc[r] = V::fma_int(
-            V::mul(dw_high, V::splatf(dx[r * num_blocks + b])), _mm512_load_si512(block_sums + 256 + 16 * r), acc[r]);
-      }
+      add_block<V, Rows>(acc, scales + b * 16, dx + b, num_blocks, [&](int r) {
+        const V::Int isum = _mm512_load_si512(block_sums + 16 * r);
+        return starts ? _mm512_add_epi32(isum, V::splat(start[r * num_blocks + b])) : isum;
+      });
+      if constexpr (kHalves<Kind>)
+        add_block<V, Rows>(acc, offsets + b * 16, dx + b, num_blocks,
+                           [&](int r) { return _mm512_load_si512(block_sums + 256 + 16 * r); });
     }
   }
   if constexpr (kOffset<Kind>) add_offsets<V, Rows>(acc, offsets, q.offset.data() + row * num_blocks, num_blocks);
