@@ -168,7 +168,24 @@ inline std::pair<float, float> softmax_scores(float* scores, int64_t visible) {
     const float max_score = *std::max_element(lanes, lanes + 8);
     const __m256 shift = _mm256_set1_ps(max_score);
     __m256 total = _mm256_setzero_ps();
-    for (int64_t i = 0; i < padded; i += 8) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    // 16 scores at a time; the sum still adds them 8 at a time in order (the same bits).
+    if (loop_lanes.load(std::memory_order_relaxed) == 16) {
+      const __m512 shift16 = _mm512_set1_ps(max_score);
+      const __m512 lane = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      for (; i + 16 <= padded; i += 16) {
+        const __mmask16 seen = _mm512_cmp_ps_mask(_mm512_set1_ps(float(visible - i)), lane, _CMP_GT_OQ);
+        const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(scores + i), shift16);
+        const __m512 e = _mm512_maskz_mov_ps(seen, nasd_simd::exp16(x));
+        _mm512_storeu_ps(scores + i, e);
+        const __m512d halves = _mm512_castps_pd(e);
+        total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
+        total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(halves, 1)));
+      }
+    }
+#endif
+    for (; i < padded; i += 8) {
       const __m256 seen = _mm256_cmp_ps(_mm256_set1_ps(float(visible - i)),
                                         _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _CMP_GT_OQ);
       const __m256 e = _mm256_and_ps(seen, nasd_simd::exp(_mm256_sub_ps(_mm256_loadu_ps(scores + i), shift)));
@@ -193,22 +210,6 @@ inline void add_weighted_values(const float* weights, int64_t run, const KV* til
                                 float* acc) {
 #ifdef NASD_AVX2
   if constexpr (kSimdHead<HeadDim>) {
-#ifdef __AVX512F__
-    // The same sums 16 dimensions a register: each dimension's chain over the keys is unchanged.
-    if (loop_lanes.load(std::memory_order_relaxed) == 16) {
-      for (int64_t d0 = 0; d0 < HeadDim; d0 += 64) {
-        __m512 sum[4];
-        for (int64_t j = 0; j < 4; ++j) sum[j] = _mm512_loadu_ps(acc + d0 + 16 * j);
-        for (int64_t i = 0; i < run; ++i) {
-          const __m512 weight = _mm512_set1_ps(weights[i]);
-          const KV* value = tile + i * HeadDim + d0;
-          for (int64_t j = 0; j < 4; ++j) sum[j] = _mm512_fmadd_ps(weight, load16(value + 16 * j), sum[j]);
-        }
-        for (int64_t j = 0; j < 4; ++j) _mm512_storeu_ps(acc + d0 + 16 * j, sum[j]);
-      }
-      return;
-    }
-#endif
     // 64 dimensions at a time: 8 accumulators in registers while the tile's values stream past.
     for (int64_t d0 = 0; d0 < HeadDim; d0 += 64) {
       __m256 sum[8];
@@ -235,6 +236,109 @@ inline void add_weighted_values(const float* weights, int64_t run, const KV* til
   if (HeadDim > 0) std::copy(local, local + head_dim, acc);
 }
 
+#ifdef NASD_AVX2
+// kt ([HeadDim, kTile]) <- a tile of `run` keys ([run, HeadDim]) transposed, zeros past `run`;
+// 16 x 16 pieces on AVX-512 (64 shuffles where four 8 x 8 take 96), else 8 x 8 (the same kt).
+template <int64_t HeadDim, typename KV>
+inline void transpose_tile(const KV* tile, int64_t run, float* kt) {
+#ifdef __AVX512F__
+  if (loop_lanes.load(std::memory_order_relaxed) == 16) {
+    for (int64_t i0 = 0; i0 < kTile; i0 += 16) {
+      for (int64_t d0 = 0; d0 < HeadDim; d0 += 16) {
+        __m512 r[16];
+        for (int64_t k = 0; k < 16; ++k)
+          r[k] = i0 + k < run ? load16(tile + (i0 + k) * HeadDim + d0) : _mm512_setzero_ps();
+        nasd_simd::transpose16(r);
+        for (int64_t j = 0; j < 16; ++j) _mm512_store_ps(kt + (d0 + j) * kTile + i0, r[j]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i0 = 0; i0 < kTile; i0 += 8) {
+    for (int64_t d0 = 0; d0 < HeadDim; d0 += 8) {
+      __m256 r[8];
+      for (int64_t k = 0; k < 8; ++k) r[k] = i0 + k < run ? load8(tile + (i0 + k) * HeadDim + d0) : _mm256_setzero_ps();
+      nasd_simd::transpose8(r);
+      for (int64_t j = 0; j < 8; ++j) _mm256_store_ps(kt + (d0 + j) * kTile + i0, r[j]);
+    }
+  }
+}
+
+#endif
+
+#ifdef __AVX512F__
+// score_tile's 16-lane loop for N vectors (q: [N, HeadDim]) against a transposed tile (kt:
+// [HeadDim, kTile]): each score one chain of fused multiply-adds over the dimensions in order.
+template <int64_t HeadDim, int N>
+inline void score_vectors16(const float* q, const float* kt, int64_t run, float* target, int64_t target_stride) {
+  __m512 acc[2 * N];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t d = 0; d < HeadDim; ++d) {
+    const __m512 k0 = _mm512_load_ps(kt + d * kTile), k1 = _mm512_load_ps(kt + d * kTile + 16);
+    for (int j = 0; j < N; ++j) {
+      const __m512 b = _mm512_set1_ps(q[j * HeadDim + d]);
+      acc[2 * j] = _mm512_fmadd_ps(b, k0, acc[2 * j]);
+      acc[2 * j + 1] = _mm512_fmadd_ps(b, k1, acc[2 * j + 1]);
+    }
+  }
+  alignas(64) float spill[kTile];
+  for (int j = 0; j < N; ++j) {
+    float* out = target + j * target_stride;
+    if (run == kTile) {
+      _mm512_storeu_ps(out, acc[2 * j]);
+      _mm512_storeu_ps(out + 16, acc[2 * j + 1]);
+    } else {
+      _mm512_store_ps(spill, acc[2 * j]);
+      _mm512_store_ps(spill + 16, acc[2 * j + 1]);
+      std::memcpy(out, spill, sizeof(float) * run);
+    }
+  }
+}
+#endif
+
+#ifdef __AVX512F__
+// add_weighted_values for N query vectors at once, 16 lanes wide: vector j's accumulators
+// (acc + j * acc_stride) += the tile's `run` values weighted by weights[j * weight_stride + i],
+// key by key in order (each dimension's chain as in add_weighted_values). Why together: each
+// value is widened from the pool once for the N vectors instead of once per vector.
+template <int64_t HeadDim, typename KV, int N>
+inline void add_weighted_values16(const float* weights, int64_t weight_stride, int64_t run, const KV* tile,
+                                  float* acc, int64_t acc_stride) {
+  for (int64_t d0 = 0; d0 < HeadDim; d0 += 64) {
+    __m512 sum[N][4];
+    for (int j = 0; j < N; ++j)
+      for (int64_t g = 0; g < 4; ++g) sum[j][g] = _mm512_loadu_ps(acc + j * acc_stride + d0 + 16 * g);
+    for (int64_t i = 0; i < run; ++i) {
+      const KV* value = tile + i * HeadDim + d0;
+      const __m512 v[4] = {load16(value), load16(value + 16), load16(value + 32), load16(value + 48)};
+      for (int j = 0; j < N; ++j) {
+        const __m512 weight = _mm512_set1_ps(weights[j * weight_stride + i]);
+        for (int64_t g = 0; g < 4; ++g) sum[j][g] = _mm512_fmadd_ps(weight, v[g], sum[j][g]);
+      }
+    }
+    for (int j = 0; j < N; ++j)
+      for (int64_t g = 0; g < 4; ++g) _mm512_storeu_ps(acc + j * acc_stride + d0 + 16 * g, sum[j][g]);
+  }
+}
+#endif
+
+#ifdef __AVX512F__
+// add_weighted_values16 for `count` (1-4) vectors.
+template <int64_t HeadDim, typename KV>
+inline void add_weighted_values16(int count, const float* weights, int64_t weight_stride, int64_t run,
+                                  const KV* tile, float* acc, int64_t acc_stride) {
+  if constexpr (kSimdHead<HeadDim>) {
+    switch (count) {
+      case 4: return add_weighted_values16<HeadDim, KV, 4>(weights, weight_stride, run, tile, acc, acc_stride);
+      case 3: return add_weighted_values16<HeadDim, KV, 3>(weights, weight_stride, run, tile, acc, acc_stride);
+      case 2: return add_weighted_values16<HeadDim, KV, 2>(weights, weight_stride, run, tile, acc, acc_stride);
+      default: return add_weighted_values16<HeadDim, KV, 1>(weights, weight_stride, run, tile, acc, acc_stride);
+    }
+  }
+}
+#endif
+
 // The scores of `count` query vectors (pre-scaled, [count, D]) against a tile of `run` keys
 // ([run, D], run <= kTile) into target[v * target_stride + i]. Each score is one chain of fused
 // multiply-adds over the head's dimensions in order, the same bits whatever vectors or keys are
@@ -247,15 +351,7 @@ inline void score_tile(const float* q, int64_t count, int64_t head_dim, const KV
   const int64_t dims = HeadDim > 0 ? HeadDim : head_dim;
 #ifdef NASD_AVX2
   if constexpr (kSimdHead<HeadDim>) {
-    for (int64_t i0 = 0; i0 < kTile; i0 += 8) {
-      for (int64_t d0 = 0; d0 < HeadDim; d0 += 8) {
-        __m256 r[8];
-        for (int64_t k = 0; k < 8; ++k)
-          r[k] = i0 + k < run ? load8(tile + (i0 + k) * HeadDim + d0) : _mm256_setzero_ps();
-        nasd_simd::transpose8(r);
-        for (int64_t j = 0; j < 8; ++j) _mm256_store_ps(kt + (d0 + j) * kTile + i0, r[j]);
-      }
-    }
+    transpose_tile<HeadDim>(tile, run, kt);
     alignas(32) float spill[kTile];
     const auto put = [&](int64_t vector, const __m256* acc, int64_t lines) {
       for (int64_t line = 0; line < lines; ++line) {
@@ -270,31 +366,20 @@ inline void score_tile(const float* q, int64_t count, int64_t head_dim, const KV
     };
     int64_t v = 0;
 #ifdef __AVX512F__
-    // 16 keys a register: 4 vectors' 32 scores in 8 registers, each score the same chain over the
-    // dimensions as below.
-    alignas(64) float spill512[kTile];
-    for (; loop_lanes.load(std::memory_order_relaxed) == 16 && v + 4 <= count; v += 4) {
-      __m512 acc[8];
-      for (auto& a : acc) a = _mm512_setzero_ps();
-      for (int64_t d = 0; d < HeadDim; ++d) {
-        const __m512 k0 = _mm512_load_ps(kt + d * kTile), k1 = _mm512_load_ps(kt + d * kTile + 16);
-        for (int64_t j = 0; j < 4; ++j) {
-          const __m512 b = _mm512_set1_ps(q[(v + j) * HeadDim + d]);
-          acc[2 * j] = _mm512_fmadd_ps(b, k0, acc[2 * j]);
-          acc[2 * j + 1] = _mm512_fmadd_ps(b, k1, acc[2 * j + 1]);
+    // 16 keys a register: up to 4 vectors' 32 scores in 8 registers, each score the same chain
+    // over the dimensions as below.
+    if (loop_lanes.load(std::memory_order_relaxed) == 16) {
+      for (; v < count; v += 4) {
+        const float* qv = q + v * HeadDim;
+        float* out = target + v * target_stride;
+        switch (std::min<int64_t>(4, count - v)) {
+          case 4: score_vectors16<HeadDim, 4>(qv, kt, run, out, target_stride); break;
+          case 3: score_vectors16<HeadDim, 3>(qv, kt, run, out, target_stride); break;
+          case 2: score_vectors16<HeadDim, 2>(qv, kt, run, out, target_stride); break;
+          default: score_vectors16<HeadDim, 1>(qv, kt, run, out, target_stride);
         }
       }
-      for (int64_t j = 0; j < 4; ++j) {
-        float* out = target + (v + j) * target_stride;
-        if (run == kTile) {
-          _mm512_storeu_ps(out, acc[2 * j]);
-          _mm512_storeu_ps(out + 16, acc[2 * j + 1]);
-        } else {
-          _mm512_store_ps(spill512, acc[2 * j]);
-          _mm512_store_ps(spill512 + 16, acc[2 * j + 1]);
-          std::memcpy(out, spill512, sizeof(float) * run);
-        }
-      }
+      return;
     }
 #endif
     for (; v + 2 <= count; v += 2) {
@@ -423,12 +508,27 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
     if (block_keys > 0) {
       for_each_tile(seen, block_row, shape.block_size, head_values, head_dim, static_cast<const KV*>(nullptr),
                     [&](int64_t first, int64_t run, const KV* tile) {
-                      for (int64_t vector = 0; vector < block_vectors; ++vector) {
-                        const int64_t offset = first - unit.first_key;
-                        const int64_t keys = std::min(run, visible_keys((block + vector) / groups) - offset);
-                        if (keys <= 0) continue;
-                        add_weighted_values<HeadDim>(scores + vector * score_stride + offset, keys, tile, head_dim,
-                                                     partials + (unit.first_partial + block + vector) * stride + 2);
+                      const int64_t offset = first - unit.first_key;
+                      const auto keys_of = [&](int64_t vector) {
+                        return std::min(run, visible_keys((block + vector) / groups) - offset);
+                      };
+                      for (int64_t vector = 0; vector < block_vectors;) {
+                        const int64_t keys = keys_of(vector);
+                        const float* weights = scores + vector * score_stride + offset;
+                        float* acc = partials + (unit.first_partial + block + vector) * stride + 2;
+#ifdef __AVX512F__
+                        if (kSimdHead<HeadDim> && keys > 0 && loop_lanes.load(std::memory_order_relaxed) == 16) {
+                          // Consecutive vectors that see the same keys (a position's groups, and
+                          // every position past the causal diagonal) go up to 4 at a time.
+                          int n = 1;
+                          while (n < 4 && vector + n < block_vectors && keys_of(vector + n) == keys) ++n;
+                          add_weighted_values16<HeadDim>(n, weights, score_stride, keys, tile, acc, stride);
+                          vector += n;
+                          continue;
+                        }
+#endif
+                        if (keys > 0) add_weighted_values<HeadDim>(weights, keys, tile, head_dim, acc);
+                        ++vector;
                       }
                     });
     }

@@ -35,6 +35,55 @@ inline __m256 exp(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
+#ifdef __AVX512F__
+// exp above in 16 lanes: the same operations, so each lane is the same bits as exp's.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447504019f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(exponent));
+}
+
+// r[j] <- column j of the 16x16 matrix whose rows were r[0..15] (64 shuffles, where four 8x8
+// transposes take 96).
+__attribute__((always_inline)) inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < 4; ++i) {
+      t[8 * h + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0x88);
+      t[8 * h + 4 + i] = _mm512_shuffle_f32x4(r[8 * h + i], r[8 * h + 4 + i], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0x88);
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], 0xdd);
+  }
+}
+#endif
+
 // r[j] <- column j of the 8x8 matrix whose rows were r[0..7].
 inline void transpose8(__m256* r) {
   const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
