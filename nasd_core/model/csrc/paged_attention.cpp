@@ -204,26 +204,11 @@ inline std::pair<float, float> softmax_scores(float* scores, int64_t visible) {
   return {max_score, total};
 }
 
-// acc[0, head_dim) += the tile's `run` values weighted by weights[0, run), key by key in order.
+// acc[0, head_dim) += the tile's `run` values weighted by weights[0, run), key by key in order
+// (each dimension one chain, whatever loop below computes it).
 template <int64_t HeadDim, typename KV>
-inline void add_weighted_values(const float* weights, int64_t run, const KV* tile, int64_t head_dim,
-                                float* acc) {
-#ifdef NASD_AVX2
-  if constexpr (kSimdHead<HeadDim>) {
-    // 64 dimensions at a time: 8 accumulators in registers while the tile's values stream past.
-    for (int64_t d0 = 0; d0 < HeadDim; d0 += 64) {
-      __m256 sum[8];
-      for (int64_t j = 0; j < 8; ++j) sum[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
-      for (int64_t i = 0; i < run; ++i) {
-        const __m256 weight = _mm256_broadcast_ss(weights + i);
-        const KV* value = tile + i * HeadDim + d0;
-        for (int64_t j = 0; j < 8; ++j) sum[j] = _mm256_fmadd_ps(weight, load8(value + 8 * j), sum[j]);
-      }
-      for (int64_t j = 0; j < 8; ++j) _mm256_storeu_ps(acc + d0 + 8 * j, sum[j]);
-    }
-    return;
-  }
-#endif
+inline void add_weighted_values_scalar(const float* weights, int64_t run, const KV* tile, int64_t head_dim,
+                                       float* acc) {
   float local[HeadDim > 0 ? HeadDim : 1];
   float* sum = HeadDim > 0 ? local : acc;
   if (HeadDim > 0) std::copy(acc, acc + head_dim, local);
@@ -235,6 +220,32 @@ inline void add_weighted_values(const float* weights, int64_t run, const KV* til
   }
   if (HeadDim > 0) std::copy(local, local + head_dim, acc);
 }
+
+#ifdef NASD_AVX2
+// The same sums for N query vectors at once, 8 lanes wide: vector j's accumulators (acc + j *
+// acc_stride) += the values weighted by weights[j * weight_stride + i]. Why together: each value
+// is widened from the pool once for the N vectors, not once per vector. 32 dimensions at a time:
+// N = 2 vectors' accumulators, the values and a weight fit AVX2's 16 registers.
+template <int64_t HeadDim, typename KV, int N>
+inline void add_weighted_values8(const float* weights, int64_t weight_stride, int64_t run, const KV* tile,
+                                 float* acc, int64_t acc_stride) {
+  for (int64_t d0 = 0; d0 < HeadDim; d0 += 32) {
+    __m256 sum[N][4];
+    for (int j = 0; j < N; ++j)
+      for (int64_t g = 0; g < 4; ++g) sum[j][g] = _mm256_loadu_ps(acc + j * acc_stride + d0 + 8 * g);
+    for (int64_t i = 0; i < run; ++i) {
+      const KV* value = tile + i * HeadDim + d0;
+      const __m256 v[4] = {load8(value), load8(value + 8), load8(value + 16), load8(value + 24)};
+      for (int j = 0; j < N; ++j) {
+        const __m256 weight = _mm256_broadcast_ss(weights + j * weight_stride + i);
+        for (int64_t g = 0; g < 4; ++g) sum[j][g] = _mm256_fmadd_ps(weight, v[g], sum[j][g]);
+      }
+    }
+    for (int j = 0; j < N; ++j)
+      for (int64_t g = 0; g < 4; ++g) _mm256_storeu_ps(acc + j * acc_stride + d0 + 8 * g, sum[j][g]);
+  }
+}
+#endif
 
 #ifdef NASD_AVX2
 // kt ([HeadDim, kTile]) <- a tile of `run` keys ([run, HeadDim]) transposed, zeros past `run`;
@@ -323,21 +334,40 @@ inline void add_weighted_values16(const float* weights, int64_t weight_stride, i
 }
 #endif
 
-#ifdef __AVX512F__
-// add_weighted_values16 for `count` (1-4) vectors.
-template <int64_t HeadDim, typename KV>
-inline void add_weighted_values16(int count, const float* weights, int64_t weight_stride, int64_t run,
-                                  const KV* tile, float* acc, int64_t acc_stride) {
-  if constexpr (kSimdHead<HeadDim>) {
-    switch (count) {
-      case 4: return add_weighted_values16<HeadDim, KV, 4>(weights, weight_stride, run, tile, acc, acc_stride);
-      case 3: return add_weighted_values16<HeadDim, KV, 3>(weights, weight_stride, run, tile, acc, acc_stride);
-      case 2: return add_weighted_values16<HeadDim, KV, 2>(weights, weight_stride, run, tile, acc, acc_stride);
-      default: return add_weighted_values16<HeadDim, KV, 1>(weights, weight_stride, run, tile, acc, acc_stride);
-    }
-  }
-}
+// Query vectors whose values add_weighted_values weighs together: 4 with 16 lanes (32 registers),
+// 2 with 8 (16 registers).
+inline int value_group() {
+#ifdef NASD_AVX2
+  return loop_lanes.load(std::memory_order_relaxed) == 16 ? 4 : 2;
+#else
+  return 1;
 #endif
+}
+
+// `count` (at most value_group()) query vectors' accumulators (acc + j * acc_stride) += the tile's
+// `run` values weighted by weights[j * weight_stride + i], key by key in order.
+template <int64_t HeadDim, typename KV>
+inline void add_weighted_values(int count, const float* weights, int64_t weight_stride, int64_t run, const KV* tile,
+                                int64_t head_dim, float* acc, int64_t acc_stride) {
+#ifdef NASD_AVX2
+  if constexpr (kSimdHead<HeadDim>) {
+#ifdef __AVX512F__
+    if (loop_lanes.load(std::memory_order_relaxed) == 16) {
+      switch (count) {
+        case 4: return add_weighted_values16<HeadDim, KV, 4>(weights, weight_stride, run, tile, acc, acc_stride);
+        case 3: return add_weighted_values16<HeadDim, KV, 3>(weights, weight_stride, run, tile, acc, acc_stride);
+        case 2: return add_weighted_values16<HeadDim, KV, 2>(weights, weight_stride, run, tile, acc, acc_stride);
+        default: return add_weighted_values16<HeadDim, KV, 1>(weights, weight_stride, run, tile, acc, acc_stride);
+      }
+    }
+#endif
+    if (count == 2) return add_weighted_values8<HeadDim, KV, 2>(weights, weight_stride, run, tile, acc, acc_stride);
+    return add_weighted_values8<HeadDim, KV, 1>(weights, weight_stride, run, tile, acc, acc_stride);
+  }
+#endif
+  for (int j = 0; j < count; ++j)
+    add_weighted_values_scalar<HeadDim>(weights + j * weight_stride, run, tile, head_dim, acc + j * acc_stride);
+}
 
 // The scores of `count` query vectors (pre-scaled, [count, D]) against a tile of `run` keys
 // ([run, D], run <= kTile) into target[v * target_stride + i]. Each score is one chain of fused
@@ -512,23 +542,20 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
                       const auto keys_of = [&](int64_t vector) {
                         return std::min(run, visible_keys((block + vector) / groups) - offset);
                       };
+                      // Consecutive vectors that see the same keys (a position's groups, and every
+                      // position past the causal diagonal) go together.
+                      const int group = value_group();
                       for (int64_t vector = 0; vector < block_vectors;) {
                         const int64_t keys = keys_of(vector);
-                        const float* weights = scores + vector * score_stride + offset;
-                        float* acc = partials + (unit.first_partial + block + vector) * stride + 2;
-#ifdef __AVX512F__
-                        if (kSimdHead<HeadDim> && keys > 0 && loop_lanes.load(std::memory_order_relaxed) == 16) {
-                          // Consecutive vectors that see the same keys (a position's groups, and
-                          // every position past the causal diagonal) go up to 4 at a time.
-                          int n = 1;
-                          while (n < 4 && vector + n < block_vectors && keys_of(vector + n) == keys) ++n;
-                          add_weighted_values16<HeadDim>(n, weights, score_stride, keys, tile, acc, stride);
-                          vector += n;
-                          continue;
+                        int n = 1;
+                        while (n < group && vector + n < block_vectors && keys_of(vector + n) == keys) ++n;
+                        if (keys > 0) {
+                          add_weighted_values<HeadDim>(n, scores + vector * score_stride + offset, score_stride, keys,
+                                                       tile, head_dim,
+                                                       partials + (unit.first_partial + block + vector) * stride + 2,
+                                                       stride);
                         }
-#endif
-                        if (keys > 0) add_weighted_values<HeadDim>(weights, keys, tile, head_dim, acc);
-                        ++vector;
+                        vector += n;
                       }
                     });
     }
