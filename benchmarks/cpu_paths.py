@@ -12,7 +12,11 @@ load moving during the run moves them alike):
 - ``step``: a whole step of the embedded model (8 rows x 1 and x 4 positions on one thread, as a
   server decodes; a 256-position prompt chunk on two) at 256 and 1024 cached tokens a row, with
   the defaults (``best``), the matmuls' VNNI x 16 path (``vnni16``), attention's loops 8 lanes
-  wide (``lanes8``, ``nasd::paged_attention_lanes``), and both (``vnni16_lanes8``).
+  wide (``lanes8``, ``nasd::paged_attention_lanes``), and both (``vnni16_lanes8``);
+- ``attention``: one layer's ``paged_attention`` call on one thread with the embedded model's
+  heads (9 query, 3 key/value heads of 64) over a float16 pool of random keys and values, rows in
+  scattered blocks: 8 rows x 1 and x 4 positions at 512-2048 keys, a 256-position chunk over 512,
+  its loops 16 lanes wide and 8.
 
 On a host without AVX-512 VNNI there is nothing to compare; without AMX the matmul table has one
 path.
@@ -32,7 +36,7 @@ from benchmarks.gguf_step import repeated_step, use_variant
 from benchmarks.quant_kinds import build
 from benchmarks.quant_matmul import model_shapes
 from nasd_core.config import ModelConfig
-from nasd_core.model import native
+from nasd_core.model import attention, native
 from nasd_core.models import load_model
 from nasd_core.speculation.calibration import filled_runner
 
@@ -41,6 +45,8 @@ MATMUL_ROWS = (8, 32, 64, 256)
 MATMUL_KINDS = {3: "Q4_1", 8: "Q8_0"}
 STEP_SHAPES = ((1, (8, 1)), (1, (8, 4)), (2, (1, 256)))  # (threads, (rows, positions a row))
 CONTEXTS = (256, 1024)
+# (rows, positions a row, keys a row), one thread.
+ATTENTION_SHAPES = ((8, 1, 512), (8, 4, 512), (8, 1, 1024), (8, 4, 1024), (8, 4, 2048), (1, 256, 512))
 STEP_CASES = {"best": (None, 16), "vnni16": (VNNI16, 16), "lanes8": (None, 8), "vnni16_lanes8": (VNNI16, 8)}
 
 
@@ -102,6 +108,44 @@ def step_cells(best_path: int, repeats: int) -> dict[str, dict[str, float]]:
     return cells
 
 
+def attention_case(rows: int, width: int, length: int, generator: torch.Generator):
+    """One layer's ``paged_attention`` over ``rows`` rows of ``length`` keys, ``width`` new positions each."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 32
+    blocks = -(-length // block_size)
+    shape = (kv_heads, rows * blocks * block_size, head_dim)
+    keys = torch.randn(shape, generator=generator).half()
+    values = torch.randn(shape, generator=generator).half()
+    table = torch.randperm(rows * blocks, generator=generator).to(torch.int32).view(rows, blocks)
+    row_info = torch.tensor([[row * width, width, length] for row in range(rows)])
+    query = torch.randn(rows * width, heads, head_dim, generator=generator)
+    keys_per_unit = attention.keys_per_unit(rows * length, 1)
+    return lambda: torch.ops.nasd.paged_attention(
+        query, keys, values, table, row_info, head_dim**-0.5, block_size, keys_per_unit
+    )
+
+
+def attention_cells(repeats: int) -> dict[str, dict[str, float]]:
+    """ms of one layer's attention per shape, 16 lanes and 8."""
+    torch.set_num_threads(1)
+    best_lanes = torch.ops.nasd.paged_attention_lanes()
+    generator = torch.Generator().manual_seed(0)
+    cells: dict[str, dict[str, float]] = {}
+    for rows, width, length in ATTENTION_SHAPES:
+        run = attention_case(rows, width, length, generator)
+
+        def setup(lanes: int, run=run):
+            torch.ops.nasd.paged_attention_lanes(lanes)
+            return run
+
+        lanes = {f"lanes{n}": partial(setup, n) for n in sorted({best_lanes, 8}, reverse=True)}
+        for case in lanes.values():
+            case()()
+        cells[f"{rows}x{width}, {length} keys"] = timings = fastest_interleaved_ms(lanes, repeats, 20)
+        print("attention", rows, width, length, timings, flush=True)
+    torch.ops.nasd.paged_attention_lanes(best_lanes)
+    return cells
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -120,6 +164,7 @@ def main() -> None:
         "attention_lanes": torch.ops.nasd.paged_attention_lanes(),
         "matmul_ms": matmul_cells(list(range(VNNI16, best_path + 1)), args.repeats),
         "step_ms": step_cells(best_path, args.repeats),
+        "attention_ms": attention_cells(args.repeats),
     }
     print(markdown_tables(payload))
     print(f"results: {write_result('cpu_paths', payload)}")
@@ -127,7 +172,12 @@ def main() -> None:
 
 def markdown_tables(payload: dict) -> str:
     lines = []
-    for title, cells in (("matmuls, one pass", payload["matmul_ms"]), ("step", payload["step_ms"])):
+    tables = (
+        ("matmuls, one pass", payload["matmul_ms"]),
+        ("step", payload["step_ms"]),
+        ("attention, one layer, 1 thread", payload["attention_ms"]),
+    )
+    for title, cells in tables:
         cases = list(next(iter(cells.values())))
         lines += ["", f"| {title} | " + " | ".join(f"{case} (ms)" for case in cases) + " |"]
         lines.append("|---|" + "---|" * len(cases))
