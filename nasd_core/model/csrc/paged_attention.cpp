@@ -153,9 +153,9 @@ constexpr bool kSimdHead = false;
 #endif
 
 // scores[0, visible) <- exp(score - max) over the query's visible scores; returns (max, their
-// sum). With AVX2 the scores go 8 at a time (nasd_simd::exp), the last 8 padded (the row holds
-// visible rounded up to 8) and masked to 0, so each score's lane and the sum's order depend on
-// `visible` alone; elsewhere in order, one at a time.
+// sum). With AVX2 the scores go 8 at a time (nasd_simd::exp; 16 at a time on AVX-512, still summed
+// 8 at a time), the last 8 padded (the row holds visible rounded up to 8) and masked to 0, so each
+// score's lane and the sum's order depend on `visible` alone; elsewhere in order, one at a time.
 inline std::pair<float, float> softmax_scores(float* scores, int64_t visible) {
 #ifdef NASD_AVX2
   {
@@ -179,7 +179,7 @@ inline std::pair<float, float> softmax_scores(float* scores, int64_t visible) {
         const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(scores + i), shift16);
         const __m512 e = _mm512_maskz_mov_ps(seen, nasd_simd::exp16(x));
         _mm512_storeu_ps(scores + i, e);
-        const __m512d halves = _mm512_castps_pd(e);
+        const __m512d halves = _mm512_castps_pd(e);  // the high 8 as doubles: AVX-512F, not DQ
         total = _mm256_add_ps(total, _mm512_castps512_ps256(e));
         total = _mm256_add_ps(total, _mm256_castpd_ps(_mm512_extractf64x4_pd(halves, 1)));
       }
@@ -204,8 +204,8 @@ inline std::pair<float, float> softmax_scores(float* scores, int64_t visible) {
   return {max_score, total};
 }
 
-// acc[0, head_dim) += the tile's `run` values weighted by weights[0, run), key by key in order
-// (each dimension one chain, whatever loop below computes it).
+// acc[0, head_dim) += the tile's `run` values weighted by weights[0, run), key by key in order:
+// each dimension one chain, which the SIMD loops below keep whatever vectors they take together.
 template <int64_t HeadDim, typename KV>
 inline void add_weighted_values_scalar(const float* weights, int64_t run, const KV* tile, int64_t head_dim,
                                        float* acc) {
@@ -275,7 +275,6 @@ inline void transpose_tile(const KV* tile, int64_t run, float* kt) {
     }
   }
 }
-
 #endif
 
 #ifdef __AVX512F__
@@ -344,25 +343,31 @@ inline int value_group() {
 #endif
 }
 
-// `count` (at most value_group()) query vectors' accumulators (acc + j * acc_stride) += the tile's
-// `run` values weighted by weights[j * weight_stride + i], key by key in order.
+// `count` query vectors' accumulators (acc + j * acc_stride) += the tile's `run` values weighted
+// by weights[j * weight_stride + i], key by key in order; value_group() of them at a time.
 template <int64_t HeadDim, typename KV>
 inline void add_weighted_values(int count, const float* weights, int64_t weight_stride, int64_t run, const KV* tile,
                                 int64_t head_dim, float* acc, int64_t acc_stride) {
 #ifdef NASD_AVX2
   if constexpr (kSimdHead<HeadDim>) {
+    const int group = value_group();
+    for (int n = 0; count > 0; count -= n, weights += n * weight_stride, acc += n * acc_stride) {
+      n = std::min(count, group);
+      switch (n) {
 #ifdef __AVX512F__
-    if (loop_lanes.load(std::memory_order_relaxed) == 16) {
-      switch (count) {
-        case 4: return add_weighted_values16<HeadDim, KV, 4>(weights, weight_stride, run, tile, acc, acc_stride);
-        case 3: return add_weighted_values16<HeadDim, KV, 3>(weights, weight_stride, run, tile, acc, acc_stride);
-        case 2: return add_weighted_values16<HeadDim, KV, 2>(weights, weight_stride, run, tile, acc, acc_stride);
-        default: return add_weighted_values16<HeadDim, KV, 1>(weights, weight_stride, run, tile, acc, acc_stride);
+        case 4: add_weighted_values16<HeadDim, KV, 4>(weights, weight_stride, run, tile, acc, acc_stride); break;
+        case 3: add_weighted_values16<HeadDim, KV, 3>(weights, weight_stride, run, tile, acc, acc_stride); break;
+#endif
+        case 2:
+          if (group == 4) add_weighted_values16<HeadDim, KV, 2>(weights, weight_stride, run, tile, acc, acc_stride);
+          else add_weighted_values8<HeadDim, KV, 2>(weights, weight_stride, run, tile, acc, acc_stride);
+          break;
+        default:
+          if (group == 4) add_weighted_values16<HeadDim, KV, 1>(weights, weight_stride, run, tile, acc, acc_stride);
+          else add_weighted_values8<HeadDim, KV, 1>(weights, weight_stride, run, tile, acc, acc_stride);
       }
     }
-#endif
-    if (count == 2) return add_weighted_values8<HeadDim, KV, 2>(weights, weight_stride, run, tile, acc, acc_stride);
-    return add_weighted_values8<HeadDim, KV, 1>(weights, weight_stride, run, tile, acc, acc_stride);
+    return;
   }
 #endif
   for (int j = 0; j < count; ++j)
@@ -533,8 +538,9 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
       out[1] = total;
     }
 
-    // Weighted values, per tile and query vector over the keys it sees (the tile in cache after
-    // the first vector).
+    // Weighted values, per tile, each vector over the keys it sees: the vectors that see the same
+    // keys of the tile (a position's query heads; every position that sees the whole tile) go
+    // through it together, each value widened once for several of them.
     if (block_keys > 0) {
       for_each_tile(seen, block_row, shape.block_size, head_values, head_dim, static_cast<const KV*>(nullptr),
                     [&](int64_t first, int64_t run, const KV* tile) {
@@ -542,13 +548,10 @@ void attend_unit(const Unit& unit, const Shape& shape, const float* query, const
                       const auto keys_of = [&](int64_t vector) {
                         return std::min(run, visible_keys((block + vector) / groups) - offset);
                       };
-                      // Consecutive vectors that see the same keys (a position's groups, and every
-                      // position past the causal diagonal) go together.
-                      const int group = value_group();
                       for (int64_t vector = 0; vector < block_vectors;) {
                         const int64_t keys = keys_of(vector);
                         int n = 1;
-                        while (n < group && vector + n < block_vectors && keys_of(vector + n) == keys) ++n;
+                        while (vector + n < block_vectors && keys_of(vector + n) == keys) ++n;
                         if (keys > 0) {
                           add_weighted_values<HeadDim>(n, scores + vector * score_stride + offset, score_stride, keys,
                                                        tile, head_dim,

@@ -36,7 +36,8 @@ inline __m256 exp(__m256 x) {
 }
 
 #ifdef __AVX512F__
-// exp above in 16 lanes: the same operations, so each lane is the same bits as exp's.
+// exp above in 16 lanes: the same operations (roundscale towards -inf is floor), so each lane is
+// the same bits as exp's.
 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447504019f));
