@@ -66,15 +66,9 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-// A pool element as float32 (exact for both types), one and eight at a time.
+// A pool element as float32 (exact for both types).
 inline float widen(float x) { return x; }
 inline float widen(at::Half x) { return static_cast<float>(x); }
-#ifdef NASD_AVX2
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-#endif
 
 // Lanes of the score and value loops: 16 on AVX-512, else 8. Both give the same bits (each score
 // and each output dimension is one chain in a fixed order, whatever the register holding it);
@@ -86,12 +80,6 @@ constexpr int64_t kBestLanes = 8;
 #endif
 std::atomic<int64_t> loop_lanes{kBestLanes};
 
-#ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-#endif
 
 inline void add_scaled(float weight, const float* __restrict x, float* __restrict y, int64_t size) {
 #pragma omp simd
@@ -222,30 +210,106 @@ inline void add_weighted_values_scalar(const float* weights, int64_t run, const 
 }
 
 #ifdef NASD_AVX2
-// The same sums for N query vectors at once, 8 lanes wide: vector j's accumulators (acc + j *
-// acc_stride) += the values weighted by weights[j * weight_stride + i]. Why together: each value
-// is widened from the pool once for the N vectors, not once per vector. 32 dimensions at a time:
-// N = 2 vectors' accumulators, the values and a weight fit AVX2's 16 registers.
-template <int64_t HeadDim, typename KV, int N>
-inline void add_weighted_values8(const float* weights, int64_t weight_stride, int64_t run, const KV* tile,
-                                 float* acc, int64_t acc_stride) {
-  for (int64_t d0 = 0; d0 < HeadDim; d0 += 32) {
-    __m256 sum[N][4];
+// One register of float lanes, the score and value loops written once over it: 8 lanes (AVX2)
+// or 16 (AVX-512). Each score and each output dimension is one chain in a fixed order whatever
+// the register holding it, so both give the same bits.
+struct Ymm {
+  using F = __m256;
+  static constexpr int64_t lanes = 8;
+  static constexpr int max_vectors = 2;  // query vectors a loop takes at once: 16 registers
+  static F zero() { return _mm256_setzero_ps(); }
+  static F splat(float v) { return _mm256_set1_ps(v); }
+  static F load(const float* p) { return _mm256_loadu_ps(p); }
+  static F load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+#ifdef __AVX512F__
+struct Zmm {
+  using F = __m512;
+  static constexpr int64_t lanes = 16;
+  static constexpr int max_vectors = 4;  // 32 registers
+  static F zero() { return _mm512_setzero_ps(); }
+  static F splat(float v) { return _mm512_set1_ps(v); }
+  static F load(const float* p) { return _mm512_loadu_ps(p); }
+  static F load(const at::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+#ifdef NASD_AVX2
+// Splits `count` query vectors into groups of at most V::max_vectors: body.template
+// operator()<n>(done) for each, n its vectors, `done` the vectors before it.
+template <typename V, typename Body>
+inline void for_each_group(int64_t count, Body body) {
+  for (int64_t done = 0; done < count;) {
+    const int64_t n = std::min<int64_t>(V::max_vectors, count - done);
+    switch (n) {
+      case 4:
+        if constexpr (V::max_vectors >= 4) body.template operator()<4>(done);
+        break;
+      case 3:
+        if constexpr (V::max_vectors >= 3) body.template operator()<3>(done);
+        break;
+      case 2: body.template operator()<2>(done); break;
+      default: body.template operator()<1>(done);
+    }
+    done += n;
+  }
+}
+
+// N query vectors' accumulators (acc + j * acc_stride) += the tile's `run` values weighted by
+// weights[j * weight_stride + i], key by key in order (each dimension's chain as in
+// add_weighted_values_scalar). Why together: each value is widened from the pool once for the
+// N vectors instead of once per vector. 4 registers of dimensions at a time.
+template <typename V, int64_t HeadDim, typename KV, int N>
+inline void weigh_values(const float* weights, int64_t weight_stride, int64_t run, const KV* tile, float* acc,
+                         int64_t acc_stride) {
+  for (int64_t d0 = 0; d0 < HeadDim; d0 += 4 * V::lanes) {
+    typename V::F sum[N][4];
     for (int j = 0; j < N; ++j)
-      for (int64_t g = 0; g < 4; ++g) sum[j][g] = _mm256_loadu_ps(acc + j * acc_stride + d0 + 8 * g);
+      for (int64_t g = 0; g < 4; ++g) sum[j][g] = V::load(acc + j * acc_stride + d0 + V::lanes * g);
     for (int64_t i = 0; i < run; ++i) {
       const KV* value = tile + i * HeadDim + d0;
-      const __m256 v[4] = {load8(value), load8(value + 8), load8(value + 16), load8(value + 24)};
+      typename V::F v[4];
+      for (int64_t g = 0; g < 4; ++g) v[g] = V::load(value + V::lanes * g);
       for (int j = 0; j < N; ++j) {
-        const __m256 weight = _mm256_broadcast_ss(weights + j * weight_stride + i);
-        for (int64_t g = 0; g < 4; ++g) sum[j][g] = _mm256_fmadd_ps(weight, v[g], sum[j][g]);
+        const typename V::F weight = V::splat(weights[j * weight_stride + i]);
+        for (int64_t g = 0; g < 4; ++g) sum[j][g] = V::fma(weight, v[g], sum[j][g]);
       }
     }
     for (int j = 0; j < N; ++j)
-      for (int64_t g = 0; g < 4; ++g) _mm256_storeu_ps(acc + j * acc_stride + d0 + 8 * g, sum[j][g]);
+      for (int64_t g = 0; g < 4; ++g) V::store(acc + j * acc_stride + d0 + V::lanes * g, sum[j][g]);
   }
 }
-#endif
+
+// N query vectors' scores (q: [N, HeadDim]) against a transposed tile (kt: [HeadDim, kTile], a
+// register holding V::lanes keys' values of one dimension) into target[j * target_stride + i]:
+// each score one chain of fused multiply-adds over the dimensions in order, no horizontal sums.
+template <typename V, int64_t HeadDim, int N>
+inline void score_vectors(const float* q, const float* kt, int64_t run, float* target, int64_t target_stride) {
+  constexpr int64_t per = kTile / V::lanes;  // registers of one vector's scores
+  typename V::F acc[N * per];
+  for (auto& a : acc) a = V::zero();
+  for (int64_t d = 0; d < HeadDim; ++d) {
+    typename V::F k[per];
+    for (int64_t g = 0; g < per; ++g) k[g] = V::load(kt + d * kTile + V::lanes * g);
+    for (int j = 0; j < N; ++j) {
+      const typename V::F b = V::splat(q[j * HeadDim + d]);
+      for (int64_t g = 0; g < per; ++g) acc[j * per + g] = V::fma(b, k[g], acc[j * per + g]);
+    }
+  }
+  alignas(64) float spill[kTile];
+  for (int j = 0; j < N; ++j) {
+    float* out = target + j * target_stride;
+    for (int64_t g = 0; g < per; ++g) V::store((run == kTile ? out : spill) + V::lanes * g, acc[j * per + g]);
+    if (run < kTile) std::memcpy(out, spill, sizeof(float) * run);
+  }
+}
 
 #ifdef NASD_AVX2
 // kt ([HeadDim, kTile]) <- a tile of `run` keys ([run, HeadDim]) transposed, zeros past `run`;
@@ -258,7 +322,7 @@ inline void transpose_tile(const KV* tile, int64_t run, float* kt) {
       for (int64_t d0 = 0; d0 < HeadDim; d0 += 16) {
         __m512 r[16];
         for (int64_t k = 0; k < 16; ++k)
-          r[k] = i0 + k < run ? load16(tile + (i0 + k) * HeadDim + d0) : _mm512_setzero_ps();
+          r[k] = i0 + k < run ? Zmm::load(tile + (i0 + k) * HeadDim + d0) : Zmm::zero();
         nasd_simd::transpose16(r);
         for (int64_t j = 0; j < 16; ++j) _mm512_store_ps(kt + (d0 + j) * kTile + i0, r[j]);
       }
@@ -269,7 +333,7 @@ inline void transpose_tile(const KV* tile, int64_t run, float* kt) {
   for (int64_t i0 = 0; i0 < kTile; i0 += 8) {
     for (int64_t d0 = 0; d0 < HeadDim; d0 += 8) {
       __m256 r[8];
-      for (int64_t k = 0; k < 8; ++k) r[k] = i0 + k < run ? load8(tile + (i0 + k) * HeadDim + d0) : _mm256_setzero_ps();
+      for (int64_t k = 0; k < 8; ++k) r[k] = i0 + k < run ? Ymm::load(tile + (i0 + k) * HeadDim + d0) : Ymm::zero();
       nasd_simd::transpose8(r);
       for (int64_t j = 0; j < 8; ++j) _mm256_store_ps(kt + (d0 + j) * kTile + i0, r[j]);
     }
@@ -277,100 +341,41 @@ inline void transpose_tile(const KV* tile, int64_t run, float* kt) {
 }
 #endif
 
-#ifdef __AVX512F__
-// score_tile's 16-lane loop for N vectors (q: [N, HeadDim]) against a transposed tile (kt:
-// [HeadDim, kTile]): each score one chain of fused multiply-adds over the dimensions in order.
-template <int64_t HeadDim, int N>
-inline void score_vectors16(const float* q, const float* kt, int64_t run, float* target, int64_t target_stride) {
-  __m512 acc[2 * N];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (int64_t d = 0; d < HeadDim; ++d) {
-    const __m512 k0 = _mm512_load_ps(kt + d * kTile), k1 = _mm512_load_ps(kt + d * kTile + 16);
-    for (int j = 0; j < N; ++j) {
-      const __m512 b = _mm512_set1_ps(q[j * HeadDim + d]);
-      acc[2 * j] = _mm512_fmadd_ps(b, k0, acc[2 * j]);
-      acc[2 * j + 1] = _mm512_fmadd_ps(b, k1, acc[2 * j + 1]);
-    }
-  }
-  alignas(64) float spill[kTile];
-  for (int j = 0; j < N; ++j) {
-    float* out = target + j * target_stride;
-    if (run == kTile) {
-      _mm512_storeu_ps(out, acc[2 * j]);
-      _mm512_storeu_ps(out + 16, acc[2 * j + 1]);
-    } else {
-      _mm512_store_ps(spill, acc[2 * j]);
-      _mm512_store_ps(spill + 16, acc[2 * j + 1]);
-      std::memcpy(out, spill, sizeof(float) * run);
-    }
-  }
+// score_tile and add_weighted_values on V's registers, for any number of vectors.
+template <typename V, int64_t HeadDim, typename KV>
+inline void score_tile_simd(const float* q, int64_t count, const KV* tile, int64_t run, float* kt, float* target,
+                            int64_t target_stride) {
+  transpose_tile<HeadDim>(tile, run, kt);
+  for_each_group<V>(count, [&]<int N>(int64_t done) {
+    score_vectors<V, HeadDim, N>(q + done * HeadDim, kt, run, target + done * target_stride, target_stride);
+  });
 }
-#endif
 
-#ifdef __AVX512F__
-// add_weighted_values for N query vectors at once, 16 lanes wide: vector j's accumulators
-// (acc + j * acc_stride) += the tile's `run` values weighted by weights[j * weight_stride + i],
-// key by key in order (each dimension's chain as in add_weighted_values). Why together: each
-// value is widened from the pool once for the N vectors instead of once per vector.
-template <int64_t HeadDim, typename KV, int N>
-inline void add_weighted_values16(const float* weights, int64_t weight_stride, int64_t run, const KV* tile,
-                                  float* acc, int64_t acc_stride) {
-  for (int64_t d0 = 0; d0 < HeadDim; d0 += 64) {
-    __m512 sum[N][4];
-    for (int j = 0; j < N; ++j)
-      for (int64_t g = 0; g < 4; ++g) sum[j][g] = _mm512_loadu_ps(acc + j * acc_stride + d0 + 16 * g);
-    for (int64_t i = 0; i < run; ++i) {
-      const KV* value = tile + i * HeadDim + d0;
-      const __m512 v[4] = {load16(value), load16(value + 16), load16(value + 32), load16(value + 48)};
-      for (int j = 0; j < N; ++j) {
-        const __m512 weight = _mm512_set1_ps(weights[j * weight_stride + i]);
-        for (int64_t g = 0; g < 4; ++g) sum[j][g] = _mm512_fmadd_ps(weight, v[g], sum[j][g]);
-      }
-    }
-    for (int j = 0; j < N; ++j)
-      for (int64_t g = 0; g < 4; ++g) _mm512_storeu_ps(acc + j * acc_stride + d0 + 16 * g, sum[j][g]);
-  }
+template <typename V, int64_t HeadDim, typename KV>
+inline void add_weighted_values_simd(int64_t count, const float* weights, int64_t weight_stride, int64_t run,
+                                     const KV* tile, float* acc, int64_t acc_stride) {
+  for_each_group<V>(count, [&]<int N>(int64_t done) {
+    weigh_values<V, HeadDim, KV, N>(weights + done * weight_stride, weight_stride, run, tile,
+                                    acc + done * acc_stride, acc_stride);
+  });
 }
 #endif
-
-// Query vectors whose values add_weighted_values weighs together: 4 with 16 lanes (32 registers),
-// 2 with 8 (16 registers).
-inline int value_group() {
-#ifdef NASD_AVX2
-  return loop_lanes.load(std::memory_order_relaxed) == 16 ? 4 : 2;
-#else
-  return 1;
-#endif
-}
 
 // `count` query vectors' accumulators (acc + j * acc_stride) += the tile's `run` values weighted
-// by weights[j * weight_stride + i], key by key in order; value_group() of them at a time.
+// by weights[j * weight_stride + i], key by key in order.
 template <int64_t HeadDim, typename KV>
-inline void add_weighted_values(int count, const float* weights, int64_t weight_stride, int64_t run, const KV* tile,
-                                int64_t head_dim, float* acc, int64_t acc_stride) {
+inline void add_weighted_values(int64_t count, const float* weights, int64_t weight_stride, int64_t run,
+                                const KV* tile, int64_t head_dim, float* acc, int64_t acc_stride) {
 #ifdef NASD_AVX2
   if constexpr (kSimdHead<HeadDim>) {
-    const int group = value_group();
-    for (int n = 0; count > 0; count -= n, weights += n * weight_stride, acc += n * acc_stride) {
-      n = std::min(count, group);
-      switch (n) {
 #ifdef __AVX512F__
-        case 4: add_weighted_values16<HeadDim, KV, 4>(weights, weight_stride, run, tile, acc, acc_stride); break;
-        case 3: add_weighted_values16<HeadDim, KV, 3>(weights, weight_stride, run, tile, acc, acc_stride); break;
+    if (loop_lanes.load(std::memory_order_relaxed) == 16)
+      return add_weighted_values_simd<Zmm, HeadDim>(count, weights, weight_stride, run, tile, acc, acc_stride);
 #endif
-        case 2:
-          if (group == 4) add_weighted_values16<HeadDim, KV, 2>(weights, weight_stride, run, tile, acc, acc_stride);
-          else add_weighted_values8<HeadDim, KV, 2>(weights, weight_stride, run, tile, acc, acc_stride);
-          break;
-        default:
-          if (group == 4) add_weighted_values16<HeadDim, KV, 1>(weights, weight_stride, run, tile, acc, acc_stride);
-          else add_weighted_values8<HeadDim, KV, 1>(weights, weight_stride, run, tile, acc, acc_stride);
-      }
-    }
-    return;
+    return add_weighted_values_simd<Ymm, HeadDim>(count, weights, weight_stride, run, tile, acc, acc_stride);
   }
 #endif
-  for (int j = 0; j < count; ++j)
+  for (int64_t j = 0; j < count; ++j)
     add_weighted_values_scalar<HeadDim>(weights + j * weight_stride, run, tile, head_dim, acc + j * acc_stride);
 }
 
@@ -378,78 +383,19 @@ inline void add_weighted_values(int count, const float* weights, int64_t weight_
 // ([run, D], run <= kTile) into target[v * target_stride + i]. Each score is one chain of fused
 // multiply-adds over the head's dimensions in order, the same bits whatever vectors or keys are
 // computed beside it. With AVX2 the tile is transposed into `kt` ([D, kTile]) so that a register
-// holds 8 keys' values of one dimension: two vectors' 32 scores then take 8 registers and no
-// horizontal sums.
+// holds 8 (or 16) keys' values of one dimension: a vector's 32 scores then take 4 (2) registers
+// and no horizontal sums.
 template <int64_t HeadDim, typename KV>
 inline void score_tile(const float* q, int64_t count, int64_t head_dim, const KV* tile, int64_t run,
                        float* kt, float* target, int64_t target_stride) {
   const int64_t dims = HeadDim > 0 ? HeadDim : head_dim;
 #ifdef NASD_AVX2
   if constexpr (kSimdHead<HeadDim>) {
-    transpose_tile<HeadDim>(tile, run, kt);
-    alignas(32) float spill[kTile];
-    const auto put = [&](int64_t vector, const __m256* acc, int64_t lines) {
-      for (int64_t line = 0; line < lines; ++line) {
-        float* out = target + (vector + line) * target_stride;
-        if (run == kTile) {
-          for (int64_t g = 0; g < 4; ++g) _mm256_storeu_ps(out + 8 * g, acc[line * 4 + g]);
-        } else {
-          for (int64_t g = 0; g < 4; ++g) _mm256_store_ps(spill + 8 * g, acc[line * 4 + g]);
-          std::memcpy(out, spill, sizeof(float) * run);
-        }
-      }
-    };
-    int64_t v = 0;
 #ifdef __AVX512F__
-    // 16 keys a register: up to 4 vectors' 32 scores in 8 registers, each score the same chain
-    // over the dimensions as below.
-    if (loop_lanes.load(std::memory_order_relaxed) == 16) {
-      for (; v < count; v += 4) {
-        const float* qv = q + v * HeadDim;
-        float* out = target + v * target_stride;
-        switch (std::min<int64_t>(4, count - v)) {
-          case 4: score_vectors16<HeadDim, 4>(qv, kt, run, out, target_stride); break;
-          case 3: score_vectors16<HeadDim, 3>(qv, kt, run, out, target_stride); break;
-          case 2: score_vectors16<HeadDim, 2>(qv, kt, run, out, target_stride); break;
-          default: score_vectors16<HeadDim, 1>(qv, kt, run, out, target_stride);
-        }
-      }
-      return;
-    }
+    if (loop_lanes.load(std::memory_order_relaxed) == 16)
+      return score_tile_simd<Zmm, HeadDim>(q, count, tile, run, kt, target, target_stride);
 #endif
-    for (; v + 2 <= count; v += 2) {
-      const float* q0 = q + v * HeadDim;
-      const float* q1 = q0 + HeadDim;
-      __m256 acc[8];
-      for (auto& a : acc) a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < HeadDim; ++d) {
-        const float* k = kt + d * kTile;
-        const __m256 k0 = _mm256_load_ps(k), k1 = _mm256_load_ps(k + 8), k2 = _mm256_load_ps(k + 16),
-                     k3 = _mm256_load_ps(k + 24);
-        const __m256 b0 = _mm256_broadcast_ss(q0 + d), b1 = _mm256_broadcast_ss(q1 + d);
-        acc[0] = _mm256_fmadd_ps(b0, k0, acc[0]);
-        acc[1] = _mm256_fmadd_ps(b0, k1, acc[1]);
-        acc[2] = _mm256_fmadd_ps(b0, k2, acc[2]);
-        acc[3] = _mm256_fmadd_ps(b0, k3, acc[3]);
-        acc[4] = _mm256_fmadd_ps(b1, k0, acc[4]);
-        acc[5] = _mm256_fmadd_ps(b1, k1, acc[5]);
-        acc[6] = _mm256_fmadd_ps(b1, k2, acc[6]);
-        acc[7] = _mm256_fmadd_ps(b1, k3, acc[7]);
-      }
-      put(v, acc, 2);
-    }
-    if (v < count) {
-      const float* q0 = q + v * HeadDim;
-      __m256 acc[4];
-      for (auto& a : acc) a = _mm256_setzero_ps();
-      for (int64_t d = 0; d < HeadDim; ++d) {
-        const float* k = kt + d * kTile;
-        const __m256 b0 = _mm256_broadcast_ss(q0 + d);
-        for (int64_t g = 0; g < 4; ++g) acc[g] = _mm256_fmadd_ps(b0, _mm256_load_ps(k + 8 * g), acc[g]);
-      }
-      put(v, acc, 1);
-    }
-    return;
+    return score_tile_simd<Ymm, HeadDim>(q, count, tile, run, kt, target, target_stride);
   }
 #endif
   (void)kt;
