@@ -223,6 +223,7 @@ struct Ymm {
   static F load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static void transpose(F* r) { nasd_simd::transpose8(r); }  // rows r[0..7] in, columns out
 };
 #endif
 #ifdef __AVX512F__
@@ -238,10 +239,20 @@ struct Zmm {
   }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static void transpose(F* r) { nasd_simd::transpose16(r); }  // 64 shuffles where four 8 x 8 take 96
 };
 #endif
 
 #ifdef NASD_AVX2
+// Calls body.template operator()<V>() with V the register type of the lanes in use.
+template <typename Body>
+inline void with_lanes(Body body) {
+#ifdef __AVX512F__
+  if (loop_lanes.load(std::memory_order_relaxed) == 16) return body.template operator()<Zmm>();
+#endif
+  body.template operator()<Ymm>();
+}
+
 // Splits `count` query vectors into groups of at most V::max_vectors: body.template
 // operator()<n>(done) for each, n its vectors, `done` the vectors before it.
 template <typename V, typename Body>
@@ -311,41 +322,25 @@ inline void score_vectors(const float* q, const float* kt, int64_t run, float* t
   }
 }
 
-#ifdef NASD_AVX2
-// kt ([HeadDim, kTile]) <- a tile of `run` keys ([run, HeadDim]) transposed, zeros past `run`;
-// 16 x 16 pieces on AVX-512 (64 shuffles where four 8 x 8 take 96), else 8 x 8 (the same kt).
-template <int64_t HeadDim, typename KV>
+// kt ([HeadDim, kTile]) <- a tile of `run` keys ([run, HeadDim]) transposed, zeros past `run`, in
+// pieces of V::lanes x V::lanes (the same kt whatever V).
+template <typename V, int64_t HeadDim, typename KV>
 inline void transpose_tile(const KV* tile, int64_t run, float* kt) {
-#ifdef __AVX512F__
-  if (loop_lanes.load(std::memory_order_relaxed) == 16) {
-    for (int64_t i0 = 0; i0 < kTile; i0 += 16) {
-      for (int64_t d0 = 0; d0 < HeadDim; d0 += 16) {
-        __m512 r[16];
-        for (int64_t k = 0; k < 16; ++k)
-          r[k] = i0 + k < run ? Zmm::load(tile + (i0 + k) * HeadDim + d0) : Zmm::zero();
-        nasd_simd::transpose16(r);
-        for (int64_t j = 0; j < 16; ++j) _mm512_store_ps(kt + (d0 + j) * kTile + i0, r[j]);
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t i0 = 0; i0 < kTile; i0 += 8) {
-    for (int64_t d0 = 0; d0 < HeadDim; d0 += 8) {
-      __m256 r[8];
-      for (int64_t k = 0; k < 8; ++k) r[k] = i0 + k < run ? Ymm::load(tile + (i0 + k) * HeadDim + d0) : Ymm::zero();
-      nasd_simd::transpose8(r);
-      for (int64_t j = 0; j < 8; ++j) _mm256_store_ps(kt + (d0 + j) * kTile + i0, r[j]);
+  for (int64_t i0 = 0; i0 < kTile; i0 += V::lanes) {
+    for (int64_t d0 = 0; d0 < HeadDim; d0 += V::lanes) {
+      typename V::F r[V::lanes];
+      for (int64_t k = 0; k < V::lanes; ++k) r[k] = i0 + k < run ? V::load(tile + (i0 + k) * HeadDim + d0) : V::zero();
+      V::transpose(r);
+      for (int64_t j = 0; j < V::lanes; ++j) V::store(kt + (d0 + j) * kTile + i0, r[j]);
     }
   }
 }
-#endif
 
 // score_tile and add_weighted_values on V's registers, for any number of vectors.
 template <typename V, int64_t HeadDim, typename KV>
 inline void score_tile_simd(const float* q, int64_t count, const KV* tile, int64_t run, float* kt, float* target,
                             int64_t target_stride) {
-  transpose_tile<HeadDim>(tile, run, kt);
+  transpose_tile<V, HeadDim>(tile, run, kt);
   for_each_group<V>(count, [&]<int N>(int64_t done) {
     score_vectors<V, HeadDim, N>(q + done * HeadDim, kt, run, target + done * target_stride, target_stride);
   });
@@ -368,11 +363,9 @@ inline void add_weighted_values(int64_t count, const float* weights, int64_t wei
                                 const KV* tile, int64_t head_dim, float* acc, int64_t acc_stride) {
 #ifdef NASD_AVX2
   if constexpr (kSimdHead<HeadDim>) {
-#ifdef __AVX512F__
-    if (loop_lanes.load(std::memory_order_relaxed) == 16)
-      return add_weighted_values_simd<Zmm, HeadDim>(count, weights, weight_stride, run, tile, acc, acc_stride);
-#endif
-    return add_weighted_values_simd<Ymm, HeadDim>(count, weights, weight_stride, run, tile, acc, acc_stride);
+    return with_lanes([&]<typename V>() {
+      add_weighted_values_simd<V, HeadDim>(count, weights, weight_stride, run, tile, acc, acc_stride);
+    });
   }
 #endif
   for (int64_t j = 0; j < count; ++j)
@@ -391,11 +384,8 @@ inline void score_tile(const float* q, int64_t count, int64_t head_dim, const KV
   const int64_t dims = HeadDim > 0 ? HeadDim : head_dim;
 #ifdef NASD_AVX2
   if constexpr (kSimdHead<HeadDim>) {
-#ifdef __AVX512F__
-    if (loop_lanes.load(std::memory_order_relaxed) == 16)
-      return score_tile_simd<Zmm, HeadDim>(q, count, tile, run, kt, target, target_stride);
-#endif
-    return score_tile_simd<Ymm, HeadDim>(q, count, tile, run, kt, target, target_stride);
+    return with_lanes(
+        [&]<typename V>() { score_tile_simd<V, HeadDim>(q, count, tile, run, kt, target, target_stride); });
   }
 #endif
   (void)kt;
