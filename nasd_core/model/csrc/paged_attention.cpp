@@ -223,7 +223,7 @@ struct Ymm {
   static F load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static void transpose(F* r) { nasd_simd::transpose8(r); }  // rows r[0..7] in, columns out
+  __attribute__((always_inline)) static void transpose(F* r) { nasd_simd::transpose8(r); }  // rows in, columns out
 };
 #endif
 #ifdef __AVX512F__
@@ -239,7 +239,8 @@ struct Zmm {
   }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
-  static void transpose(F* r) { nasd_simd::transpose16(r); }  // 64 shuffles where four 8 x 8 take 96
+  // 64 shuffles where four 8 x 8 take 96; inlined (a call passes the 16 registers through memory).
+  __attribute__((always_inline)) static void transpose(F* r) { nasd_simd::transpose16(r); }
 };
 #endif
 
