@@ -80,7 +80,6 @@ constexpr int64_t kBestLanes = 8;
 #endif
 std::atomic<int64_t> loop_lanes{kBestLanes};
 
-
 inline void add_scaled(float weight, const float* __restrict x, float* __restrict y, int64_t size) {
 #pragma omp simd
   for (int64_t i = 0; i < size; ++i) y[i] += weight * x[i];
