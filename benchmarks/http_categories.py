@@ -205,6 +205,13 @@ def overall(cells: dict, level: str) -> dict[str, float]:
     }
 
 
+def ratios(payload: dict) -> dict[str, float]:
+    """``auto`` / ``off`` over every category, per cell (the README's headline reads these)."""
+    found = {f"C={level}": row["auto_over_off"] for level, row in payload["overall"].items()}
+    found |= {name: payload[name]["auto_over_off"] for name in ("mixed", "arrivals") if payload.get(name)}
+    return found
+
+
 def markdown_table(payload: dict) -> str:
     cells = payload["cells"]
     streams = {name: payload[name] for name in ("mixed", "arrivals") if payload.get(name)}

@@ -97,6 +97,13 @@ HEADLINE = (
         "through-the-server-http-concurrency-sweep",
     ),
     (
+        "Laptop through the server (HTTP), 8 clients, mixed categories: `auto` / plain decoding",
+        "http_categories_gguf",
+        "http_categories",
+        "mixed",
+        "auto-against-plain-decoding-through-http-by-category",
+    ),
+    (
         "Multi-turn chats, 1 client: tokens/s with the prefix cache / without",
         "prefix_cache_float32",
         "prefix_cache",
