@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -742,11 +743,11 @@ inline void add_block(typename V::Float* acc, const float* dw, const float* dx, 
       V::fma_int(V::mul(scale, V::splatf(dx[r * num_blocks])), isum_of(r), acc[r]);
 }
 
-// acc[r] += sum over blocks (in order) of m_w * d_x s, for Q4_1, Q4_K and Q5 (`sx`: the rows' d_x s).
-// Rows go 8 at a time through the blocks, so 8 chains of multiply-adds overlap (one row's chain
-// alone waits out every multiply-add's latency).
+// sums[r] = sum over blocks (in order) of m_w * d_x s, for Q4_1, Q4_K and Q5 (`sx`: the rows' d_x
+// s). Rows go 8 at a time through the blocks, so 8 chains of multiply-adds overlap (one row's
+// chain alone waits out every multiply-add's latency).
 template <typename V, int Rows>
-inline void add_offsets(typename V::Float* acc, const float* offsets, const float* sx, int64_t num_blocks) {
+inline void offset_chains(typename V::Float* sums, const float* offsets, const float* sx, int64_t num_blocks) {
   constexpr int part = Rows / ((Rows + 7) / 8);  // at most 8, dividing Rows (12: two of 6)
   static_assert(Rows % part == 0);
   for (int first = 0; first < Rows; first += part) {
@@ -757,14 +758,47 @@ inline void add_offsets(typename V::Float* acc, const float* offsets, const floa
       _Pragma("GCC unroll 8") for (int r = 0; r < part; ++r) acc_m[r] =
           V::fma(m, V::splatf(sx[(first + r) * num_blocks + b]), acc_m[r]);
     }
-    _Pragma("GCC unroll 8") for (int r = 0; r < part; ++r) acc[first + r] = V::add(acc[first + r], acc_m[r]);
+    _Pragma("GCC unroll 8") for (int r = 0; r < part; ++r) sums[first + r] = acc_m[r];
   }
 }
 
-// The tile's V::outs outputs for `Rows` rows from `row` on, into out[r * stride + j].
+// acc[r] += the offset sums (AMX's epilogue, 16 rows a tile).
+template <typename V, int Rows>
+inline void add_offsets(typename V::Float* acc, const float* offsets, const float* sx, int64_t num_blocks) {
+  typename V::Float sums[Rows];
+  offset_chains<V, Rows>(sums, offsets, sx, num_blocks);
+  _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) acc[r] = V::add(acc[r], sums[r]);
+}
+
+// Calls body(std::integral_constant<int, n>()) for a run-time n in [1, Max]: the row counts a
+// template takes.
+template <int Max, typename Body>
+inline void with_rows(int64_t n, Body body) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_rows<Max - 1>(n, body);
+  }
+  body(std::integral_constant<int, Max>());
+}
+
+// A tile's offset sums for the call's rows, into sums[r * V::outs + j], 8 rows at a
+// time: AVX2's passes over the panel take 4 rows, whose 4 chains alone are bound by latency.
+template <typename V>
+void offset_rows(float* sums, const float* offsets, const Q8Rows& q, int64_t rows, int64_t num_blocks) {
+  for (int64_t first = 0; first < rows; first += 8) {
+    with_rows<8>(std::min<int64_t>(8, rows - first), [&](auto n) {
+      constexpr int count = decltype(n)::value;
+      typename V::Float chains[count];
+      offset_chains<V, count>(chains, offsets, q.offset.data() + first * num_blocks, num_blocks);
+      _Pragma("GCC unroll 8") for (int r = 0; r < count; ++r) V::store(sums + (first + r) * V::outs, chains[r]);
+    });
+  }
+}
+
+// The tile's V::outs outputs for `Rows` rows from `row` on, into out[r * stride + j]; Q4_1, Q4_K
+// and Q5 add the rows' offset sums (`offset_sums`, V::outs a row: offset_rows below).
 template <int64_t Kind, int64_t Path, typename V, int Rows>
 inline void q8_tile(const uint8_t* codes, const float* scales, const float* offsets, int64_t num_blocks,
-                    const Q8Rows& q, int64_t row, float* out, int64_t stride) {
+                    const Q8Rows& q, int64_t row, float* out, int64_t stride, const float* offset_sums) {
   using Int = typename V::Int;
   using Float = typename V::Float;
   constexpr int64_t group = 4 * V::outs;
@@ -836,7 +870,9 @@ inline void q8_tile(const uint8_t* codes, const float* scales, const float* offs
     if constexpr (kHalves<Kind>)
       add_block<V, Rows>(acc, offsets + b * V::outs, dx + b, num_blocks, [&](int r) { return high[r]; });
   }
-  if constexpr (kOffset<Kind>) add_offsets<V, Rows>(acc, offsets, q.offset.data() + row * num_blocks, num_blocks);
+  if constexpr (kOffset<Kind>) {
+    _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) acc[r] = V::add(acc[r], V::loadf(offset_sums + r * V::outs));
+  }
   _Pragma("GCC unroll 8") for (int r = 0; r < Rows; ++r) V::store(out + r * stride, acc[r]);
 }
 
@@ -885,27 +921,20 @@ void q8_simd(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t* 
       weight, num_blocks, out_features, 32 / outs,
       [&](const uint8_t* codes, const float* scales, const float* offsets, int64_t first, int64_t count) {
         alignas(64) float tile_out[V::rows * outs];
+        thread_local std::vector<float> offset_sums;
+        if constexpr (kOffset<Kind>) {
+          offset_sums.resize(std::max<size_t>(offset_sums.size(), rows * outs));
+          offset_rows<V>(offset_sums.data(), offsets, q, rows, num_blocks);
+        }
         for (int64_t r = 0; r < rows; r += V::rows) {
           const int64_t n = std::min<int64_t>(V::rows, rows - r);
           // A whole tile's outputs go straight to `out`; a last partial one's through tile_out.
           float* into = count == outs ? out + r * out_features + first : tile_out;
           const int64_t stride = count == outs ? out_features : outs;
-          switch (n) {
-// Only the row counts a tile of V takes are instantiated (n never exceeds V::rows).
-#define NASD_Q8_ROWS(N)                                                                                      \
-  case N:                                                                                                    \
-    if constexpr (N <= V::rows) q8_tile<Kind, Path, V, N>(codes, scales, offsets, num_blocks, q, r, into, stride); \
-    break;
-            NASD_Q8_ROWS(1)
-            NASD_Q8_ROWS(2)
-            NASD_Q8_ROWS(3)
-            NASD_Q8_ROWS(4)
-            NASD_Q8_ROWS(5)
-            NASD_Q8_ROWS(6)
-            NASD_Q8_ROWS(7)
-            NASD_Q8_ROWS(8)
-#undef NASD_Q8_ROWS
-          }
+          with_rows<V::rows>(n, [&](auto rows_here) {
+            q8_tile<Kind, Path, V, decltype(rows_here)::value>(
+                codes, scales, offsets, num_blocks, q, r, into, stride, kOffset<Kind> ? offset_sums.data() + r * outs : nullptr);
+          });
           if (count < outs) copy_partial_tile(tile_out, outs, n, count, out, out_features, r, first);
         }
       });
