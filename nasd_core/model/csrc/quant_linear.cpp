@@ -744,8 +744,8 @@ inline void add_block(typename V::Float* acc, const float* dw, const float* dx, 
 }
 
 // sums[r] = sum over blocks (in order) of m_w * d_x s, for Q4_1, Q4_K and Q5 (`sx`: the rows' d_x
-// s). Rows go 8 at a time through the blocks, so 8 chains of multiply-adds overlap (one row's
-// chain alone waits out every multiply-add's latency).
+// s). Rows go up to 8 at a time through the blocks, so their chains of multiply-adds overlap (one
+// row's chain alone waits out every multiply-add's latency).
 template <typename V, int Rows>
 inline void offset_chains(typename V::Float* sums, const float* offsets, const float* sx, int64_t num_blocks) {
   constexpr int part = Rows / ((Rows + 7) / 8);  // at most 8, dividing Rows (12: two of 6)
@@ -762,7 +762,7 @@ inline void offset_chains(typename V::Float* sums, const float* offsets, const f
   }
 }
 
-// acc[r] += the offset sums (AMX's epilogue, 16 rows a tile).
+// acc[r] += the offset sums (AMX's epilogue, for the rows of a 16-row tile it keeps).
 template <typename V, int Rows>
 inline void add_offsets(typename V::Float* acc, const float* offsets, const float* sx, int64_t num_blocks) {
   typename V::Float sums[Rows];
@@ -770,8 +770,8 @@ inline void add_offsets(typename V::Float* acc, const float* offsets, const floa
   _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) acc[r] = V::add(acc[r], sums[r]);
 }
 
-// Calls body(std::integral_constant<int, n>()) for a run-time n in [1, Max]: the row counts a
-// template takes.
+// Calls body(std::integral_constant<int, n>()) for a run-time n in [1, Max] (the callers' row
+// counts), so that a template can take it.
 template <int Max, typename Body>
 inline void with_rows(int64_t n, Body body) {
   if constexpr (Max > 1) {
@@ -780,15 +780,15 @@ inline void with_rows(int64_t n, Body body) {
   body(std::integral_constant<int, Max>());
 }
 
-// A tile's offset sums for the call's rows, into sums[r * V::outs + j], 8 rows at a
-// time: AVX2's passes over the panel take 4 rows, whose 4 chains alone are bound by latency.
+// A tile's offset sums for the call's rows (`sx`: their d_x s), into sums[r * V::outs + j], 8 rows
+// at a time: AVX2's passes over the panel take 4 rows, whose 4 chains alone are bound by latency.
 template <typename V>
-void offset_rows(float* sums, const float* offsets, const Q8Rows& q, int64_t rows, int64_t num_blocks) {
+void offset_rows(float* sums, const float* offsets, const float* sx, int64_t rows, int64_t num_blocks) {
   for (int64_t first = 0; first < rows; first += 8) {
     with_rows<8>(std::min<int64_t>(8, rows - first), [&](auto n) {
       constexpr int count = decltype(n)::value;
       typename V::Float chains[count];
-      offset_chains<V, count>(chains, offsets, q.offset.data() + first * num_blocks, num_blocks);
+      offset_chains<V, count>(chains, offsets, sx + first * num_blocks, num_blocks);
       _Pragma("GCC unroll 8") for (int r = 0; r < count; ++r) V::store(sums + (first + r) * V::outs, chains[r]);
     });
   }
@@ -921,10 +921,12 @@ void q8_simd(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t* 
       weight, num_blocks, out_features, 32 / outs,
       [&](const uint8_t* codes, const float* scales, const float* offsets, int64_t first, int64_t count) {
         alignas(64) float tile_out[V::rows * outs];
-        thread_local std::vector<float> offset_sums;
+        float* offset_sums = nullptr;
         if constexpr (kOffset<Kind>) {
-          offset_sums.resize(std::max<size_t>(offset_sums.size(), rows * outs));
-          offset_rows<V>(offset_sums.data(), offsets, q, rows, num_blocks);
+          thread_local std::vector<float> buffer;  // grows to the largest call a thread has seen
+          buffer.resize(std::max<size_t>(buffer.size(), rows * outs));
+          offset_sums = buffer.data();
+          offset_rows<V>(offset_sums, offsets, q.offset.data(), rows, num_blocks);
         }
         for (int64_t r = 0; r < rows; r += V::rows) {
           const int64_t n = std::min<int64_t>(V::rows, rows - r);
@@ -932,8 +934,8 @@ void q8_simd(const Q8Rows& q, int64_t rows, int64_t in_features, const uint8_t* 
           float* into = count == outs ? out + r * out_features + first : tile_out;
           const int64_t stride = count == outs ? out_features : outs;
           with_rows<V::rows>(n, [&](auto rows_here) {
-            q8_tile<Kind, Path, V, decltype(rows_here)::value>(
-                codes, scales, offsets, num_blocks, q, r, into, stride, kOffset<Kind> ? offset_sums.data() + r * outs : nullptr);
+            q8_tile<Kind, Path, V, decltype(rows_here)::value>(codes, scales, offsets, num_blocks, q, r, into,
+                                                               stride, kOffset<Kind> ? offset_sums + r * outs : nullptr);
           });
           if (count < outs) copy_partial_tile(tile_out, outs, n, count, out, out_features, r, first);
         }
