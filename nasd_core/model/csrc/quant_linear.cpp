@@ -40,6 +40,16 @@
 
 namespace {
 
+// Calls body(std::integral_constant<int, n>()) for a run-time n in [1, Max] (the callers' row
+// counts), so that a template can take it.
+template <int Max, typename Body>
+inline void with_rows(int64_t n, Body body) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_rows<Max - 1>(n, body);
+  }
+  body(std::integral_constant<int, Max>());
+}
+
 constexpr int64_t kBlock = 32;  // weights per block, in every format here
 constexpr int64_t kRowTile = 4;  // input rows multiplied per pass over a tile of outputs
 // From this many rows on, dequantizing each weight once into a float panel beats dequantizing it
@@ -302,14 +312,9 @@ void quant_linear_panels(const float* x, int64_t rows, int64_t in_features, cons
       for (int64_t r = 0; r < rows; r += kPanelRows) {
         const float* xs = x + r * in_features;
         float* os = out + r * out_features + o;
-        switch (std::min(kPanelRows, rows - r)) {
-          case 1: panel_outputs<1>(count, panel.data(), in_features, xs, os, out_features); break;
-          case 2: panel_outputs<2>(count, panel.data(), in_features, xs, os, out_features); break;
-          case 3: panel_outputs<3>(count, panel.data(), in_features, xs, os, out_features); break;
-          case 4: panel_outputs<4>(count, panel.data(), in_features, xs, os, out_features); break;
-          case 5: panel_outputs<5>(count, panel.data(), in_features, xs, os, out_features); break;
-          default: panel_outputs<6>(count, panel.data(), in_features, xs, os, out_features);
-        }
+        with_rows<kPanelRows>(std::min(kPanelRows, rows - r), [&](auto n) {
+          panel_outputs<decltype(n)::value>(count, panel.data(), in_features, xs, os, out_features);
+        });
       }
     }
   });
@@ -364,12 +369,12 @@ void quant_linear_impl(const float* x, int64_t rows, int64_t in_features, const 
     for (int64_t r = 0; r < rows; r += kRowTile) {
       const float* xs = x + r * in_features;
       float* os = out + r * out_features;
-      switch (std::min(kRowTile, rows - r)) {
-        case 1: dot_outputs<Kind, 4, 1>(begin, end, weight, row_bytes, num_blocks, xs, in_features, os, out_features); break;
-        case 2: dot_outputs<Kind, 2, 2>(begin, end, weight, row_bytes, num_blocks, xs, in_features, os, out_features); break;
-        case 3: dot_outputs<Kind, 2, 3>(begin, end, weight, row_bytes, num_blocks, xs, in_features, os, out_features); break;
-        default: dot_outputs<Kind, 2, 4>(begin, end, weight, row_bytes, num_blocks, xs, in_features, os, out_features);
-      }
+      with_rows<kRowTile>(std::min(kRowTile, rows - r), [&](auto n) {
+        constexpr int tile_rows = decltype(n)::value;
+        constexpr int outs = tile_rows == 1 ? 4 : 2;  // one row: 4 outputs' chains to overlap
+        dot_outputs<Kind, outs, tile_rows>(begin, end, weight, row_bytes, num_blocks, xs, in_features, os,
+                                           out_features);
+      });
     }
   });
 }
@@ -768,16 +773,6 @@ inline void add_offsets(typename V::Float* acc, const float* offsets, const floa
   typename V::Float sums[Rows];
   offset_chains<V, Rows>(sums, offsets, sx, num_blocks);
   _Pragma("GCC unroll 16") for (int r = 0; r < Rows; ++r) acc[r] = V::add(acc[r], sums[r]);
-}
-
-// Calls body(std::integral_constant<int, n>()) for a run-time n in [1, Max] (the callers' row
-// counts), so that a template can take it.
-template <int Max, typename Body>
-inline void with_rows(int64_t n, Body body) {
-  if constexpr (Max > 1) {
-    if (n < Max) return with_rows<Max - 1>(n, body);
-  }
-  body(std::integral_constant<int, Max>());
 }
 
 // A tile's offset sums for the call's rows (`sx`: their d_x s), into sums[r * V::outs + j], 8 rows
