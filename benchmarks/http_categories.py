@@ -205,23 +205,27 @@ def overall(cells: dict, level: str) -> dict[str, float]:
     }
 
 
+def streams(payload: dict) -> dict[str, dict]:
+    """The run's stream cells (mixed, arrivals) that it has: older runs lack them."""
+    return {name: payload[name] for name in ("mixed", "arrivals") if payload.get(name)}
+
+
 def ratios(payload: dict) -> dict[str, float]:
     """``auto`` / ``off`` over every category, per cell (the README's headline reads these)."""
     found = {f"C={level}": row["auto_over_off"] for level, row in payload["overall"].items()}
-    found |= {name: payload[name]["auto_over_off"] for name in ("mixed", "arrivals") if payload.get(name)}
-    return found
+    return found | {name: stream["auto_over_off"] for name, stream in streams(payload).items()}
 
 
 def markdown_table(payload: dict) -> str:
     cells = payload["cells"]
-    streams = {name: payload[name] for name in ("mixed", "arrivals") if payload.get(name)}
+    stream_cells = streams(payload)
     levels = list(next(iter(cells.values())))
     names = ["off tok/s", "auto / off", "control / off"]
     header = " | ".join(f"C={level} {name}" for level in levels for name in names)
     labels = {"mixed": f"mixed C={MIXED_CONCURRENCY}", "arrivals": "arrivals"}
-    for name in streams:
+    for name in stream_cells:
         header += f" | {labels[name]} auto / off | {name} control / off"
-    columns = len(names) * len(levels) + 2 * len(streams)
+    columns = len(names) * len(levels) + 2 * len(stream_cells)
     lines = [f"| category | {header} |", "|---|" + "---|" * columns]
 
     def values(row: dict, key: str) -> str:
@@ -240,10 +244,10 @@ def markdown_table(payload: dict) -> str:
     for name, row in cells.items():
         kind = " (repetitive)" if name in REPETITIVE else ""
         line = f"| {name}{kind} | " + " | ".join(values(row[level], name) for level in levels)
-        line += "".join(mixed_values(stream["categories"][name], name) for stream in streams.values())
+        line += "".join(mixed_values(stream["categories"][name], name) for stream in stream_cells.values())
         lines.append(line + " |")
     line = "| all | " + " | ".join(values(payload["overall"][level], "all") for level in levels)
-    lines.append(line + "".join(mixed_values(stream, "all") for stream in streams.values()) + " |")
+    lines.append(line + "".join(mixed_values(stream, "all") for stream in stream_cells.values()) + " |")
     return "\n".join(lines)
 
 
