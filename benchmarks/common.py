@@ -41,6 +41,7 @@ def run_metadata(model, dtype: str, module: str) -> dict[str, object]:
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "machine": platform.machine(),
         "processor": _cpu_name(),
+        "isa": cpu_isa(),
         "cpu_threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -58,6 +59,24 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+# The widest integer-dot-product paths the CPU kernels choose between, widest first.
+_ISA_FLAGS = (("amx_int8", "AMX"), ("avx512_vnni", "AVX-512 VNNI"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
+def cpu_isa() -> str:
+    """The CPU's widest instruction set of those the kernels use, with its family/model numbers
+    (an "AMD EPYC" name alone does not tell a Zen 3 from a Zen 5)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    fields = dict(line.split(":", 1) for line in info.split("\n\n", 1)[0].splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    isa = next((name for flag, name in _ISA_FLAGS if flag in flags), platform.machine())
+    return f"{isa} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
 
 
 class ForwardCounter:

@@ -40,7 +40,7 @@ from benchmarks.common import (
     run_metadata,
 )
 from benchmarks.concurrency import MIXES, MODES, add_ratios_to_off, sweep_ratios
-from benchmarks.workloads import Messages, distinct_prompts
+from benchmarks.workloads import Messages, Sampled, distinct_prompts
 from deployments import build_app
 from nasd_core.config import EMBEDDED_MODEL
 from nasd_core.models import load_model
@@ -51,8 +51,12 @@ WARMUP = [[{"role": "user", "content": "Count from one to ten in words."}]]
 MAX_TOKENS = 64
 
 
-async def stream_one(client: openai.AsyncOpenAI, messages: Messages, mode: str, max_tokens: int) -> dict:
-    """One streamed request: its text, token count, time to first token and mean ITL."""
+async def stream_one(
+    client: openai.AsyncOpenAI, conversation: Messages | Sampled, mode: str, max_tokens: int
+) -> dict:
+    """One streamed request, greedy unless ``conversation`` brings its own sampling (``Sampled``):
+    its text, token count, time to first token and mean ITL."""
+    messages, sampling = conversation if isinstance(conversation, tuple) else (conversation, {})
     started = time.perf_counter()
     arrivals: list[float] = []
     parts: list[str] = []
@@ -61,7 +65,7 @@ async def stream_one(client: openai.AsyncOpenAI, messages: Messages, mode: str, 
         model=EMBEDDED_MODEL,
         messages=messages,
         max_tokens=max_tokens,
-        temperature=0,
+        **({"temperature": 0} | sampling),
         stream=True,
         stream_options={"include_usage": True},
         extra_body={"speculation": mode},
@@ -88,7 +92,7 @@ async def stream_one(client: openai.AsyncOpenAI, messages: Messages, mode: str, 
 
 async def run_requests(
     base_url: str,
-    conversations: list[Messages],
+    conversations: list[Messages | Sampled],
     concurrency: int,
     mode: str,
     max_tokens: int,
@@ -101,7 +105,7 @@ async def run_requests(
     gate = asyncio.Semaphore(concurrency)
     started = time.perf_counter()
 
-    async def gated(index: int, messages: Messages) -> dict:
+    async def gated(index: int, messages: Messages | Sampled) -> dict:
         if interval_s is not None:
             await asyncio.sleep(max(0.0, started + index * interval_s - time.perf_counter()))
         async with gate:

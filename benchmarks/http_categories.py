@@ -42,7 +42,7 @@ from benchmarks.http import (
     speculation_of,
     summarise,
 )
-from benchmarks.workloads import REPETITIVE, WORKLOADS, distinct_prompts, long_chat_messages
+from benchmarks.workloads import REPETITIVE, WORKLOADS, distinct_prompts, hot_sampled, long_chat_messages
 from deployments.builder import RAY_RESERVED_CPUS, visible_cpus
 from nasd_core.config import ModelConfig
 from nasd_core.models import load_model
@@ -51,8 +51,10 @@ from nasd_core.models import load_model
 # cell (two servers doing the same work), which a ratio of auto over off must be read against.
 MODES = ("off", "auto", "off:control")
 LONG_CHAT = "long_chat"
-CATEGORIES = (*WORKLOADS, LONG_CHAT)
-QUICK_CATEGORIES = ("code_edit", "rag_quote", "creative", "multi_turn", LONG_CHAT)
+# The adversarial category: answers sampled hot, where next to no draft is accepted.
+HOT_SAMPLED = "hot_sampled"
+CATEGORIES = (*WORKLOADS, LONG_CHAT, HOT_SAMPLED)
+QUICK_CATEGORIES = ("code_edit", "rag_quote", "creative", "multi_turn", LONG_CHAT, HOT_SAMPLED)
 # Requests per category at each concurrency (C=8: one full wave).
 REQUESTS = {1: 4, 8: 8}
 QUICK_REQUESTS = {1: 2, 8: 8}
@@ -69,6 +71,8 @@ def category_prompts(tokenizer, category: str, count: int, skip: int) -> list:
     """``count`` conversations of ``category`` after its first ``skip`` (distinct across cells)."""
     if category == LONG_CHAT:
         return long_chat_messages(tokenizer, skip + count)[skip:]
+    if category == HOT_SAMPLED:
+        return hot_sampled(skip + count, seed=5)[skip:]
     return distinct_prompts([category], skip + count, seed=5)[skip:]
 
 
@@ -216,6 +220,17 @@ def ratios(payload: dict) -> dict[str, float]:
     return found | {name: stream["auto_over_off"] for name, stream in streams(payload).items()}
 
 
+def settings_line(payload: dict) -> str:
+    """The host and the servers' settings, named where they differ from ``serve run``'s."""
+    meta = payload["meta"]
+    changed = payload.get("changed_settings", {})
+    servers = "`serve run deployments:build_app speculation=MODE`, every other setting its default"
+    if changed:
+        servers += " except " + ", ".join(f"`{name}={value}`" for name, value in changed.items())
+    host = f"{meta['processor']}, {meta.get('isa', 'instruction set not recorded')}"
+    return f"Host: {host}. Servers: {servers}; each answered one warm-up chat first."
+
+
 def markdown_table(payload: dict) -> str:
     cells = payload["cells"]
     stream_cells = streams(payload)
@@ -226,7 +241,7 @@ def markdown_table(payload: dict) -> str:
     for name in stream_cells:
         header += f" | {labels[name]} auto / off | {name} control / off"
     columns = len(names) * len(levels) + 2 * len(stream_cells)
-    lines = [f"| category | {header} |", "|---|" + "---|" * columns]
+    lines = [settings_line(payload), "", f"| category | {header} |", "|---|" + "---|" * columns]
 
     def values(row: dict, key: str) -> str:
         bold = "**" if key == "all" else ""
@@ -242,7 +257,7 @@ def markdown_table(payload: dict) -> str:
         return f" | {bold}{row['auto_over_off']:.2f}x{bold} | {row['control_over_off']:.2f}x"
 
     for name, row in cells.items():
-        kind = " (repetitive)" if name in REPETITIVE else ""
+        kind = " (repetitive)" if name in REPETITIVE else " (adversarial)" if name == HOT_SAMPLED else ""
         line = f"| {name}{kind} | " + " | ".join(values(row[level], name) for level in levels)
         line += "".join(mixed_values(stream["categories"][name], name) for stream in stream_cells.values())
         lines.append(line + " |")
@@ -285,15 +300,18 @@ def main() -> None:
     cores = visible_cpus()
     num_cpus = args.num_cpus or max(1, cores - RAY_RESERVED_CPUS)
     model, tokenizer = load_model(config=ModelConfig(dtype="gguf"))
-    app_args = {} if args.probe_max_rows is None else {"probe_max_rows": args.probe_max_rows}
-    if args.num_cpus is None:
-        app_args["prefill_threads"] = cores
+    changed = {} if args.probe_max_rows is None else {"probe_max_rows": args.probe_max_rows}
+    if args.num_cpus is not None:
+        changed["num_cpus_per_replica"] = args.num_cpus
+    # What a lone replica gets by default, set explicitly because the three servers share one Ray.
+    app_args = dict(changed) if args.num_cpus is not None else {**changed, "prefill_threads": cores}
     cells, mixed, arrivals = run(tokenizer, categories, requests, args.max_tokens, num_cpus, app_args)
     payload = {
         "benchmark": "http_categories",
         "meta": run_metadata(model, "gguf", "benchmarks.http_categories"),
         "max_tokens": args.max_tokens,
         "app_args": app_args,
+        "changed_settings": changed,
         "requests": {str(level): count for level, count in requests.items()},
         "cells": cells,
         "overall": {str(level): overall(cells, str(level)) for level in requests},

@@ -10,6 +10,9 @@ Each workload is a list of chat conversations (OpenAI message lists). One line e
 * translation    - reformat a list of sentences into numbered, quoted lines (translation-style copying).
 * creative       - free-form creative text: the no-repetition control.
 
+``hot_sampled`` is the adversarial one: creative prompts answered at a high temperature, where next
+to no draft can be accepted.
+
 ``long_chats`` joins them into long chat prompts (token ids) of 600-1600 tokens.
 """
 
@@ -20,6 +23,8 @@ import random
 from collections.abc import Sequence
 
 Messages = list[dict[str, str]]
+# A conversation sent with sampling settings of its own (``temperature``, ``seed``) instead of greedy.
+Sampled = tuple[Messages, dict]
 
 _NAMES = ["alice", "bruno", "chen", "dara", "emeka", "fatima", "goran", "hana", "ivan", "jun", "kofi", "lena"]
 _CITIES = ["Lisbon", "Osaka", "Nairobi", "Quito", "Tallinn", "Hanoi", "Perth", "Bergen", "Cusco", "Accra"]
@@ -310,3 +315,16 @@ def chat_ids(tokenizer, messages: Messages) -> list[int]:
     return list(
         tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     )
+
+
+# The adversarial workload's sampling: hot enough that an answer rarely repeats anything, seeded so
+# every server samples the same text (verification keeps sampled output exact as well).
+HOT_TEMPERATURE = 1.5
+
+
+def hot_sampled(count: int, seed: int = 0) -> list[Sampled]:
+    """``count`` creative conversations, each sampled at ``HOT_TEMPERATURE`` with its own seed."""
+    return [
+        (messages, {"temperature": HOT_TEMPERATURE, "seed": seed * 1000 + index})
+        for index, messages in enumerate(distinct_prompts(["creative"], count, seed=seed + 17))
+    ]

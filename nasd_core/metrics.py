@@ -26,6 +26,10 @@ class SpecStats:
     decode_time_s: float = 0.0
     drafting_time_s: float = 0.0
     num_cached_prompt_tokens: int = 0  # prompt positions whose keys and values came from the prefix cache
+    # Steps that ran the request's speculative path (a lookup at least), and times its draft gate
+    # closed (``speculation/gate.py``): the rest of ``num_steps`` were plain steps.
+    num_speculative_steps: int = 0
+    num_gate_closures: int = 0
 
     def record_step(self, num_drafted: int, num_accepted: int, num_emitted: int, source: str | None) -> None:
         """Count one verification step (``num_emitted`` may be cut short by a stop condition)."""
@@ -54,6 +58,8 @@ class SpecStats:
             "decode_time_s",
             "drafting_time_s",
             "num_cached_prompt_tokens",
+            "num_speculative_steps",
+            "num_gate_closures",
         ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for mine, theirs in (
@@ -108,6 +114,8 @@ class SpecStats:
             "drafting_time_s": round(self.drafting_time_s, 6),
             "drafting_share": round(self.drafting_share, 6),
             "num_cached_prompt_tokens": self.num_cached_prompt_tokens,
+            "num_speculative_steps": self.num_speculative_steps,
+            "num_gate_closures": self.num_gate_closures,
         }
 
 

@@ -391,8 +391,8 @@ class Engine:
 
     def _run(self, step: ScheduledStep) -> None:
         started = time.perf_counter()
-        drafts, plan = self.speculator.propose(step)
-        drafting_s = time.perf_counter() - started
+        proposal = self.speculator.propose(step)
+        drafts, plan = proposal.drafts, proposal.plan
         step_rows = [row for _, row in step.chunks] + [
             StepRow(request.request_id, [request.tokens[-1], *draft.tokens[:length]], 1 + length)
             for request, draft, length in zip(step.rows, drafts, plan.lengths)
@@ -415,8 +415,8 @@ class Engine:
         )
         # The step's cost: all of it where the device outlasted the tail (the tail was hidden),
         # else all but the tail (the host was the step's bound, and the tail is no step's work).
-        step_s = time.perf_counter() - forward_started - (0.0 if device_bound else overlapped_s)
-        wall_s = time.perf_counter() - started
+        hidden_s = 0.0 if device_bound else overlapped_s
+        step_s = time.perf_counter() - forward_started - hidden_s
         num_emitted = sum(map(len, emitted_rows))
         shape, captured = self.runner.last_graph_shape, self.runner.last_captured
         num_positions = sum(len(row.token_ids) for row in step_rows)
@@ -424,10 +424,16 @@ class Engine:
             request.stats.prefill_time_s += step_s * len(row.token_ids) / num_positions
             request.prefilled_chunk(plan.cost_ratio)
         self.scheduler.chunks_done(step)
-        self._commit(step, drafts, plan, logits, emitted_rows, step_s, drafting_s)
+        self._commit(step, drafts, plan, logits, emitted_rows, step_s, proposal.seconds)
+        # The whole step as this host ran it, drafting and commit included: what the rows' pace
+        # and gates are charged, and what the policy prices widths by.
+        wall_s = time.perf_counter() - started - hidden_s
+        self.speculator.charge(step, proposal, emitted_rows, wall_s)
         # After the streaming: learning does not hold up the rows' tokens.
         self._tail.append(
-            lambda: self.speculator.learn(step, step_rows, plan, step_s, wall_s, num_emitted, shape, captured)
+            lambda: self.speculator.learn(
+                step, step_rows, proposal, step_s, wall_s, num_emitted, shape, captured
+            )
         )
 
     def _commit(
@@ -451,7 +457,7 @@ class Engine:
             learns = request.spec.is_speculating and request.drafter.local_index is not None
             if request.spec.filler_top_k > 1 and learns:
                 self._learn_alternatives(request, logits[offset : offset + len(emitted)], emitted)
-            kept = request.advance(draft, length, emitted, plan.cost_ratio)
+            kept = request.advance(draft, length, emitted)
             # The cache holds every token but the last, which the next step feeds.
             self.cache.set_length(request.request_id, len(request.tokens) - 1)
             if request.logprobs is not None:
@@ -464,7 +470,10 @@ class Engine:
             if request.on_tokens is not None:
                 self._tail.append(functools.partial(request.on_tokens, request, kept))
         # After the streaming, with the step's other learning: no row's tokens wait for it.
-        self._tail.append(functools.partial(self._learn_acceptance, step.rows, drafts, lengths, emitted_rows))
+        if any(lengths):
+            self._tail.append(
+                functools.partial(self._learn_acceptance, step.rows, drafts, lengths, emitted_rows)
+            )
         if step.rows:
             share = (drafting_s + time.perf_counter() - learn_started) / len(step.rows)
             for request in step.rows:

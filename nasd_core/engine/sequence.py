@@ -13,12 +13,12 @@ from nasd_core.metrics import SpecStats
 from nasd_core.processors import LogitsProcessors
 from nasd_core.sampling import TokenDraws
 from nasd_core.speculation.drafter import Draft, RequestDrafter
+from nasd_core.speculation.gate import DraftGate
 from nasd_core.speculation.policy import (
     INITIAL_PACE_CREDIT,
     INITIAL_PREFILL_PACE_CREDIT,
     AcceptanceEstimator,
     RowDraft,
-    dormant_steps,
     pace_credit,
 )
 from nasd_core.speculation.verify import VerifyRow
@@ -61,10 +61,8 @@ class Request:
     acceptance: AcceptanceEstimator = field(default_factory=AcceptanceEstimator)
     stats: SpecStats = field(default_factory=SpecStats)
     num_prefilled: int = 0
-    # Drafting backoff (policy.dormant_steps): best cases in a row without a draft position,
-    # and steps left before the next lookup.
-    num_misses: int = 0
-    num_dormant: int = 0
+    # Whether its drafts pay, read off the clock; closed, it runs plain steps (``gate.DraftGate``).
+    gate: DraftGate = field(default_factory=DraftGate)
     # How far the request is ahead of its pace floor, in plain steps (``policy.pace_credit``):
     # the batch's drafts may not slow it below ``policy.MIN_ROW_PACE`` of plain decoding.
     pace_credit: float = INITIAL_PACE_CREDIT
@@ -106,15 +104,15 @@ class Request:
 
     @property
     def looks_up(self) -> bool:
-        """Whether this step asks the drafter for the row's best case (not while it rests, nor
+        """Whether this step runs the row's speculative path (not while its gate is closed, nor
         when it may draft nothing)."""
-        return not self.num_dormant and self.draft_cap > 0
+        return self.gate.is_open and self.draft_cap > 0
 
     def best_case(self, match: tuple[int, str | None] = (0, None)) -> RowDraft:
         """What the batch policy would see if this step's draft were as long and as well
         matched as it can be, given the drafter's ``longest_match`` (asked only where
-        ``looks_up``: no draft is built); nothing while the row rests."""
-        if self.num_dormant:
+        ``looks_up``: no draft is built); nothing while its gate is closed."""
+        if not self.gate.is_open:
             return RowDraft("off", 0, 0, self.acceptance, pace_credit=self.pace_credit)
         match_length, source = match
         # Without a match there is no draft, unless unknown contexts are filled with guesses.
@@ -122,16 +120,6 @@ class Request:
         return RowDraft(
             self.mode, available, match_length, self.acceptance, source, pace_credit=self.pace_credit
         )
-
-    def rest(self, num_positions: int, num_rows: int) -> None:
-        """Record what this step's best case gave the row: a miss makes it rest longer."""
-        if self.num_dormant:
-            self.num_dormant -= 1
-        elif num_positions or self.mode != "auto":  # "on" drafts whatever its odds
-            self.num_misses = 0
-        else:
-            self.num_misses += 1
-            self.num_dormant = dormant_steps(num_rows, self.num_misses)
 
     @property
     def mode(self) -> str:
@@ -155,6 +143,21 @@ class Request:
         step's tail: the next step's plan may read acceptance one step old)."""
         self.acceptance.record(draft.match_length, num_drafted, num_emitted - 1, draft.source, draft.splits)
 
+    def charge(self, num_emitted: int, cost_ratio: float, gate_cost: float | None) -> None:
+        """The step that emitted ``num_emitted`` of its tokens took ``cost_ratio`` plain steps:
+        the pace credit follows; ``gate_cost``: what its speculative path cost the batch
+        (``gate.row_costs``), None when the step ran none of it for this row."""
+        self.pace_credit = pace_credit(self.pace_credit, num_emitted, cost_ratio)
+        if self.mode != "auto":  # "on" drafts whatever its odds
+            return
+        if gate_cost is None:
+            self.gate.skip()
+            return
+        self.stats.num_speculative_steps += 1
+        was_open = self.gate.is_open
+        self.gate.record(num_emitted - 1, gate_cost)
+        self.stats.num_gate_closures += was_open and not self.gate.is_open
+
     def verify_row(self) -> VerifyRow:
         """What verification needs of this row this step."""
         return VerifyRow(self.params, self.draws, self.num_output, self.processors)
@@ -164,13 +167,11 @@ class Request:
         its drafts: one plain step of the prompt's progress (``policy.prefill_floor``)."""
         self.prefill_pace_credit = pace_credit(self.prefill_pace_credit, 1, cost_ratio)
 
-    def advance(self, draft: Draft, num_drafted: int, emitted: list[int], cost_ratio: float) -> list[int]:
+    def advance(self, draft: Draft, num_drafted: int, emitted: list[int]) -> list[int]:
         """Take one verified step: ``num_drafted`` tokens of ``draft`` were verified and
-        ``emitted`` came out, in a step ``cost_ratio`` times as dear as without its drafts.
-        Updates the output, pace and counters (the drafter learns the new tokens when it next
-        looks up, the acceptance in ``learn_acceptance``); returns the tokens actually kept (a
-        stop condition can cut the step short)."""
-        self.pace_credit = pace_credit(self.pace_credit, len(emitted), cost_ratio)
+        ``emitted`` came out. Updates the output and counters (the drafter learns the new tokens
+        when it next looks up, the acceptance in ``learn_acceptance``, the pace and the gate in
+        ``charge``); returns the tokens actually kept (a stop condition can cut the step short)."""
         num_accepted = len(emitted) - 1
         num_taken = self.stopper.extend(emitted)
         kept = emitted[:num_taken]

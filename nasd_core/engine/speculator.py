@@ -5,18 +5,22 @@ get draft positions (a large batch of poorly matching rows drafts little or noth
 every row's draft each step cost 1% of a creative-text step at 16 rows, for ~1% more tokens); a
 runner with fixed shapes (a GPU) builds every looked-up row's draft at once and prices them once,
 in steps with prompt chunks too (pricing best cases first doubled the host work of a step, a
-tenth of a ~6 ms GPU step at 64 rows). A row that got no draft position
-rests a few steps before its next lookup (``policy.dormant_steps``). A step of fixed shapes (CUDA
-graphs) is priced by its width (``graph_plan``), any other by its rows and positions
-(``policy.plan_batch_drafts``); after the step, its time goes to the model of the path that ran
-it (on a CPU, steps without prompt chunks only: wider ones extrapolate from those), and what its
-drafts delivered to that path's ``DraftPayoff``.
+tenth of a ~6 ms GPU step at 64 rows). A step of fixed shapes (CUDA graphs) is priced by its width
+(``graph_plan``), any other by its rows and positions (``policy.plan_batch_drafts``).
+
+After the step, each row is charged what the step cost, read off the clock: its pace credit
+(``policy.pace_credit``) and its gate (``gate.DraftGate``), which sends a request whose drafts do
+not pay to plain steps, where none of this runs. A step in which no row's gate is open costs what
+a step of ``off`` does. The packed model learns whole steps' wall times (drafting, forward,
+verification and commit); its plain steps, the yardstick of every charge, are read at each row
+count before the first drafts there and again every ``PLAIN_REFRESH_STEPS`` steps.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 from nasd_core.engine.scheduler import ScheduledStep
 from nasd_core.engine.sequence import Request
@@ -24,8 +28,11 @@ from nasd_core.model.model_runner import ModelRunner, StepRow
 from nasd_core.model.step_graphs import StepShape
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import EMPTY_DRAFT, Draft, cut_draft, longest_matches, propose_rows
+from nasd_core.speculation.gate import row_costs
 from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
 from nasd_core.speculation.policy import (
+    MAX_SAMPLE_RATIO,
+    MIN_TRUSTED_SAMPLES,
     DraftPayoff,
     DraftPlan,
     RowDraft,
@@ -37,6 +44,24 @@ from nasd_core.speculation.policy import (
 from nasd_core.structured import GRAMMAR_SOURCE
 
 DRAFTING_COST_WEIGHT = 0.1  # moving-average weight of each step's drafting time per row
+# A row count's plain step is retimed after this many steps (a plain step in place of a drafted
+# one): contexts grow and the host's load drifts, and every charge is read against it.
+PLAIN_REFRESH_STEPS = 64
+
+
+@dataclass
+class Proposal:
+    """One step's drafts, the plan of how far to verify them, which rows ran their speculative
+    path (``looked_up``), and the seconds the speculator took."""
+
+    drafts: list[Draft]
+    plan: DraftPlan
+    looked_up: list[bool]
+    seconds: float = 0.0
+
+    @property
+    def speculated(self) -> bool:
+        return any(self.looked_up)
 
 
 class Speculator:
@@ -54,6 +79,9 @@ class Speculator:
         # which rows to draft for at all.
         self.drafting_s_per_row = 0.0
         self.width_histogram: dict[int, int] = {}  # steps by their widest draft
+        self._num_steps = 0
+        # Row count -> (plain steps of that many rows timed, the step of the last one).
+        self._plain_timings: dict[int, tuple[int, int]] = {}
 
     @property
     def step_time(self) -> StepTimeModel:
@@ -73,30 +101,72 @@ class Speculator:
         """The same for fixed-shape steps, priced by their own step times."""
         return self.calibration.graph_payoff
 
-    def propose(self, step: ScheduledStep) -> tuple[list[Draft], DraftPlan]:
-        """Each running row's draft and the plan of how much of it this step verifies."""
+    def propose(self, step: ScheduledStep) -> Proposal:
+        """Each running row's draft and the plan of how much of it this step verifies; a plain step
+        (no row's gate open, or a plain step to time) asks the drafter and the policy nothing."""
+        started = time.perf_counter()
         rows = step.rows
+        self._num_steps += 1
+        looked_up = [request.looks_up for request in rows]
+        if not any(looked_up) or self._times_plain(step):
+            if rows:
+                self.width_histogram[0] = self.width_histogram.get(0, 0) + 1
+            return Proposal([EMPTY_DRAFT] * len(rows), DraftPlan([0] * len(rows)), [False] * len(rows))
         # A runner with fixed-shape steps (a GPU) builds every looked-up row's draft at once and
         # prices them once, prompt chunks or not: its host time is the step's bound.
-        builds_all = self.runner.graph_widths is not None
         chunk_floor = prefill_floor(request.prefill_pace_credit for request, _ in step.chunks)
-        if builds_all:
-            drafts = self._build(rows, [request.looks_up for request in rows])
+        if self.runner.graph_widths is not None:
+            drafts = self._build(rows, looked_up)
         else:
-            drafts = self._drafts(rows, len(step.chunks), step.num_chunk_positions, chunk_floor)
+            drafts = self._drafts(rows, looked_up, len(step.chunks), step.num_chunk_positions, chunk_floor)
         plan = self.plan(
             [request.row_draft(draft) for request, draft in zip(rows, drafts)],
             len(step.chunks),
             step.num_chunk_positions,
             chunk_floor=chunk_floor,
         )
-        if builds_all:  # priced on the drafts themselves: rows that got none (nor wanted any) rest
-            for request, length in zip(rows, plan.wanted or plan.lengths):
-                request.rest(length, len(rows) + len(step.chunks))
         if rows:
             widest = max(plan.lengths)
             self.width_histogram[widest] = self.width_histogram.get(widest, 0) + 1
-        return drafts, plan
+        return Proposal(drafts, plan, looked_up, time.perf_counter() - started)
+
+    def _times_plain(self, step: ScheduledStep) -> bool:
+        """Whether this step runs plain to time a plain step of its rows on the packed path, the
+        yardstick of ``charge``: one timed fewer than ``MIN_TRUSTED_SAMPLES`` times, or not for
+        ``PLAIN_REFRESH_STEPS`` steps. Not with prompt chunks, nor with an ``on`` row (forced)."""
+        if step.chunks or self.runner.graph_widths is not None:
+            return False
+        if any(request.mode == "on" for request in step.rows):
+            return False
+        num_timed, last = self._plain_timings.get(len(step.rows), (0, 0))
+        return num_timed < MIN_TRUSTED_SAMPLES or self._num_steps - last > PLAIN_REFRESH_STEPS
+
+    def charge(
+        self, step: ScheduledStep, proposal: Proposal, emitted_rows: list[list[int]], wall_s: float
+    ) -> None:
+        """Charge each row the step's cost in plain steps (``cost_ratio``): its pace credit, and
+        the gate of each row that ran its speculative path (``gate.row_costs``)."""
+        rows, plan = step.rows, proposal.plan
+        if not proposal.speculated:
+            for request, emitted in zip(rows, emitted_rows):
+                request.charge(len(emitted), 1.0, None)
+            return
+        cost_ratio, lookup_share = self.cost_ratio(step, proposal, wall_s)
+        costs = row_costs(cost_ratio, lookup_share, proposal.looked_up, plan.lengths)
+        for request, emitted, looked, cost in zip(rows, emitted_rows, proposal.looked_up, costs):
+            request.charge(len(emitted), cost_ratio, cost if looked else None)
+
+    def cost_ratio(self, step: ScheduledStep, proposal: Proposal, wall_s: float) -> tuple[float, float]:
+        """What a step with speculation cost, in plain steps of as many rows, and the share of a
+        plain step the speculator took of it. A decode step on the packed path is read off the
+        clock (at least 1, at most ``MAX_SAMPLE_RATIO`` times twice its estimate: timing noise
+        is one-sided); any other is charged its plan's estimate."""
+        plan = proposal.plan
+        if step.chunks or self.runner.graph_widths is not None:
+            return plan.cost_ratio, 0.0
+        plain_s = self.step_time.estimate(len(step.rows), len(step.rows))
+        cap = MAX_SAMPLE_RATIO * 2 * plan.cost_ratio
+        return min(max(1.0, wall_s / plain_s), cap), proposal.seconds / plain_s
 
     def plan(
         self,
@@ -135,22 +205,26 @@ class Speculator:
         self,
         step: ScheduledStep,
         step_rows: list[StepRow],
-        plan: DraftPlan,
+        proposal: Proposal,
         step_s: float,
         wall_s: float,
         num_emitted: int,
         shape: StepShape | None,
         captured: bool,
     ) -> None:
-        """Record the step's time in the model of the path that ran it (``shape``: the fixed
-        shape of a verification step; None: a step with prompt chunks, in graphs or not, or a
-        packed one, which the packed model prices; a step with chunks is read there only on a
-        runner with graphs), and what its drafts delivered
-        (``num_emitted`` tokens in ``wall_s`` with drafting). A step that ``captured`` a shape
-        is no reading: its time is the capture's, not the shape's. (``shape`` and ``captured``
-        are the runner's at the step: the engine may call this during the next one.)"""
+        """Record the step's time in the model of the path that ran it, and what its drafts
+        delivered (``num_emitted`` tokens in ``wall_s``).
+
+        ``shape``: the fixed shape of a verification step, whose device time ``step_s`` the graph
+        model keeps; None: a packed step (or one with prompt chunks, in graphs or not), which the
+        packed model prices by its whole wall time (less the speculator's, where it drafted
+        nothing: such a step is a plain one); a step with chunks is read there only on a runner
+        with graphs. A step that ``captured`` a shape is no reading: its time is the capture's.
+        (``shape`` and ``captured`` are the runner's at the step: the engine may call this during
+        the next one.)"""
         if captured:
             return
+        plan = proposal.plan
         # Only steps of the policy's own choices are read: no prompt chunks, no "on" row's drafts.
         reads_payoff = step.rows and not step.chunks and sum(plan.lengths) == plan.num_chosen
         if shape is not None:
@@ -160,42 +234,43 @@ class Speculator:
             self.graph_step_times.observe(shape.num_rows, shape.num_positions, step_s)
             return
         num_positions = sum(len(row.token_ids) for row in step_rows)
-        if reads_payoff:
-            estimate = self.step_time.estimate(len(step.rows), num_positions)
-            self.payoff.record(len(step.rows), plan, estimate, wall_s, num_emitted)
+        if self.runner.graph_widths is not None:
+            self.step_time.observe(len(step_rows), num_positions, step_s)
+            return
         # A chunk step costs by its prompt's context, which the model does not key: read in, a cheap
         # one capped every narrower width and drafts beside chunks looked free (docs/results.md).
-        # A graph runner's decode steps go to its graph model, so there chunk steps are kept.
-        if not step.chunks or self.runner.graph_widths is not None:
-            self.step_time.observe(len(step_rows), num_positions, step_s)
+        if step.chunks:
+            return
+        seconds = wall_s if any(plan.lengths) else wall_s - proposal.seconds
+        if reads_payoff:
+            estimate = self.step_time.estimate(len(step.rows), num_positions)
+            self.payoff.record(len(step.rows), plan, estimate, seconds, num_emitted)
+        self.step_time.observe(len(step_rows), num_positions, seconds)
+        if num_positions == len(step_rows):
+            num_timed = self._plain_timings.get(num_positions, (0, 0))[0]
+            self._plain_timings[num_positions] = (num_timed + 1, self._num_steps)
 
     def _drafts(
-        self, rows: list[Request], num_other_rows: int, num_other_positions: int, chunk_floor: float
+        self,
+        rows: list[Request],
+        looked_up: list[bool],
+        num_other_rows: int,
+        num_other_positions: int,
+        chunk_floor: float,
     ) -> list[Draft]:
         """This step's drafts, built only for the rows whose best case gets draft positions."""
-        if not rows:
-            return []
-        looked_up = [request for request in rows if request.looks_up]
-        matches = iter(
-            longest_matches(
-                [request.drafter for request in looked_up], [request.tokens for request in looked_up]
-            )
-        )
+        lookups = [request for request, looks in zip(rows, looked_up) if looks]
+        matches = iter(longest_matches([request.drafter for request in lookups], [r.tokens for r in lookups]))
         best = self.plan(
             [
-                request.best_case(next(matches)) if request.looks_up else request.best_case()
-                for request in rows
+                request.best_case(next(matches)) if looks else request.best_case()
+                for request, looks in zip(rows, looked_up)
             ],
             num_other_rows,
             num_other_positions,
             self.drafting_s_per_row,
             chunk_floor,
         )
-        num_rows = len(rows) + num_other_rows
-        # A row held back only by another row's or a prompt's pace did not miss: it rests by what it
-        # wanted.
-        for request, length in zip(rows, best.wanted or best.lengths):
-            request.rest(length, num_rows)
         return self._build(rows, [length > 0 for length in best.lengths])
 
     def _build(self, rows: list[Request], wanted: list[bool]) -> list[Draft]:

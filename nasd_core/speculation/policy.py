@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 # Prior chance the first draft is accepted, by matched context length (longer = likelier);
-# measured on the benchmark workloads with the embedded model (benchmarks/acceptance.py).
+# measured on the benchmark workloads with the embedded model.
 PRIOR_FIRST_ACCEPT = {1: 0.15, 2: 0.35, 3: 0.5, 4: 0.6}
 PRIOR_FIRST_ACCEPT_LONG = 0.7
 PRIOR_NEXT_ACCEPT = 0.75
@@ -41,12 +41,12 @@ PRIOR_SPLIT_NEXT_ACCEPT = 0.35
 PRIOR_WEIGHT = 4.0  # pseudo-observations behind each prior
 # The engine's pooled acceptance weighs its last ~50 drafts of each match length most.
 POOLED_DECAY = 0.98
-# Prior shape of a verification step: each extra token costs this share of a 1-token step.
-PRIOR_EXTRA_TOKEN_COST = 0.08
-# ...while each extra row of a plain step costs this share: a step reads the weights once
-# whatever its rows (embedded model, 2 cores: 1 row 44 ms, 16 rows 63 ms, 32 rows 99 ms), so a
-# draft position is no cheaper relative to the step for riding in a batch.
-PRIOR_EXTRA_ROW_COST = 0.03
+# Prior shape of a verification step, in one-row plain steps: each extra token costs this share,
+# each extra row of a plain step this one. Both are the GGUF path's, a CPU server's default (its
+# int8 multiply costs per row, where float32 reads the weights once whatever the rows): timed
+# with ``calibration.measure_step_times`` on the embedded model, one thread, 300 cached tokens.
+PRIOR_EXTRA_TOKEN_COST = 0.10
+PRIOR_EXTRA_ROW_COST = 0.13
 EWMA_WEIGHT = 0.2
 # Timing noise on a shared CPU is one-sided (a preempted step reads 2x, none reads 0.5x):
 # a sample counts for at most this multiple of the current estimate.
@@ -81,23 +81,6 @@ LARGE_BATCH_ROWS = 16
 LARGE_BATCH_MIN_DRAFT_GAIN = 0.15
 
 
-# A row whose best case got no draft position skips its lookups for the next 1, 2, 4, ... steps
-# (reset when it drafts), at most one step per this many rows in the batch, and at most
-# MAX_DORMANT_STEPS. Why: at 32 creative-text rows the lookups and the policy's pricing of rows
-# that then drafted nothing were ~2% of the run (the forward unchanged), while a row's chance
-# of a paying draft right after a miss is small; at 1-3 rows no row ever rests (a lookup is
-# cheap against a one-row step, a missed draft is not).
-ROWS_PER_DORMANT_STEP = 4
-MAX_DORMANT_STEPS = 8
-
-
-def dormant_steps(num_rows: int, num_misses: int) -> int:
-    """Steps a row skips drafting after its ``num_misses``-th best case in a row with no draft."""
-    if num_misses <= 0:
-        return 0
-    return min(1 << (num_misses - 1), num_rows // ROWS_PER_DORMANT_STEP, MAX_DORMANT_STEPS)
-
-
 # No request's tokens per second may fall below this share of what plain decoding would give it.
 # Why per row: every row waits for the whole step, so drafts that pay for the batch can still slow
 # a row whose own drafts rarely land (creative chats beside copying ones: docs/results.md).
@@ -117,8 +100,8 @@ def pace_credit(credit: float, num_emitted: int, cost_ratio: float) -> float:
     plain decoding would have spent on those tokens, allowed ``1 / MIN_ROW_PACE`` of it, less what
     the step spent. Uncapped, so the floor holds over the request's life: a row's accepted drafts
     pay for the other rows' later, and a row whose own drafts missed keeps the steps plain until
-    it is back on pace. Costs are the engine's estimates; ``on`` rows' forced drafts and building
-    drafts are not charged."""
+    it is back on pace. A decode step's cost is read off the clock, a step with prompt chunks is
+    charged its estimate (``Speculator.charge``); ``on`` rows' forced drafts are not charged."""
     return credit + num_emitted / MIN_ROW_PACE - cost_ratio
 
 
@@ -485,10 +468,9 @@ def _beyond_rows(column: dict[int, float], num_rows: int) -> float:
 
 def _prior_shape(num_rows: int, num_extra):
     """Prior cost of a step of ``num_rows`` rows with ``num_extra`` extra positions, in plain
-    one-row steps. Why not "an extra position costs 8% of a row": measured here, a 16-row plain
-    step costs 1.4x a one-row step, not 16x, so that prior made a draft position look 16x
-    cheaper at 16 rows than it is, and an uncalibrated server speculated on creative text at
-    0.80x of plain decoding (HTTP sweep, C=4)."""
+    one-row steps. An extra position is priced against the step it rides in, so the row term sets
+    how dear a draft looks in a batch: too low, and a draft position looked 16x cheaper at 16 rows
+    than it was (docs/results.md)."""
     return 1.0 + PRIOR_EXTRA_ROW_COST * (num_rows - 1) + PRIOR_EXTRA_TOKEN_COST * num_extra
 
 

@@ -17,7 +17,7 @@ from nasd_core.engine.engine import Engine
 from nasd_core.engine.scheduler import ScheduledStep
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
 from nasd_core.model.model_runner import StepRow
-from nasd_core.speculation import graph_plan, policy
+from nasd_core.speculation import gate, graph_plan, policy
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import LOCAL_SOURCE, RequestDrafter
 from nasd_core.speculation.policy import (
@@ -80,6 +80,7 @@ def run_staggered(
 def test_batched_greedy_equals_single_sequence_runs(model, tokenizer, single_runs, mode, block_size):
     config = EngineConfig(max_batch_rows=8, prefill_chunk_tokens=16, kv_block_size=block_size)
     engine = Engine(model, tokenizer, config)
+    engine.step_time = FixedStepTimes(lambda *_: 0.1)  # drafts look free: auto verifies them
     outputs = run_staggered(engine, PROMPTS, MAX_TOKENS, SpecConfig(mode=mode, num_draft_tokens=5))
     mismatches = [i for i, expected in enumerate(single_runs) if outputs[i] != expected]
     assert not mismatches, f"rows {mismatches} differ from their single-sequence runs"
@@ -256,11 +257,22 @@ class FixedStepTimes(StepTimeModel):
         pass
 
 
+def clock_agrees_with_model(monkeypatch) -> None:
+    """Steps read as costing what the policy's cost model estimated, not what this host's clock
+    says, so that the pace and the gates follow the model a test sets."""
+    monkeypatch.setattr(
+        speculator.Speculator,
+        "cost_ratio",
+        lambda self, step, proposal, wall_s: (proposal.plan.cost_ratio, 0.0),
+    )
+
+
 @pytest.mark.parametrize("cost", ["linear_in_positions", "flat"])
 def test_auto_builds_no_draft_when_no_draft_could_pay(model, tokenizer, single_runs, monkeypatch, cost):
     """Where every extra position costs as much as a whole step, no draft can pay for itself,
-    so auto must not even build drafts (that was 4% of a step at 16 rows), and rows rest between
-    lookups; where extra positions are free it must speculate. Greedy outputs are unchanged."""
+    so auto must not even build drafts (that was 4% of a step at 16 rows), and rows go to plain
+    steps after a window of lookups; where extra positions are free it must speculate. Greedy
+    outputs are unchanged."""
     built: list[int] = []
     propose, longest_match = RequestDrafter.propose, RequestDrafter.longest_match
     num_lookups = 0
@@ -289,10 +301,98 @@ def test_auto_builds_no_draft_when_no_draft_could_pay(model, tokenizer, single_r
     num_row_steps = engine.stats.num_steps  # every decode step of every row
     if linear:
         assert built == [] and engine.stats.num_drafted == 0
-        # Rows that never get a draft rest between lookups (policy.dormant_steps).
-        assert num_lookups < 0.6 * num_row_steps
+        # Lookups that never led to a draft closed the rows' gates for plain steps (gate.DraftGate).
+        assert engine.stats.num_gate_closures > 0
+        assert num_lookups == engine.stats.num_speculative_steps < num_row_steps
     else:
         assert sum(built) > 0 and engine.stats.num_accepted > 0
+
+
+REPEATING = "alpha beta gamma delta alpha beta gamma delta alpha beta gamma delta alpha"
+
+
+def greedy_off(model, tokenizer, prompt: str, max_tokens: int) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens)
+    return generate(model, tokenizer, prompt, params, SpecConfig(mode="off")).token_ids
+
+
+def test_a_request_whose_drafts_stop_paying_goes_to_plain_steps(model, tokenizer, monkeypatch):
+    """Drafts are charged what the step cost the batch, read off the clock (``gate.row_costs``);
+    injected here as far more than any draft gives, the request's gate closes after a window and
+    it runs plain steps, with no lookup, until its back-off ends. The output stays greedy's."""
+    lookups = 0
+    longest_match = RequestDrafter.longest_match
+
+    def counting_longest_match(self, tokens, *suffix):
+        nonlocal lookups
+        lookups += 1
+        return longest_match(self, tokens, *suffix)
+
+    monkeypatch.setattr(RequestDrafter, "longest_match", counting_longest_match)
+    monkeypatch.setattr(
+        speculator, "row_costs", lambda ratio, share, looked_up, drafted: [100.0] * len(looked_up)
+    )
+    engine = Engine(model, tokenizer)
+    engine.step_time = FixedStepTimes(lambda *_: 0.1)  # drafts look free to the policy: it drafts
+    params = SamplingParams(max_tokens=80)
+    [result] = engine.generate([REPEATING], params, SpecConfig(mode="auto"))
+    assert result.token_ids == greedy_off(model, tokenizer, REPEATING, 80)
+    stats = result.stats
+    assert stats.num_drafted > 0  # it did draft, at first
+    assert stats.num_gate_closures >= 2  # closed, tested again after its back-off, closed again
+    # Every speculative step belongs to a window, at most one of them unfinished; each closure
+    # but the last sat out its whole back-off (8, 16, ... plain steps).
+    closures = stats.num_gate_closures
+    assert lookups == stats.num_speculative_steps <= (closures + 1) * gate.GATE_WINDOW
+    backoffs = gate.FIRST_BACKOFF_STEPS * (2 ** (closures - 1) - 1)
+    assert stats.num_steps - stats.num_speculative_steps >= backoffs
+
+
+def test_a_plain_step_in_auto_runs_no_drafting_code(model, tokenizer, single_runs, monkeypatch):
+    """With every row's gate closed (and, on a new engine, in its first plain steps at a row
+    count, which time the yardstick), ``auto`` asks no drafter, no policy and learns no acceptance:
+    its plain step is ``off``'s."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("drafting code ran in a plain step")
+
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=12))
+    for name in ("longest_matches", "propose_rows", "row_costs"):
+        monkeypatch.setattr(speculator, name, forbidden)
+    monkeypatch.setattr(speculator.Speculator, "plan", forbidden)
+    monkeypatch.setattr(Engine, "_learn_acceptance", forbidden)
+    spec = SpecConfig(mode="auto")
+    ids = [
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), spec)
+        for prompt, max_tokens in zip(PROMPTS, MAX_TOKENS)
+    ]
+    for request_id in ids:
+        engine.requests[request_id].gate.plain_steps_left = 10**6
+    while not engine.is_finished():
+        engine.step()
+    results = [engine.pop_result(request_id) for request_id in ids]
+    assert [result.token_ids for result in results] == single_runs
+    assert all(result.stats.num_speculative_steps == 0 for result in results)
+    monkeypatch.undo()
+
+    # A new engine's first steps at a row count are plain, to time it: no lookup before then.
+    engine = Engine(model, tokenizer)
+    lookups: list[int] = []
+    longest_matches = speculator.longest_matches
+    num_steps = 0
+
+    def counting(drafters, tokens):
+        lookups.append(num_steps)
+        return longest_matches(drafters, tokens)
+
+    monkeypatch.setattr(speculator, "longest_matches", counting)
+    request_id = engine.add_request(REPEATING, SamplingParams(max_tokens=24), spec)
+    while not engine.is_finished():
+        num_steps += 1
+        engine.step()
+    assert engine.pop_result(request_id).token_ids == greedy_off(model, tokenizer, REPEATING, 24)
+    # Step 1 is the prompt's chunk, steps 2-4 time plain steps of one row, then it looks up.
+    assert lookups and min(lookups) == 2 + speculator.MIN_TRUSTED_SAMPLES
 
 
 def test_auto_drafts_less_where_drafted_steps_have_not_delivered(model, tokenizer, single_runs):
@@ -323,11 +423,13 @@ def test_other_rows_drafts_never_slow_a_row_below_its_pace(model, tokenizer, sin
     """Copying rows in ``auto`` share steps with rows that do not speculate, and each drafted
     position costs 3% of a step: the copiers' drafts pay for the batch, but every position slows
     the plain rows. Started at no credit, their pace credit (plain steps ahead of 0.97x of plain
-    decoding, on the engine's cost model) never goes below zero; without the floor it does, and
-    more is drafted. Outputs unchanged either way."""
+    decoding) never goes below zero; without the floor it does, and more is drafted. The clock
+    is made to read what the cost model says (``clock_agrees_with_model``), so that the test
+    does not depend on this host's speed. Outputs unchanged either way."""
     if not floor:
         for module in (policy, graph_plan):
             monkeypatch.setattr(module, "keeps_pace", lambda credits, own, ratios, floor=0: ratios > 0)
+    clock_agrees_with_model(monkeypatch)
     engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=12))
     engine.step_time = FixedStepTimes(lambda rows, positions: 0.1 * (1 + 0.03 * (positions - rows)))
     copying = {1, 2, 4, 6, 9, 10}
@@ -405,7 +507,8 @@ def test_only_a_graph_runner_reads_chunk_steps_into_the_packed_model(graph_width
     learner = speculator.Speculator(SimpleNamespace(graph_widths=graph_widths), Calibration())
     chunk = StepRow("prompt", [1] * 32, 0)
     step = ScheduledStep(rows=[], chunks=[(None, chunk)])
-    learner.learn(step, [chunk], DraftPlan([]), 0.1, 0.1, 0, shape=None, captured=False)
+    proposal = speculator.Proposal([], DraftPlan([]), [])
+    learner.learn(step, [chunk], proposal, 0.1, 0.1, 0, shape=None, captured=False)
     assert (learner.step_time.measured(1, 32) is not None) == (graph_widths is not None)
 
 

@@ -25,7 +25,6 @@ from nasd_core.speculation.policy import (
     StepTimeModel,
     choose_draft_length,
     cold_start_cap,
-    dormant_steps,
     draft_position_cap,
     match_bucket,
     pace_credit,
@@ -317,14 +316,15 @@ def test_a_step_drafts_only_for_a_clear_gain():
 
 def test_uncalibrated_steps_are_capped_by_the_table_then_by_what_was_timed():
     assert cold_start_cap(1) == 5 and cold_start_cap(32) == 3 and cold_start_cap(33) == 0
-    rows = [row("auto", 10, 8, True) for _ in range(8)]
+    rows = [row("auto", 10, 8, True) for _ in range(4)]
     empty = StepTimeModel()
-    assert draft_position_cap(8, empty) == 24
-    assert plan_batch_drafts(rows, empty, draft_position_cap(8, empty)).lengths == [3] * 8
+    assert draft_position_cap(4, empty) == 20
+    assert plan_batch_drafts(rows, empty, draft_position_cap(4, empty)).lengths == [5] * 4
+    assert plan_batch_drafts(rows, empty).lengths == [10] * 4  # what the prior alone would verify
     # Once a step is timed, twice its draft positions may be tried: widths are reachable.
-    empty.observe(8, 8 + 24, 0.1)
-    assert draft_position_cap(8, empty) == 48
-    assert draft_position_cap(4, empty) == 48 and draft_position_cap(9, empty) == 27
+    empty.observe(4, 4 + 20, 0.1)
+    assert draft_position_cap(4, empty) == 40
+    assert draft_position_cap(2, empty) == 40 and draft_position_cap(5, empty) == 15
 
 
 def test_requests_start_from_the_engines_pooled_acceptance_and_their_own_evidence_wins():
@@ -371,14 +371,6 @@ def test_drafts_beside_prompt_chunks_are_priced_against_a_decode_step():
     assert plan_batch_drafts(rows, step_time, num_other_rows=1, num_other_positions=800).lengths == [0] * 16
     strong = [row("auto", 4, 6, accepted_all=True) for _ in range(16)]
     assert plan_batch_drafts(strong, step_time, num_other_rows=1, num_other_positions=800).lengths == [4] * 16
-
-
-def test_rows_without_a_paying_draft_rest_longer_each_miss_and_never_alone():
-    # 1, 2, 4, 8 steps after consecutive misses at 32 rows; capped by rows / 4 and by the maximum.
-    assert [dormant_steps(32, misses) for misses in range(6)] == [0, 1, 2, 4, 8, 8]
-    assert [dormant_steps(8, misses) for misses in range(1, 5)] == [1, 2, 2, 2]
-    # Below 4 rows a lookup is cheap against the step and a missed draft is not: never rest.
-    assert all(dormant_steps(rows, misses) == 0 for rows in (1, 2, 3) for misses in range(6))
 
 
 def marginal_rows(num_rows: int) -> tuple[list[RowDraft], StepTimeModel]:

@@ -1,0 +1,84 @@
+"""A request's draft gate: it drafts only while its drafts pay for themselves in wall time.
+
+The batch policy prices drafts with a model of step costs; the gate checks the result. Over each
+window of ``GATE_WINDOW`` steps in which a request ran its speculative path (a lookup, maybe a
+draft), it weighs the tokens its drafts added against what they cost the batch, both read off the
+clock (``row_costs``). A window whose drafts did not pay closes the gate: the request then runs
+plain steps, skipping its lookups and its pricing altogether, for 8, 16, 32, ... steps
+(exponential back-off), and tests again. A window that paid resets the back-off.
+
+Why a gate as well as the policy: the policy's estimates are only as good as its step-time model
+on this host, and a request whose drafts never land (free-form text, sampled answers) still paid
+each step's lookup and pricing; read in wall time, a miss is a miss whatever the model believed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Steps with the speculative path per verdict: enough for a copied span to show, few enough that
+# a request of 64-128 tokens whose drafts miss loses at most a few steps' overhead.
+GATE_WINDOW = 6
+FIRST_BACKOFF_STEPS = 8
+MAX_BACKOFF_STEPS = 256
+
+
+@dataclass
+class DraftGate:
+    """One request's verdicts: open while its drafts pay, else closed for a back-off of plain steps."""
+
+    num_failures: int = 0  # windows in a row whose drafts did not pay
+    plain_steps_left: int = 0  # plain steps before the next test
+    num_closures: int = 0  # times the gate closed over the request's life
+    window_steps: int = 0
+    window_gain: float = 0.0  # tokens the drafts added (accepted drafts)
+    window_cost: float = 0.0  # what they cost the batch, in tokens of plain decoding
+
+    @property
+    def is_open(self) -> bool:
+        return self.plain_steps_left == 0
+
+    def skip(self) -> None:
+        """One plain step of the back-off went by."""
+        self.plain_steps_left = max(0, self.plain_steps_left - 1)
+
+    def record(self, gain: float, cost: float) -> None:
+        """One step with the request's speculative path: its drafts added ``gain`` tokens and
+        cost the batch ``cost`` tokens' worth of plain decoding (``row_costs``)."""
+        self.window_steps += 1
+        self.window_gain += gain
+        self.window_cost += cost
+        if self.window_steps < GATE_WINDOW:
+            return
+        if self.window_gain > self.window_cost:
+            self.num_failures = 0
+        else:
+            self.num_failures += 1
+            self.num_closures += 1
+            backoff = FIRST_BACKOFF_STEPS << min(self.num_failures - 1, 16)
+            self.plain_steps_left = min(backoff, MAX_BACKOFF_STEPS)
+        self.window_steps, self.window_gain, self.window_cost = 0, 0.0, 0.0
+
+
+def row_costs(
+    cost_ratio: float, lookup_share: float, looked_up: Sequence[bool], num_drafted: Sequence[int]
+) -> list[float]:
+    """What each row's speculative path cost a step of ``len(looked_up)`` rows, in tokens of plain
+    decoding: the step took ``cost_ratio`` plain steps, ``lookup_share`` of a plain step of it
+    spent finding and building drafts (split among the rows that ``looked_up``), the rest of the
+    excess on the draft positions (split by each row's ``num_drafted``). Every row waits for the
+    whole step, so an excess of x plain steps costs the batch x tokens per row."""
+    num_rows = len(looked_up)
+    excess = max(0.0, cost_ratio - 1.0)
+    lookup = min(excess, max(0.0, lookup_share))
+    positions = excess - lookup
+    num_looked_up = sum(looked_up)
+    total_drafted = sum(num_drafted)
+    costs = []
+    for looks, drafted in zip(looked_up, num_drafted, strict=True):
+        cost = lookup / num_looked_up if looks and num_looked_up else 0.0
+        if total_drafted:
+            cost += positions * drafted / total_drafted
+        costs.append(num_rows * cost)
+    return costs
