@@ -143,8 +143,9 @@ class Request:
         step's tail: the next step's plan may read acceptance one step old)."""
         self.acceptance.record(draft.match_length, num_drafted, num_emitted - 1, draft.source, draft.splits)
 
-    def charge(self, num_emitted: int, cost_ratio: float, gate_cost: float | None) -> None:
-        """The step that emitted ``num_emitted`` of its tokens took ``cost_ratio`` plain steps:
+    def charge(self, num_drafted: int, num_emitted: int, cost_ratio: float, gate_cost: float | None) -> None:
+        """The step that verified ``num_drafted`` drafts of the row and emitted ``num_emitted`` of
+        its tokens took ``cost_ratio`` plain steps:
         the pace credit follows; ``gate_cost``: what its speculative path cost the batch
         (``gate.row_costs``), None when the step ran none of it for this row."""
         self.pace_credit = pace_credit(self.pace_credit, num_emitted, cost_ratio)
@@ -155,7 +156,7 @@ class Request:
             return
         self.stats.num_speculative_steps += 1
         was_open = self.gate.is_open
-        self.gate.record(num_emitted - 1, gate_cost)
+        self.gate.record(num_drafted > 0, num_emitted - 1, gate_cost)
         self.stats.num_gate_closures += was_open and not self.gate.is_open
 
     def verify_row(self) -> VerifyRow:

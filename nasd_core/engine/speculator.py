@@ -79,8 +79,7 @@ class Speculator:
         # which rows to draft for at all.
         self.drafting_s_per_row = 0.0
         self.width_histogram: dict[int, int] = {}  # steps by their widest draft
-        self._num_steps = 0
-        # Row count -> (plain steps of that many rows timed, the step of the last one).
+        # Row count -> (plain steps of that many rows timed, steps of that many rows since the last).
         self._plain_timings: dict[int, tuple[int, int]] = {}
 
     @property
@@ -106,7 +105,6 @@ class Speculator:
         (no row's gate open, or a plain step to time) asks the drafter and the policy nothing."""
         started = time.perf_counter()
         rows = step.rows
-        self._num_steps += 1
         looked_up = [request.looks_up for request in rows]
         if not any(looked_up) or self._times_plain(step):
             if rows:
@@ -132,14 +130,17 @@ class Speculator:
 
     def _times_plain(self, step: ScheduledStep) -> bool:
         """Whether this step runs plain to time a plain step of its rows on the packed path, the
-        yardstick of ``charge``: one timed fewer than ``MIN_TRUSTED_SAMPLES`` times, or not for
-        ``PLAIN_REFRESH_STEPS`` steps. Not with prompt chunks, nor with an ``on`` row (forced)."""
+        yardstick of ``charge``: one timed fewer than ``MIN_TRUSTED_SAMPLES`` times, or not in its
+        last ``PLAIN_REFRESH_STEPS`` steps of as many rows. Not with prompt chunks, nor with an
+        ``on`` row (forced)."""
         if step.chunks or self.runner.graph_widths is not None:
             return False
         if any(request.mode == "on" for request in step.rows):
             return False
-        num_timed, last = self._plain_timings.get(len(step.rows), (0, 0))
-        return num_timed < MIN_TRUSTED_SAMPLES or self._num_steps - last > PLAIN_REFRESH_STEPS
+        num_rows = len(step.rows)
+        num_timed, since = self._plain_timings.get(num_rows, (0, 0))
+        self._plain_timings[num_rows] = (num_timed, since + 1)
+        return num_timed < MIN_TRUSTED_SAMPLES or since >= PLAIN_REFRESH_STEPS
 
     def charge(
         self, step: ScheduledStep, proposal: Proposal, emitted_rows: list[list[int]], wall_s: float
@@ -149,24 +150,27 @@ class Speculator:
         rows, plan = step.rows, proposal.plan
         if not proposal.speculated:
             for request, emitted in zip(rows, emitted_rows):
-                request.charge(len(emitted), 1.0, None)
+                request.charge(0, len(emitted), 1.0, None)
             return
         cost_ratio, lookup_share = self.cost_ratio(step, proposal, wall_s)
         costs = row_costs(cost_ratio, lookup_share, proposal.looked_up, plan.lengths)
-        for request, emitted, looked, cost in zip(rows, emitted_rows, proposal.looked_up, costs):
-            request.charge(len(emitted), cost_ratio, cost if looked else None)
+        for request, emitted, looked, length, cost in zip(
+            rows, emitted_rows, proposal.looked_up, plan.lengths, costs
+        ):
+            request.charge(length, len(emitted), cost_ratio, cost if looked else None)
 
     def cost_ratio(self, step: ScheduledStep, proposal: Proposal, wall_s: float) -> tuple[float, float]:
         """What a step with speculation cost, in plain steps of as many rows, and the share of a
         plain step the speculator took of it. A decode step on the packed path is read off the
-        clock (at least 1, at most ``MAX_SAMPLE_RATIO`` times twice its estimate: timing noise
-        is one-sided); any other is charged its plan's estimate."""
+        clock, at most ``MAX_SAMPLE_RATIO`` times twice its estimate (a preempted step) and
+        unclipped below, so that a noisy clock charges nothing on average (a step under its
+        plain estimate is noise, as one over it may be); any other is charged its estimate."""
         plan = proposal.plan
         if step.chunks or self.runner.graph_widths is not None:
             return plan.cost_ratio, 0.0
         plain_s = self.step_time.estimate(len(step.rows), len(step.rows))
         cap = MAX_SAMPLE_RATIO * 2 * plan.cost_ratio
-        return min(max(1.0, wall_s / plain_s), cap), proposal.seconds / plain_s
+        return min(wall_s / plain_s, cap), proposal.seconds / plain_s
 
     def plan(
         self,
@@ -248,7 +252,7 @@ class Speculator:
         self.step_time.observe(len(step_rows), num_positions, seconds)
         if num_positions == len(step_rows):
             num_timed = self._plain_timings.get(num_positions, (0, 0))[0]
-            self._plain_timings[num_positions] = (num_timed + 1, self._num_steps)
+            self._plain_timings[num_positions] = (num_timed + 1, 0)
 
     def _drafts(
         self,

@@ -1,11 +1,11 @@
 """A request's draft gate: it drafts only while its drafts pay for themselves in wall time.
 
 The batch policy prices drafts with a model of step costs; the gate checks the result. Over each
-window of ``GATE_WINDOW`` steps in which a request ran its speculative path (a lookup, maybe a
-draft), it weighs the tokens its drafts added against what they cost the batch, both read off the
-clock (``row_costs``). A window whose drafts did not pay closes the gate: the request then runs
-plain steps, skipping its lookups and its pricing altogether, for 8, 16, 32, ... steps
-(exponential back-off), and tests again. A window that paid resets the back-off.
+window of ``GATE_WINDOW`` drafted steps (or ``LOOKUP_WINDOW`` steps with a lookup, drafted or
+not), it weighs the tokens the request's drafts added against what its lookups and drafts cost
+the batch, read off the clock (``row_costs``). A window that did not pay closes the gate: the
+request then runs plain steps, skipping its lookups and its pricing altogether, for 4, 8, 16, ...
+steps (exponential back-off), and tests again. A window that paid resets the back-off.
 
 Why a gate as well as the policy: the policy's estimates are only as good as its step-time model
 on this host, and a request whose drafts never land (free-form text, sampled answers) still paid
@@ -17,10 +17,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Steps with the speculative path per verdict: enough for a copied span to show, few enough that
-# a request of 64-128 tokens whose drafts miss loses at most a few steps' overhead.
-GATE_WINDOW = 6
-FIRST_BACKOFF_STEPS = 8
+# A verdict comes after this many drafted steps: enough for a copied span to show, few enough that
+# a request of 64-128 tokens whose drafts miss loses at most a few steps' overhead...
+GATE_WINDOW = 8
+# ...or after this many steps with the speculative path, drafted or not: lookups that rarely lead
+# to a draft are judged too, on what they found against what all of them cost.
+LOOKUP_WINDOW = 32
+FIRST_BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 256
 
 
@@ -31,7 +34,8 @@ class DraftGate:
     num_failures: int = 0  # windows in a row whose drafts did not pay
     plain_steps_left: int = 0  # plain steps before the next test
     num_closures: int = 0  # times the gate closed over the request's life
-    window_steps: int = 0
+    window_steps: int = 0  # steps with the speculative path
+    window_drafted: int = 0  # of which drafted
     window_gain: float = 0.0  # tokens the drafts added (accepted drafts)
     window_cost: float = 0.0  # what they cost the batch, in tokens of plain decoding
 
@@ -43,13 +47,15 @@ class DraftGate:
         """One plain step of the back-off went by."""
         self.plain_steps_left = max(0, self.plain_steps_left - 1)
 
-    def record(self, gain: float, cost: float) -> None:
-        """One step with the request's speculative path: its drafts added ``gain`` tokens and
-        cost the batch ``cost`` tokens' worth of plain decoding (``row_costs``)."""
+    def record(self, drafted: bool, gain: float, cost: float) -> None:
+        """One step with the request's speculative path, which ``drafted`` or only looked up: its
+        drafts added ``gain`` tokens and it cost the batch ``cost`` tokens' worth of plain
+        decoding (``row_costs``)."""
         self.window_steps += 1
+        self.window_drafted += drafted
         self.window_gain += gain
         self.window_cost += cost
-        if self.window_steps < GATE_WINDOW:
+        if self.window_drafted < GATE_WINDOW and self.window_steps < LOOKUP_WINDOW:
             return
         if self.window_gain > self.window_cost:
             self.num_failures = 0
@@ -58,7 +64,7 @@ class DraftGate:
             self.num_closures += 1
             backoff = FIRST_BACKOFF_STEPS << min(self.num_failures - 1, 16)
             self.plain_steps_left = min(backoff, MAX_BACKOFF_STEPS)
-        self.window_steps, self.window_gain, self.window_cost = 0, 0.0, 0.0
+        self.window_steps, self.window_drafted, self.window_gain, self.window_cost = 0, 0, 0.0, 0.0
 
 
 def row_costs(
@@ -67,12 +73,13 @@ def row_costs(
     """What each row's speculative path cost a step of ``len(looked_up)`` rows, in tokens of plain
     decoding: the step took ``cost_ratio`` plain steps, ``lookup_share`` of a plain step of it
     spent finding and building drafts (split among the rows that ``looked_up``), the rest of the
-    excess on the draft positions (split by each row's ``num_drafted``). Every row waits for the
-    whole step, so an excess of x plain steps costs the batch x tokens per row."""
+    excess, which noise can make negative, on the draft positions (split by each row's
+    ``num_drafted``). Every row waits for the whole step, so an excess of x plain steps costs the
+    batch x tokens per row."""
     num_rows = len(looked_up)
-    excess = max(0.0, cost_ratio - 1.0)
-    lookup = min(excess, max(0.0, lookup_share))
-    positions = excess - lookup
+    # Unclipped: a step read under a plain one is the clock's noise, which must average out.
+    lookup = max(0.0, lookup_share)
+    positions = cost_ratio - 1.0 - lookup
     num_looked_up = sum(looked_up)
     total_drafted = sum(num_drafted)
     costs = []

@@ -7,16 +7,17 @@ import pytest
 from nasd_core.speculation.gate import (
     FIRST_BACKOFF_STEPS,
     GATE_WINDOW,
+    LOOKUP_WINDOW,
     MAX_BACKOFF_STEPS,
     DraftGate,
     row_costs,
 )
 
 
-def run_window(gate: DraftGate, gain: float, cost: float) -> None:
-    for _ in range(GATE_WINDOW):
+def run_window(gate: DraftGate, gain: float, cost: float, drafted: bool = True) -> None:
+    for _ in range(GATE_WINDOW if drafted else LOOKUP_WINDOW):
         assert gate.is_open
-        gate.record(gain, cost)
+        gate.record(drafted, gain, cost)
 
 
 def plain_steps_until_open(gate: DraftGate) -> int:
@@ -30,18 +31,18 @@ def plain_steps_until_open(gate: DraftGate) -> int:
 def test_a_window_of_drafts_that_did_not_pay_closes_the_gate_for_longer_each_time():
     gate = DraftGate()
     backoffs = []
-    for _ in range(8):
+    for _ in range(9):
         run_window(gate, gain=0.1, cost=0.5)
         backoffs.append(plain_steps_until_open(gate))
-    expected = [min(FIRST_BACKOFF_STEPS << n, MAX_BACKOFF_STEPS) for n in range(8)]
-    assert backoffs == expected and gate.num_closures == 8
+    assert backoffs == [min(FIRST_BACKOFF_STEPS << n, MAX_BACKOFF_STEPS) for n in range(9)]
+    assert backoffs[-1] == MAX_BACKOFF_STEPS and gate.num_closures == 9
 
 
 def test_a_window_that_paid_keeps_the_gate_open_and_resets_the_backoff():
     gate = DraftGate()
-    run_window(gate, gain=0.0, cost=0.01)  # lookups that found nothing: they cost, they gave nothing
+    run_window(gate, gain=0.0, cost=0.01, drafted=False)  # lookups that found nothing cost, gave nothing
     assert plain_steps_until_open(gate) == FIRST_BACKOFF_STEPS
-    run_window(gate, gain=0.0, cost=0.01)
+    run_window(gate, gain=0.0, cost=0.01, drafted=False)
     assert plain_steps_until_open(gate) == 2 * FIRST_BACKOFF_STEPS
     run_window(gate, gain=2.0, cost=1.0)
     assert gate.is_open and gate.num_failures == 0
@@ -49,13 +50,20 @@ def test_a_window_that_paid_keeps_the_gate_open_and_resets_the_backoff():
     assert plain_steps_until_open(gate) == FIRST_BACKOFF_STEPS
 
 
-def test_a_verdict_waits_for_a_whole_window():
+def test_a_verdict_waits_for_a_whole_window_and_lookups_alone_wait_longer():
     gate = DraftGate()
     for _ in range(GATE_WINDOW - 1):
-        gate.record(0.0, 10.0)
+        gate.record(True, 0.0, 10.0)
     assert gate.is_open
-    gate.record(100.0, 0.0)  # the window's total decides, not its last step
+    gate.record(True, 100.0, 0.0)  # the window's total decides, not its last step
     assert gate.is_open and gate.num_failures == 0
+    # One drafted step that paid for a long run of cheap lookups: they are judged together.
+    gate.record(True, 1.0, 0.1)
+    for _ in range(LOOKUP_WINDOW - 2):
+        gate.record(False, 0.0, 0.01)
+    assert gate.window_steps == LOOKUP_WINDOW - 1
+    gate.record(False, 0.0, 0.01)
+    assert gate.is_open and gate.window_steps == 0
 
 
 def test_row_costs_split_lookups_among_lookers_and_positions_by_rows_drafts():
@@ -69,6 +77,8 @@ def test_row_costs_split_lookups_among_lookers_and_positions_by_rows_drafts():
     assert sum(costs) == pytest.approx(4 * 0.5)
 
 
-def test_row_costs_never_charge_a_step_below_plain():
-    assert row_costs(0.9, 0.05, [True], [2]) == [0.0]
-    assert row_costs(1.02, 0.05, [True], [0]) == pytest.approx([0.02])  # the lookups cannot exceed it
+def test_row_costs_charge_lookups_always_and_leave_the_clocks_noise_to_the_drafts():
+    # Read under a plain step: the drafts are credited the noise, so it averages out over a window.
+    assert row_costs(0.9, 0.05, [True], [2]) == pytest.approx([0.05 - 0.15])
+    # A lookup that found nothing costs its own time, whatever the clock read of the whole step.
+    assert row_costs(0.98, 0.05, [True, True], [0, 0]) == pytest.approx([0.05, 0.05])
