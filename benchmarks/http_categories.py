@@ -222,12 +222,16 @@ def ratios(payload: dict) -> dict[str, float]:
 
 def settings_line(payload: dict) -> str:
     """The host and the servers' settings, named where they differ from ``serve run``'s."""
-    meta = payload["meta"]
-    changed = payload.get("changed_settings", {})
+    meta = payload.get("meta", {})
+    # Runs before the key was recorded: every argument they set but the default threads.
+    app_args = payload.get("app_args", {})
+    changed = payload.get(
+        "changed_settings", {name: value for name, value in app_args.items() if name != "prefill_threads"}
+    )
     servers = "`serve run deployments:build_app speculation=MODE`, every other setting its default"
     if changed:
         servers += " except " + ", ".join(f"`{name}={value}`" for name, value in changed.items())
-    host = f"{meta['processor']}, {meta.get('isa', 'instruction set not recorded')}"
+    host = f"{meta.get('processor', 'not recorded')}, {meta.get('isa', 'instruction set not recorded')}"
     return f"Host: {host}. Servers: {servers}; each answered one warm-up chat first."
 
 

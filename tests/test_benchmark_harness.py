@@ -132,12 +132,15 @@ def test_http_categories_mixed_cell_rates_and_table():
         return {"auto_over_off": auto, "control_over_off": control, "categories": {"creative": creative}}
 
     payload["mixed"] = stream(1.3, 0.99, 0.8, 1.01)
-    header, _, creative, total = http_categories.markdown_table(payload).splitlines()
+    settings, _, header, _, creative, total = http_categories.markdown_table(payload).splitlines()
+    assert "every other setting its default" in settings and "except" not in settings
+    payload["changed_settings"] = {"probe_max_rows": 8}  # a setting serve run does not have is named
+    assert "except `probe_max_rows=8`" in http_categories.markdown_table(payload).splitlines()[0]
     assert header.endswith("| mixed C=8 auto / off | mixed control / off |")
     assert creative == "| creative | 20.0 | 1.50x | 1.00x | 0.80x | 1.01x |"
     assert total == "| all | 20.0 | **1.50x** | 1.00x | **1.30x** | 0.99x |"
     payload["arrivals"] = stream(1.1, 1.02, 0.97, 0.95)
-    header, _, creative, total = http_categories.markdown_table(payload).splitlines()
+    _, _, header, _, creative, total = http_categories.markdown_table(payload).splitlines()
     assert header.endswith("| mixed control / off | arrivals auto / off | arrivals control / off |")
     assert creative.endswith("| 0.80x | 1.01x | 0.97x | 0.95x |")
     assert total.endswith("| **1.30x** | 0.99x | **1.10x** | 1.02x |")

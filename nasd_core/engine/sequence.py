@@ -144,10 +144,10 @@ class Request:
         self.acceptance.record(draft.match_length, num_drafted, num_emitted - 1, draft.source, draft.splits)
 
     def charge(self, num_drafted: int, num_emitted: int, cost_ratio: float, gate_cost: float | None) -> None:
-        """The step that verified ``num_drafted`` drafts of the row and emitted ``num_emitted`` of
-        its tokens took ``cost_ratio`` plain steps:
-        the pace credit follows; ``gate_cost``: what its speculative path cost the batch
-        (``gate.row_costs``), None when the step ran none of it for this row."""
+        """The step that verified ``num_drafted`` of the row's drafts and emitted ``num_emitted`` of
+        its tokens took ``cost_ratio`` plain steps: the pace credit follows, and, for an ``auto``
+        row, the gate (``gate_cost``: what its speculative path cost the batch, ``gate.row_costs``;
+        None when the step ran none of it for this row)."""
         self.pace_credit = pace_credit(self.pace_credit, num_emitted, cost_ratio)
         if self.mode != "auto":  # "on" drafts whatever its odds
             return

@@ -238,19 +238,21 @@ class Speculator:
             self.graph_step_times.observe(shape.num_rows, shape.num_positions, step_s)
             return
         num_positions = sum(len(row.token_ids) for row in step_rows)
-        if self.runner.graph_widths is not None:
-            self.step_time.observe(len(step_rows), num_positions, step_s)
-            return
+        graphs = self.runner.graph_widths is not None
         # A chunk step costs by its prompt's context, which the model does not key: read in, a cheap
         # one capped every narrower width and drafts beside chunks looked free (docs/results.md).
-        if step.chunks:
+        # A graph runner's decode steps go to its graph model, so there chunk steps are kept.
+        if step.chunks and not graphs:
             return
-        seconds = wall_s if any(plan.lengths) else wall_s - proposal.seconds
+        # Packed steps beside graphs keep their device time, as graph steps do (payoffs: wall time).
+        plain = not any(plan.lengths)
+        wall_s = wall_s - proposal.seconds if plain and not graphs else wall_s
+        seconds = step_s if graphs else wall_s
         if reads_payoff:
             estimate = self.step_time.estimate(len(step.rows), num_positions)
-            self.payoff.record(len(step.rows), plan, estimate, seconds, num_emitted)
+            self.payoff.record(len(step.rows), plan, estimate, wall_s, num_emitted)
         self.step_time.observe(len(step_rows), num_positions, seconds)
-        if num_positions == len(step_rows):
+        if num_positions == len(step_rows) and not graphs:
             num_timed = self._plain_timings.get(num_positions, (0, 0))[0]
             self._plain_timings[num_positions] = (num_timed + 1, 0)
 
