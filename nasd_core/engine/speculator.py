@@ -145,8 +145,12 @@ class Speculator:
     def charge(
         self, step: ScheduledStep, proposal: Proposal, emitted_rows: list[list[int]], wall_s: float
     ) -> None:
-        """Charge each row the step's cost in plain steps (``cost_ratio``): its pace credit, and
-        the gate of each row that ran its speculative path (``gate.row_costs``)."""
+        """Charge each row the step's cost in plain steps: its pace credit the plan's estimate (the
+        packed model's whole-step wall times), and the gate of each row that ran its speculative
+        path what the clock read (``cost_ratio``, ``gate.row_costs``). Why not the clock for the
+        pace too: the floor is a constraint the policy plans against, in its estimates' units;
+        charged the clock's readings, credits ran below what the plans allowed and a mixed stream
+        of eight requests drafted in 17 of 436 steps (docs/results.md)."""
         rows, plan = step.rows, proposal.plan
         if not proposal.speculated:
             for request, emitted in zip(rows, emitted_rows):
@@ -157,7 +161,7 @@ class Speculator:
         for request, emitted, looked, length, cost in zip(
             rows, emitted_rows, proposal.looked_up, plan.lengths, costs
         ):
-            request.charge(length, len(emitted), cost_ratio, cost if looked else None)
+            request.charge(length, len(emitted), plan.cost_ratio, cost if looked else None)
 
     def cost_ratio(self, step: ScheduledStep, proposal: Proposal, wall_s: float) -> tuple[float, float]:
         """What a step with speculation cost, in plain steps of as many rows, and the share of a
