@@ -250,11 +250,11 @@ class Speculator:
             return
         # Packed steps beside graphs keep their device time, as graph steps do (payoffs: wall time).
         plain = not any(plan.lengths)
-        wall_s = wall_s - proposal.seconds if plain and not graphs else wall_s
-        seconds = step_s if graphs else wall_s
+        measured_s = wall_s - proposal.seconds if plain and not graphs else wall_s
+        seconds = step_s if graphs else measured_s
         if reads_payoff:
             estimate = self.step_time.estimate(len(step.rows), num_positions)
-            self.payoff.record(len(step.rows), plan, estimate, wall_s, num_emitted)
+            self.payoff.record(len(step.rows), plan, estimate, measured_s, num_emitted)
         self.step_time.observe(len(step_rows), num_positions, seconds)
         if num_positions == len(step_rows) and not graphs:
             num_timed = self._plain_timings.get(num_positions, (0, 0))[0]
@@ -270,7 +270,7 @@ class Speculator:
     ) -> list[Draft]:
         """This step's drafts, built only for the rows whose best case gets draft positions."""
         lookups = [request for request, looks in zip(rows, looked_up) if looks]
-        matches = iter(longest_matches([request.drafter for request in lookups], [r.tokens for r in lookups]))
+        matches = iter(longest_matches([row.drafter for row in lookups], [row.tokens for row in lookups]))
         best = self.plan(
             [
                 request.best_case(next(matches)) if looks else request.best_case()
