@@ -1,8 +1,5 @@
-"""A real Ray Serve instance on loopback for the service tests: one per test module.
-
-Starting Ray and Serve costs ~15 s on 2 cores and every application ~10 s more, so each
-module starts the applications it needs once (``serve_apps``) and shares them.
-"""
+"""A real Ray Serve instance on loopback for the service tests: one per ``pytest`` run
+(``serve_session``), each module's applications deployed on it once and shared by its tests."""
 
 from __future__ import annotations
 
@@ -13,17 +10,18 @@ import re
 import socket
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import openai
 import pytest
 import ray
+import redis
 from ray import serve
 
 from deployments import build_app
+from tests.redis_server import MACHINE_REDIS_URL, is_up, require
 
 
 @dataclass
@@ -95,44 +93,140 @@ def server_port() -> int:
     raise RuntimeError("no free loopback port between 20000 and the ephemeral range")
 
 
-@contextmanager
-def serve_apps(apps: dict[str, dict[str, Any]], num_cpus: int = 2) -> Iterator[dict[str, ServedApp]]:
-    """Start a local Ray with ``num_cpus`` logical CPUs, Serve on a free loopback port, and one
-    application per ``name: build_app args`` (a single app at "/", several at "/name"),
-    deployed in parallel; shut everything down afterwards."""
-    metrics_port = server_port()
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        _metrics_export_port=metrics_port,
-        # Ray pushes metrics to its exporter every 10 s by default; tests wait for them.
-        _system_config={"metrics_report_interval_ms": 1000},
-    )
-    try:
-        port = server_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        prefixes = {name: "/" if len(apps) == 1 else f"/{name}" for name in apps}
-        serve.run_many(
-            [
-                serve.RunTarget(build_app(args), name=name, route_prefix=prefixes[name])
-                for name, args in apps.items()
-            ]
+# The logical CPUs of the tests' Ray: the pool modules' three apps (four one-CPU replicas) are
+# deployed together; the physical cores are the machine's two either way.
+SESSION_CPUS = 4
+# The server's defaults (the embedded model on its GGUF blocks) on both cores, shared by the
+# modules that ask for it (test_ingress and test_lm_eval).
+DEFAULT_APP = {"num_cpus_per_replica": 2}
+
+
+class ServeSession:
+    """One local Ray and Serve for the whole ``pytest`` run (starting them costs ~15 s on 2
+    cores, and each application ~10 s more). Modules deploy their applications through
+    ``deploy``; a set equal to the one deployed is shared as it is, any other replaces it."""
+
+    running: ServeSession | None = None
+
+    def __init__(self) -> None:
+        self.metrics_port = server_port()
+        ray.init(
+            address="local",
+            num_cpus=SESSION_CPUS,
+            include_dashboard=False,
+            _metrics_export_port=self.metrics_port,
+            # Ray pushes metrics to its exporter every 10 s by default; tests wait for them.
+            _system_config={"metrics_report_interval_ms": 1000},
         )
-        yield {
+        self.port = server_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        self.deployed: dict[str, dict[str, Any]] = {}
+        ServeSession.running = self
+
+    def deploy(self, apps: dict[str, dict[str, Any]]) -> dict[str, ServedApp]:
+        """One application per ``name: build_app args`` (a single app at "/", several at
+        "/name"), deployed in parallel unless exactly these are deployed already."""
+        prefixes = {name: "/" if len(apps) == 1 else f"/{name}" for name in apps}
+        if apps != self.deployed:
+            self.clear()
+            serve.run_many(
+                [
+                    serve.RunTarget(build_app(args), name=name, route_prefix=prefixes[name])
+                    for name, args in apps.items()
+                ]
+            )
+            self.deployed = dict(apps)
+        return {
             name: ServedApp(
-                f"http://127.0.0.1:{port}{prefix.rstrip('/')}", f"http://127.0.0.1:{metrics_port}/metrics"
+                f"http://127.0.0.1:{self.port}{prefix.rstrip('/')}",
+                f"http://127.0.0.1:{self.metrics_port}/metrics",
             )
             for name, prefix in prefixes.items()
         }
+
+    def clear(self) -> None:
+        """Delete the deployed applications (their replicas stop)."""
+        if ServeSession.running is not self:
+            return
+        for name in self.deployed:
+            serve.delete(name)
+        self.deployed = {}
+
+    def shutdown(self) -> None:
+        if ServeSession.running is self:
+            ServeSession.running = None
+            self.deployed = {}
+            serve.shutdown()
+            ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_session() -> Iterator[ServeSession]:
+    session = ServeSession()
+    try:
+        yield session
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        session.shutdown()
 
 
-def scrape(url: str, tags: Sequence[str] = ()) -> dict[str, float]:
+@pytest.fixture(scope="module", autouse=True)
+def stop_serve_after_its_last_module(request):
+    """Stop the tests' Ray once no module left in the run asks for it: the modules after it
+    (in-process servers, `serve run` in a subprocess) get the cores to themselves."""
+    yield
+    items = request.session.items
+    last = max(index for index, item in enumerate(items) if item.module is request.module)
+    session = ServeSession.running
+    if session and not any("serve_session" in item.fixturenames for item in items[last + 1 :]):
+        session.shutdown()
+
+
+@dataclass
+class PoolApps:
+    """The apps on the machine's Redis pool: ``a`` and ``b`` (one replica each, one shared
+    namespace) and ``p`` (two replicas, ``POOL_PARTITIONS`` partitions, its own namespace)."""
+
+    apps: dict[str, ServedApp]
+    shared_namespace: str
+    partitioned_namespace: str
+
+
+POOL_PARTITIONS = 8
+
+
+@pytest.fixture(scope="session")
+def pool_apps(serve_session) -> Iterator[PoolApps]:
+    """test_multi_replica's and test_partitions' apps, deployed together once (four one-CPU
+    replicas on the session's logical CPUs); their Redis keys deleted afterwards."""
+    require(is_up(MACHINE_REDIS_URL), f"no Redis at {MACHINE_REDIS_URL}")
+    stamp = time.time_ns()
+    shared, partitioned = f"test-deployments-{stamp}", f"test-partitions-{stamp}"
+    pooled = {"redis_url": MACHINE_REDIS_URL, "num_cpus_per_replica": 1}
+    replica_args = {**pooled, "pool_namespace": shared}
+    partitioned_args = {
+        **pooled,
+        "pool_namespace": partitioned,
+        "pool_partitions": POOL_PARTITIONS,
+        "num_replicas": 2,
+    }
+    try:
+        apps = serve_session.deploy({"a": replica_args, "b": replica_args, "p": partitioned_args})
+        yield PoolApps(apps, shared, partitioned)
+    finally:
+        serve_session.clear()
+        client = redis.Redis.from_url(MACHINE_REDIS_URL)
+        for namespace in (shared, partitioned):
+            for key in client.scan_iter(match=f"nasd:{{{namespace}*"):
+                client.delete(key)
+
+
+def scrape(
+    url: str, tags: Sequence[str] = (), only: Mapping[str, Collection[str]] | None = None
+) -> dict[str, float]:
     """This project's Prometheus samples (``ray_nasd_*``) summed by metric name and the values of
-    ``tags``, keyed ``name[tag=value]...`` in the order of ``tags``."""
+    ``tags``, keyed ``name[tag=value]...`` in the order of ``tags``; with ``only``, just the
+    samples whose every named tag has one of the values given (the session's Ray keeps the
+    series of earlier modules' replicas)."""
     body = urllib.request.urlopen(url, timeout=10).read().decode()
     totals: dict[str, float] = {}
     for line in body.splitlines():
@@ -141,6 +235,8 @@ def scrape(url: str, tags: Sequence[str] = ()) -> dict[str, float]:
         name_and_labels, _, value = line.rpartition(" ")
         name, _, labels = name_and_labels.partition("{")
         values = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        if only and any(values.get(tag) not in allowed for tag, allowed in only.items()):
+            continue
         key = name + "".join(f"[{tag}={values[tag]}]" for tag in tags if tag in values)
         totals[key] = totals.get(key, 0.0) + float(value)
     return totals
@@ -157,13 +253,17 @@ def wait_for(condition, timeout_s: float, what: str):
 
 
 def wait_for_samples(
-    url: str, expected: dict[str, float], tags: Sequence[str] = (), timeout_s: float = 45.0
+    url: str,
+    expected: dict[str, float],
+    tags: Sequence[str] = (),
+    timeout_s: float = 45.0,
+    only: Mapping[str, Collection[str]] | None = None,
 ) -> dict[str, float]:
     """Scrape until every ``expected`` sample has its value (Ray exports metrics every second or
     so); the samples then. Fails with what was seen if they never do."""
     deadline = time.monotonic() + timeout_s
     while True:
-        samples = scrape(url, tags)
+        samples = scrape(url, tags, only)
         seen = {name: samples.get(name) for name in expected}
         if seen == expected:
             return samples

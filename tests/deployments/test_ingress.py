@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from deployments.schemas import MAX_PROMPTS
 from nasd_core import SamplingParams, SpecConfig, generate
 from nasd_core.config import EMBEDDED_MODEL, EMBEDDED_MODEL_ALIASES
-from tests.deployments.conftest import serve_apps, wait_for_samples
+from tests.deployments.conftest import DEFAULT_APP, wait_for_samples
 
 MODEL = EMBEDDED_MODEL
 PROMPTS = [
@@ -79,12 +79,16 @@ WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris an
 
 
 @pytest.fixture(scope="module")
-def app():
-    # One replica on both cores (the ingress takes none): torch runs 2 threads, as in the
-    # test process computing the reference outputs, on the same float32 weights (the server's
-    # default for the embedded model on a CPU is its GGUF blocks: tests/nasd_core/test_quantized.py).
-    with serve_apps({"default": {"num_cpus_per_replica": 2, "dtype": "float32"}}, num_cpus=2) as apps:
-        yield apps["default"]
+def app(serve_session):
+    # The server's defaults: one replica on both cores (the ingress takes none), on the
+    # embedded model's GGUF blocks, as the test process computing the reference outputs.
+    return serve_session.deploy({"default": DEFAULT_APP})["default"]
+
+
+@pytest.fixture(scope="module")
+def model(gguf_model):
+    """The library's reference: the server's default weights (the embedded model's GGUF blocks)."""
+    return gguf_model
 
 
 @pytest.fixture(scope="module")
@@ -910,7 +914,8 @@ def test_prometheus_metrics_match_the_stats_endpoint(app):
         "ray_nasd_kv_cache_positions": replica_runner["kv_cache_positions"],
         **{f"ray_nasd_policy_rows_total[width={w}]": count for w, count in total["width_histogram"].items()},
     }
-    samples = wait_for_samples(app.metrics_url, expected, ("width",), METRICS_WAIT_S)
+    replicas = {"replica": {replica["replica_id"] for replica in stats["replicas"]}}
+    samples = wait_for_samples(app.metrics_url, expected, ("width",), METRICS_WAIT_S, only=replicas)
     # Requests that only scored their prompt (echo, max_tokens 0) have no tokens per step.
     assert total["num_scoring_requests"] >= 2  # test_echo_scores_the_prompt_as_lm_eval_asks sent two
     decoded = total["num_requests"] - total["num_scoring_requests"]

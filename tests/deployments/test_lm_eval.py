@@ -17,17 +17,21 @@ from pathlib import Path
 import pytest
 
 from nasd_core import SamplingParams, generate
-from tests.deployments.conftest import serve_apps
+from tests.deployments.conftest import DEFAULT_APP
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "tests" / "files" / "lm_eval"
 
 
 @pytest.fixture(scope="module")
-def app():
-    # float32: the library reference's weights (the server's default is the GGUF blocks).
-    with serve_apps({"default": {"num_cpus_per_replica": 2, "dtype": "float32"}}, num_cpus=2) as apps:
-        yield apps["default"]
+def app(serve_session):
+    return serve_session.deploy({"default": DEFAULT_APP})["default"]
+
+
+@pytest.fixture(scope="module")
+def model(gguf_model):
+    """The library's reference: the server's default weights (the embedded model's GGUF blocks)."""
+    return gguf_model
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ partitions of the requests it served."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import redis
 
@@ -13,10 +11,9 @@ from deployments.schemas import GenerateRequest
 from nasd_core.config import EMBEDDED_MODEL
 from pool_service.redis_pool import pool_keys
 from pool_service.shared import partition_namespace
-from tests.deployments.conftest import serve_apps, wait_for
-from tests.redis_server import MACHINE_REDIS_URL, is_up, require
+from tests.deployments.conftest import POOL_PARTITIONS, wait_for
+from tests.redis_server import MACHINE_REDIS_URL
 
-PARTITIONS = 8
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colours.",
@@ -28,23 +25,8 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def app():
-    require(is_up(MACHINE_REDIS_URL), f"no Redis at {MACHINE_REDIS_URL}")
-    namespace = f"test-partitions-{time.time_ns()}"
-    args = {
-        "redis_url": MACHINE_REDIS_URL,
-        "pool_namespace": namespace,
-        "pool_partitions": PARTITIONS,
-        "num_replicas": 2,
-        "num_cpus_per_replica": 1,
-    }
-    try:
-        with serve_apps({"p": args}, num_cpus=2) as served:
-            yield served["p"], namespace
-    finally:
-        client = redis.Redis.from_url(MACHINE_REDIS_URL)
-        for key in client.scan_iter(match=f"nasd:{{{namespace}*"):
-            client.delete(key)
+def app(pool_apps):
+    return pool_apps.apps["p"], pool_apps.partitioned_namespace
 
 
 def test_requests_meet_their_partition_on_one_replica(app):
@@ -66,7 +48,7 @@ def test_requests_meet_their_partition_on_one_replica(app):
         for stats in replicas
     }
     partitions = {
-        GenerateRequest(messages=[{"role": "user", "content": q}]).pool_partition(PARTITIONS)
+        GenerateRequest(messages=[{"role": "user", "content": q}]).pool_partition(POOL_PARTITIONS)
         for q in QUESTIONS
     }
     # Every followed stream of every replica (one that served nothing, listed because a stats

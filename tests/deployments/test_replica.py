@@ -110,10 +110,13 @@ def test_full_queue_answers_503_and_the_queued_requests_finish(served):
     server, loop = served
 
     async def scenario() -> tuple[list[GenerateChunk], GenerateChunk, list[GenerateChunk]]:
-        running = server.generate({"prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stream": True})
+        # Long enough to hold the only batch row for as long as the scenario takes on any host.
+        holder = {"prompt": PROMPT, "max_tokens": 64, "temperature": 0, "stream": True, "ignore_eos": True}
+        running = server.generate({**holder, "speculation": "off"})
         first = await running.__anext__()  # admitted: it now holds the only batch row
         queued = asyncio.ensure_future(_drain(server.generate({"prompt": PROMPT, "max_tokens": 2})))
-        await asyncio.sleep(0.2)  # let it take the only queue place
+        while server.stats()["num_waiting"] < 1:  # it takes the only queue place
+            await asyncio.sleep(0.01)
         (refused,) = await _drain(server.generate({"prompt": PROMPT, "max_tokens": 2}))
         return [first, *await _drain(running)], refused, await queued
 
