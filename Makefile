@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo serve test lint bench bench-quick bench-grammar-engines bench-peers image clean
+.PHONY: install demo serve test test-quick lint bench bench-quick bench-grammar-engines bench-peers image clean
 
 install: $(STAMP)
 
@@ -33,7 +33,16 @@ serve: install
 	$(VENV)/bin/serve run deployments.app
 
 test: install
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q --durations=25 --junitxml=.ci/test-report.xml tests
+
+# While working on a change: pure logic, kernels and manifests, no generation and no Serve (about a
+# minute on 2 cores). `make test` stays the whole suite, and what CI runs.
+QUICK_TESTS := tests/k8s tests/deployments/test_builder.py tests/deployments/test_routing.py \
+	tests/pool_service/test_store.py tests/pool_service/test_shutdown.py \
+	$(addprefix tests/nasd_core/test_,attention.py gate.py graph_plan.py kv_cache.py lean_decoder.py \
+	ngram.py policy.py suffix.py)
+test-quick: install
+	$(PY) -m pytest -q $(QUICK_TESTS)
 
 lint: install
 	$(VENV)/bin/ruff check .

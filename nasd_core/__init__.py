@@ -6,15 +6,31 @@ result = generate(model, tokenizer, "Hello", SamplingParams(max_tokens=32))
 print(result.text, result.stats.tokens_per_step)
 """
 
-from nasd_core.config import EngineConfig, IndexConfig, ModelConfig, SamplingParams, SpecConfig
-from nasd_core.engine.engine import Engine
-from nasd_core.engine.sequence import GenerationResult
-from nasd_core.errors import ContextLengthError, InvalidRequestError, ModelLoadError, NASDError
-from nasd_core.generate import generate
-from nasd_core.metrics import SpecStats
-from nasd_core.models import load_model
-from nasd_core.speculation.ngram import NGramIndex, prompt_lookup
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+# Each public name and the module that defines it, imported on first use: a program that needs
+# only the configs (the pool's CLI, say) does not pay for torch and transformers.
+_EXPORTS = {
+    "ContextLengthError": "nasd_core.errors",
+    "Engine": "nasd_core.engine.engine",
+    "EngineConfig": "nasd_core.config",
+    "GenerationResult": "nasd_core.engine.sequence",
+    "IndexConfig": "nasd_core.config",
+    "InvalidRequestError": "nasd_core.errors",
+    "ModelConfig": "nasd_core.config",
+    "ModelLoadError": "nasd_core.errors",
+    "NASDError": "nasd_core.errors",
+    "NGramIndex": "nasd_core.speculation.ngram",
+    "SamplingParams": "nasd_core.config",
+    "SpecConfig": "nasd_core.config",
+    "SpecStats": "nasd_core.metrics",
+    "generate": "nasd_core.generate",
+    "load_model": "nasd_core.models",
+    "prompt_lookup": "nasd_core.speculation.ngram",
+}
 __all__ = [
     "ContextLengthError",
     "Engine",
@@ -33,3 +49,25 @@ __all__ = [
     "load_model",
     "prompt_lookup",
 ]
+
+if TYPE_CHECKING:
+    from nasd_core.config import EngineConfig, IndexConfig, ModelConfig, SamplingParams, SpecConfig
+    from nasd_core.engine.engine import Engine
+    from nasd_core.engine.sequence import GenerationResult
+    from nasd_core.errors import ContextLengthError, InvalidRequestError, ModelLoadError, NASDError
+    from nasd_core.generate import generate
+    from nasd_core.metrics import SpecStats
+    from nasd_core.models import load_model
+    from nasd_core.speculation.ngram import NGramIndex, prompt_lookup
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

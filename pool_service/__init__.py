@@ -6,12 +6,27 @@ engine.add_request(prompt, shared=pools.sources_for(tenant))
 pools.publish(tenant, prompt_ids + output_ids)
 """
 
-from pool_service.codec import PoolEntry
-from pool_service.config import PoolConfig
-from pool_service.shared import POOL_SOURCE, REPLICA_SOURCE, SharedPools, namespace_for, tenant_namespace
-from pool_service.store import InMemoryPool, PoolStore, PoolUnavailableError, open_store
-from pool_service.sync import PoolSync
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+# Each public name and the module that defines it, imported on first use (as in nasd_core):
+# ``python -m pool_service`` reads Redis without loading torch.
+_EXPORTS = {
+    "POOL_SOURCE": "pool_service.shared",
+    "REPLICA_SOURCE": "pool_service.shared",
+    "InMemoryPool": "pool_service.store",
+    "PoolConfig": "pool_service.config",
+    "PoolEntry": "pool_service.codec",
+    "PoolStore": "pool_service.store",
+    "PoolSync": "pool_service.sync",
+    "PoolUnavailableError": "pool_service.store",
+    "SharedPools": "pool_service.shared",
+    "namespace_for": "pool_service.shared",
+    "open_store": "pool_service.store",
+    "tenant_namespace": "pool_service.shared",
+}
 __all__ = [
     "POOL_SOURCE",
     "REPLICA_SOURCE",
@@ -26,3 +41,22 @@ __all__ = [
     "open_store",
     "tenant_namespace",
 ]
+
+if TYPE_CHECKING:
+    from pool_service.codec import PoolEntry
+    from pool_service.config import PoolConfig
+    from pool_service.shared import POOL_SOURCE, REPLICA_SOURCE, SharedPools, namespace_for, tenant_namespace
+    from pool_service.store import InMemoryPool, PoolStore, PoolUnavailableError, open_store
+    from pool_service.sync import PoolSync
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

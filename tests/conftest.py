@@ -17,6 +17,14 @@ import torch
 from nasd_core.model import quantized
 
 
+def pytest_configure(config) -> None:
+    """Inductor's compiled kernels in the NASD cache for the whole run, this process and the
+    replicas it starts: set before anything compiles, so that the next run loads them."""
+    from nasd_core.models import keep_compiled_kernels
+
+    keep_compiled_kernels()
+
+
 class _DeprecationRecorder(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)

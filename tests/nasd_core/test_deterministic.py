@@ -18,7 +18,7 @@ from nasd_core.config import EngineConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.model.cpu_kernels import invariant_threads
 from nasd_core.model.model_runner import ModelRunner, StepRow
-from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered
+from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, FixedStepTimes, run_staggered
 
 MAX_NEW = [2 * count for count in MAX_TOKENS]
 
@@ -36,15 +36,17 @@ def engine_of(model, tokenizer, max_rows: int) -> Engine:
 
 @pytest.fixture(scope="module")
 def plain_runs(bf16_model, tokenizer) -> list[list[int]]:
-    """Each prompt decoded alone, one token a step (speculation off)."""
-    engine = engine_of(bf16_model, tokenizer, 1)
-    outputs = []
-    for prompt, max_tokens in zip(PROMPTS, MAX_NEW, strict=True):
-        request_id = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off"))
-        while not engine.is_finished():
-            engine.step()
-        outputs.append(engine.pop_result(request_id).token_ids)
-    return outputs
+    """The prompts decoded one token a step (speculation off), as rows of one batch: a row's
+    logits here do not depend on its batch (test_a_positions_logits_do_not_depend_on_its_step),
+    so these are each prompt's run alone."""
+    engine = engine_of(bf16_model, tokenizer, len(PROMPTS))
+    request_ids = [
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off"))
+        for prompt, max_tokens in zip(PROMPTS, MAX_NEW, strict=True)
+    ]
+    while not engine.is_finished():
+        engine.step()
+    return [engine.pop_result(request_id).token_ids for request_id in request_ids]
 
 
 @pytest.fixture(params=[1, 2], ids=["1_thread", "2_threads"])
@@ -90,6 +92,7 @@ def test_greedy_output_is_plain_decodings_with_speculation_in_any_batch(
     """Prompts joining and leaving a batch of up to 6 rows, drafts of up to 16 tokens (wider
     than the kernel's usual 6 positions), prompt chunks beside verification."""
     engine = engine_of(bf16_model, tokenizer, 6)
+    engine.step_time = FixedStepTimes(lambda *_: 0.1)  # drafts look free: auto verifies them
     outputs = run_staggered(engine, PROMPTS, MAX_NEW, SpecConfig(mode=mode, num_draft_tokens=16))
     mismatches = [index for index, expected in enumerate(plain_runs) if outputs[index] != expected]
     assert not mismatches, f"prompts {mismatches} differ from plain decoding"

@@ -54,11 +54,6 @@ def single_sequence_runs(model, tokenizer) -> list[list[int]]:
     ]
 
 
-@pytest.fixture(scope="module")
-def single_runs(model, tokenizer):
-    return single_sequence_runs(model, tokenizer)
-
-
 def run_staggered(
     engine: Engine, prompts, max_tokens, spec: SpecConfig, params_for=None
 ) -> dict[int, list[int]]:

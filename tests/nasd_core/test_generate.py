@@ -11,7 +11,8 @@ from scipy.stats import chi2_contingency
 
 from benchmarks.workloads import WORKLOADS, make_workload
 from nasd_core import InvalidRequestError, NGramIndex, SamplingParams, SpecConfig, generate
-from nasd_core.config import build
+from nasd_core.config import EngineConfig, build
+from nasd_core.engine.engine import Engine
 from nasd_core.errors import ContextLengthError
 
 MAX_TOKENS = 20
@@ -99,33 +100,31 @@ def test_auto_mode_and_shared_index_keep_identity(model, tokenizer, greedy_cases
     assert result.stats.drafted_by_source.get("replica", 0) > 0
 
 
-def sample_first_tokens(model, tokenizer, prompt_ids, params, draw) -> Counter:
-    counts: Counter = Counter()
-    for seed in range(150):
-        counts[tuple(draw(seed)[:2])] += 1
-    return counts
-
-
-def test_sampled_generation_matches_transformers_sampling(model, tokenizer):
-    assert_sampling_matches_transformers(model, tokenizer)
+NUM_SAMPLES = 150
 
 
 def assert_sampling_matches_transformers(model, tokenizer) -> None:
     """Two-sample chi-square on (token 1, token 2) pairs: NASD sampling vs transformers' sampler,
-    both on ``model``."""
+    both on ``model``; each side's samples drawn as rows of one batch (one seed per row here,
+    one generator for them all there: independent draws either way)."""
     prompt = "My favourite colours are red, green, blue, red, green,"
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     params = SamplingParams(max_tokens=2, temperature=1.0, top_k=3)
     spec = SpecConfig(mode="on", num_draft_tokens=3)
 
-    def ours(seed: int) -> list[int]:
-        return generate(model, tokenizer, ids, params.model_copy(update={"seed": seed}), spec).token_ids
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=NUM_SAMPLES, spec=spec))
+    request_ids = [
+        engine.add_request(ids, params.model_copy(update={"seed": seed}), spec) for seed in range(NUM_SAMPLES)
+    ]
+    while not engine.is_finished():
+        engine.step()
+    counts_ours = Counter(tuple(engine.pop_result(request_id).token_ids[:2]) for request_id in request_ids)
 
-    def theirs(seed: int) -> list[int]:
-        torch.manual_seed(seed)
+    torch.manual_seed(0)
+    with torch.inference_mode():
         out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            torch.tensor([ids] * NUM_SAMPLES),
+            attention_mask=torch.ones(NUM_SAMPLES, len(ids), dtype=torch.long),
             max_new_tokens=2,
             do_sample=True,
             temperature=1.0,
@@ -133,10 +132,8 @@ def assert_sampling_matches_transformers(model, tokenizer) -> None:
             top_p=1.0,
             pad_token_id=tokenizer.pad_token_id,
         )
-        return out[0, len(ids) :].tolist()
+    counts_theirs = Counter(tuple(row[len(ids) :].tolist()[:2]) for row in out)
 
-    counts_ours = sample_first_tokens(model, tokenizer, ids, params, ours)
-    counts_theirs = sample_first_tokens(model, tokenizer, ids, params, theirs)
     keys = sorted(set(counts_ours) | set(counts_theirs))
     # Pool rare pairs so every cell has a usable expected count.
     common = [k for k in keys if counts_ours[k] + counts_theirs[k] >= 10]
@@ -149,6 +146,10 @@ def assert_sampling_matches_transformers(model, tokenizer) -> None:
     table = table[:, table.sum(axis=0) > 0]
     assert table.shape[1] >= 3, "the test needs a spread distribution to have power"
     assert chi2_contingency(table).pvalue > 1e-3
+
+
+def test_sampled_generation_matches_transformers_sampling(model, tokenizer):
+    assert_sampling_matches_transformers(model, tokenizer)
 
 
 def test_same_seed_same_output_with_or_without_speculation(model, tokenizer):

@@ -40,7 +40,6 @@ from nasd_core.model.step_graphs import (
     StepShape,
     grid_shapes,
 )
-from tests.nasd_core.test_step_graphs import fixed_and_packed_logits
 
 # What cudaMemGetInfo reports as total on each card (a "24 GB" L4 or A10 shows ~22.5 GiB).
 DEVICES = {
@@ -267,8 +266,8 @@ def test_a_paged_step_that_fails_falls_back_loudly_and_says_so_in_the_report(cap
     assert runner.last_graph_shape is not None and runner.last_graph_shape.num_keys == 128
 
 
-def test_every_step_reads_and_writes_one_set_of_static_buffers(model):
-    runner, _ = fixed_and_packed_logits(model, "paged")
+def test_every_step_reads_and_writes_one_set_of_static_buffers(paged_steps):
+    runner, _ = paged_steps
     graphs = runner.graphs
     assert len(graphs.steps) >= 3
     inputs, hidden = graphs.buffers.inputs, graphs.buffers.hidden

@@ -16,12 +16,7 @@ from nasd_core.config import EngineConfig, SpecConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.model.model_runner import ModelRunner, StepRow
 from nasd_core.model.step_graphs import POSITION_BUCKETS, FixedStep, StepShape, bucket, key_bucket
-from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, run_staggered, single_sequence_runs
-
-
-@pytest.fixture(scope="module")
-def single_runs(model, tokenizer):
-    return single_sequence_runs(model, tokenizer)
+from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, FixedStepTimes, run_staggered
 
 
 def test_buckets_hold_the_step():
@@ -83,23 +78,38 @@ def fixed_and_packed_logits(
     """``run_steps`` on fixed-shape steps (attending as ``graph_attention`` says, through a
     compiled kernel where ``compiled``; None: the runner's default) and on the packed path:
     the fixed-shape runner and each step's (fixed, packed) logits."""
-    generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (70, 300, 33)]
-    widths = [1, 5, 12]  # 3 rows of up to 12 positions: a 4 x 17 step with a padded row
     results = {}
     for step_graphs in (False, True, False):  # the first run warms up (see test_attention)
-        runner = fragmented_runner(model, prompts, step_graphs, graph_attention)
-        if runner.graphs is not None and compiled is not None:
-            runner.graphs.compiled = compiled
-        results[step_graphs] = run_steps(runner, prompts, widths)
+        runner, results[step_graphs] = step_logits(model, step_graphs, graph_attention, compiled)
         if step_graphs:
             fixed_runner = runner
     return fixed_runner, list(zip(results[True], results[False], strict=True))
 
 
+def packed_logits(model) -> list[torch.Tensor]:
+    """``fixed_and_packed_logits``' steps on the packed path alone (after a warm-up run)."""
+    return [step_logits(model, step_graphs=False)[1] for _ in range(2)][-1]
+
+
+def step_logits(
+    model, step_graphs: bool, graph_attention: str | None = None, compiled: bool | None = None
+) -> tuple[ModelRunner, list[torch.Tensor]]:
+    """The runner and its logits for ``run_steps`` of 3 rows of up to 12 positions (a 4 x 17 step
+    with a padded row) on random prompts, a fragmented KV-cache."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (70, 300, 33)]
+    runner = fragmented_runner(model, prompts, step_graphs, graph_attention)
+    if runner.graphs is not None and compiled is not None:
+        runner.graphs.compiled = compiled
+    return runner, run_steps(runner, prompts, [1, 5, 12])
+
+
 @pytest.mark.parametrize("graph_attention", ["gathered", "paged"])
-def test_fixed_shape_steps_get_the_logits_of_the_packed_path(model, graph_attention):
-    runner, logits = fixed_and_packed_logits(model, graph_attention)
+def test_fixed_shape_steps_get_the_logits_of_the_packed_path(model, graph_attention, request):
+    if graph_attention == "paged":
+        runner, logits = request.getfixturevalue("paged_steps")
+    else:
+        runner, logits = fixed_and_packed_logits(model, graph_attention)
     assert runner.graphs is not None and runner.graphs.paged == (graph_attention == "paged")
     # The prompt chunks took the packed path; every other step a fixed shape (with a key bucket
     # where keys are gathered, none where they are read through the block tables).
@@ -124,8 +134,8 @@ def run_engine_on_fixed_steps(
     between steps (row counts off the buckets), drafts of every width, prompt chunks beside
     decode steps (those steps take the packed path); its greedy outputs must be ``references``."""
     # On a CPU paged steps run FlexAttention's unfused reference, which scores the whole pool:
-    # a small one keeps that quick.
-    kv_cache_tokens = 2048 if graph_attention == "paged" and model.device.type == "cpu" else None
+    # a small one keeps that quick (the 12 prompts and answers take 400 positions in all).
+    kv_cache_tokens = 768 if graph_attention == "paged" and model.device.type == "cpu" else None
     config = EngineConfig(
         max_batch_rows=6,
         prefill_chunk_tokens=16,
@@ -134,6 +144,7 @@ def run_engine_on_fixed_steps(
         kv_cache_tokens=kv_cache_tokens,
     )
     engine = Engine(model, tokenizer, config)
+    engine.step_time = FixedStepTimes(lambda *_: 0.1)  # drafts look free: auto verifies them
     outputs = run_staggered(engine, PROMPTS, MAX_TOKENS, SpecConfig(mode=mode, num_draft_tokens=5))
     mismatches = [index for index, expected in enumerate(references) if outputs[index] != expected]
     assert not mismatches, f"rows {mismatches} differ from their single-sequence runs"

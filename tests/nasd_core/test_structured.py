@@ -74,11 +74,17 @@ def oracle(engine: Engine, prompt: str, spec: GrammarSpec, max_tokens: int) -> l
     return output
 
 
+@pytest.fixture(scope="module")
+def json_oracle(engine) -> list[list[int]]:
+    """``oracle``'s output for each prompt under JSON_SPEC."""
+    return [oracle(engine, prompt, JSON_SPEC, MAX_TOKENS) for prompt in PROMPTS]
+
+
 @pytest.mark.parametrize("mode", ["off", "on", "auto"])
-def test_greedy_constrained_output_is_plain_constrained_decoding(engine, mode):
+def test_greedy_constrained_output_is_plain_constrained_decoding(engine, json_oracle, mode):
     results = run(engine, JSON_SPEC, mode)
-    for prompt, result in zip(PROMPTS, results):
-        assert result.token_ids == oracle(engine, prompt, JSON_SPEC, MAX_TOKENS), prompt
+    for prompt, result, expected in zip(PROMPTS, results, json_oracle, strict=True):
+        assert result.token_ids == expected, prompt
     if mode == "on":
         assert sum(result.stats.num_accepted for result in results) > 0, "speculation was not exercised"
         # The grammar drafts what it forces (keys, punctuation), and those drafts are accepted.
