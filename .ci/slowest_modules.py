@@ -29,7 +29,7 @@ def main(argv: list[str]) -> int:
     total = sum(seconds.values())
     print(f"slowest {count} of {len(seconds)} test modules ({total / 60:.1f} min of tests in all):")
     for module, taken in seconds.most_common(count):
-        print(f"  {taken:7.1f} s  {100 * taken / total:4.1f}%  {module}")
+        print(f"  {taken:7.1f} s  {100 * taken / max(total, 1e-9):4.1f}%  {module}")
     return 0
 
 

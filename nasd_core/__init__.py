@@ -8,8 +8,9 @@ print(result.text, result.stats.tokens_per_step)
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from nasd_core.lazy import lazy_attributes
 
 # Each public name and the module that defines it, imported on first use: a program that needs
 # only the configs (the pool's CLI, say) does not pay for torch and transformers.
@@ -61,13 +62,4 @@ if TYPE_CHECKING:
     from nasd_core.speculation.ngram import NGramIndex, prompt_lookup
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)

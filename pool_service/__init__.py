@@ -8,8 +8,9 @@ pools.publish(tenant, prompt_ids + output_ids)
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from nasd_core.lazy import lazy_attributes
 
 # Each public name and the module that defines it, imported on first use (as in nasd_core):
 # ``python -m pool_service`` reads Redis without loading torch.
@@ -50,13 +51,4 @@ if TYPE_CHECKING:
     from pool_service.sync import PoolSync
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS)

@@ -119,13 +119,18 @@ class ServeSession:
             _system_config={"metrics_report_interval_ms": 1000},
         )
         self.port = server_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        except BaseException:
+            ray.shutdown()
+            raise
         self.deployed: dict[str, dict[str, Any]] = {}
         ServeSession.running = self
 
     def deploy(self, apps: dict[str, dict[str, Any]]) -> dict[str, ServedApp]:
         """One application per ``name: build_app args`` (a single app at "/", several at
         "/name"), deployed in parallel unless exactly these are deployed already."""
+        assert ServeSession.running is self, "the tests' Ray was stopped: no module after it may deploy"
         prefixes = {name: "/" if len(apps) == 1 else f"/{name}" for name in apps}
         if apps != self.deployed:
             self.clear()
@@ -195,12 +200,23 @@ POOL_PARTITIONS = 8
 
 
 @pytest.fixture(scope="session")
-def pool_apps(serve_session) -> Iterator[PoolApps]:
-    """test_multi_replica's and test_partitions' apps, deployed together once (four one-CPU
-    replicas on the session's logical CPUs); their Redis keys deleted afterwards."""
+def pool_namespaces() -> Iterator[tuple[str, str]]:
+    """The pool apps' two namespaces for the run; their Redis keys deleted at its end."""
     require(is_up(MACHINE_REDIS_URL), f"no Redis at {MACHINE_REDIS_URL}")
     stamp = time.time_ns()
-    shared, partitioned = f"test-deployments-{stamp}", f"test-partitions-{stamp}"
+    namespaces = f"test-deployments-{stamp}", f"test-partitions-{stamp}"
+    yield namespaces
+    client = redis.Redis.from_url(MACHINE_REDIS_URL)
+    for namespace in namespaces:
+        for key in client.scan_iter(match=f"nasd:{{{namespace}*"):
+            client.delete(key)
+
+
+@pytest.fixture(scope="module")
+def pool_apps(serve_session, pool_namespaces) -> PoolApps:
+    """test_multi_replica's and test_partitions' apps, deployed together (four one-CPU replicas
+    on the session's logical CPUs): the second module finds them deployed by the first."""
+    shared, partitioned = pool_namespaces
     pooled = {"redis_url": MACHINE_REDIS_URL, "num_cpus_per_replica": 1}
     replica_args = {**pooled, "pool_namespace": shared}
     partitioned_args = {
@@ -209,15 +225,8 @@ def pool_apps(serve_session) -> Iterator[PoolApps]:
         "pool_partitions": POOL_PARTITIONS,
         "num_replicas": 2,
     }
-    try:
-        apps = serve_session.deploy({"a": replica_args, "b": replica_args, "p": partitioned_args})
-        yield PoolApps(apps, shared, partitioned)
-    finally:
-        serve_session.clear()
-        client = redis.Redis.from_url(MACHINE_REDIS_URL)
-        for namespace in (shared, partitioned):
-            for key in client.scan_iter(match=f"nasd:{{{namespace}*"):
-                client.delete(key)
+    apps = serve_session.deploy({"a": replica_args, "b": replica_args, "p": partitioned_args})
+    return PoolApps(apps, shared, partitioned)
 
 
 def scrape(

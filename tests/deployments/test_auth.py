@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -43,6 +44,8 @@ TOKENS_PER_MINUTE = 60
 BUDGET_TOKENS = 100
 # Past the reload check interval and the settle time of a changed key file.
 RELOAD_WAIT_S = RELOAD_CHECK_INTERVAL_S + RELOAD_SETTLE_S + 0.2
+# How far ahead a key file being written is dated (test_a_key_file_edited_in_place_...).
+UNSETTLED_AHEAD_S = 30 * RELOAD_SETTLE_S
 QUESTION = [{"role": "user", "content": "List the first eight planets of the solar system, in order."}]
 
 
@@ -117,20 +120,20 @@ def test_a_key_file_edited_in_place_never_revokes_its_keys_while_it_is_written(t
     keys = ApiKeys(None, str(path))
 
     def touched(seconds_from_now: float) -> None:
-        # The file's last write as the reader sees it: a stalled test process cannot make a
-        # piece look settled (in real time, pieces of a save land within milliseconds).
         at = time.time() + seconds_from_now
         os.utime(path, (at, at))
 
-    # An editor's save: truncate, then write the new text in pieces; each check of the file
-    # (one per interval) sees a version written just now.
+    # An editor's save: truncate, then write the new text in pieces, each check of the file (one
+    # per interval) seeing a version still being written. Its time is set ahead so that no stall
+    # of this process shorter than UNSETTLED_AHEAD_S makes a piece look settled (pieces of a real
+    # save land within milliseconds of each other).
     text = key_file_text({**KEYS, "bob": "sk-test-bob-new"})
     pieces = [text[start : start + 40] for start in range(0, len(text), 40)]
     with open(path, "w") as file:
         for piece in ["", *pieces]:  # the empty file first
             file.write(piece)
             file.flush()
-            touched(RELOAD_SETTLE_S * 30)
+            touched(UNSETTLED_AHEAD_S)
             time.sleep(RELOAD_CHECK_INTERVAL_S)
             assert keys.find(KEYS["alice"]) is not None, "a key was revoked mid-write"
             assert keys.find(KEYS["bob"]) is not None, "the edit was read before it settled"
@@ -348,12 +351,18 @@ def test_a_dropped_stream_counts_the_tokens_it_was_sent(keyed):
 
 def test_concurrent_requests_reserve_their_max_tokens_against_the_token_budget(keyed):
     served, _ = keyed
-    statuses = parallel_statuses(served, KEYS["budget"], 20, max_tokens=16)
+    responses = parallel_responses(served, KEYS["budget"], 20, max_tokens=16)
+    statuses = [response.status for response in responses]
     # Each reserves 16 of the 100 while it runs, and once it ends counts what it used (its
     # prompt alone is more than 16): however their runs overlap, at most 6 get in, and every
-    # other is refused for tokens.
+    # other is refused for tokens, each only when its 16 would have gone over.
     admitted = statuses.count(200)
     assert 1 <= admitted <= BUDGET_TOKENS // 16 and statuses.count(429) == 20 - admitted, statuses
+    for response in responses:
+        if response.status == 429:
+            message = response.body["error"]["message"]
+            used, reserved = map(int, re.search(r"(\d+) tokens used and (\d+) reserved", message).groups())
+            assert used + reserved + 16 > BUDGET_TOKENS, message
     auth = admin_stats(served)["auth"]["tenants"]["budget"]
     assert auth["rejected_tokens"] == 20 - admitted and auth["in_flight"] == 0
 
@@ -385,14 +394,23 @@ def admin_stats(served) -> dict:
     return served.request("GET", "/v1/nasd/stats", headers={"Authorization": f"Bearer {KEYS['ops']}"}).body
 
 
+def key_status(served, key: str) -> int:
+    """The status a route that generates nothing answers ``key`` with."""
+    return served.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"}).status
+
+
 def accepted(served, key: str) -> bool:
-    """Whether the server takes ``key`` (a route that generates nothing)."""
-    return served.request("GET", "/v1/models", headers={"Authorization": f"Bearer {key}"}).status == 200
+    return key_status(served, key) == 200
 
 
 def parallel_statuses(served, key: str, count: int, max_tokens: int) -> list[int]:
     """The statuses of ``count`` chat requests of ``key`` sent at once."""
-    statuses: list[int] = []
+    return sorted(response.status for response in parallel_responses(served, key, count, max_tokens))
+
+
+def parallel_responses(served, key: str, count: int, max_tokens: int) -> list:
+    """The responses to ``count`` chat requests of ``key`` sent at once."""
+    responses: list = []
     ready = threading.Barrier(count)
 
     def call() -> None:
@@ -403,14 +421,14 @@ def parallel_statuses(served, key: str, count: int, max_tokens: int) -> list[int
             {"model": EMBEDDED_MODEL, "messages": QUESTION, "max_tokens": max_tokens, "temperature": 0},
             {"Authorization": f"Bearer {key}"},
         )
-        statuses.append(response.status)
+        responses.append(response)
 
     threads = [threading.Thread(target=call) for _ in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return statuses
+    return responses
 
 
 # Tokens for a stream that holds its row for as long as a test needs it, on any host.
@@ -420,22 +438,24 @@ HOLDING_TOKENS = 4000
 def test_concurrent_requests_of_one_key_never_exceed_its_limit(keyed):
     served, _ = keyed
     client = served.client(KEYS["two"])
-    holders = [
-        client.completions.create(
-            model=EMBEDDED_MODEL,
-            prompt="Count: 1, 2,",
-            max_tokens=HOLDING_TOKENS,
-            stream=True,
-            extra_body={"ignore_eos": True, "speculation": "off"},
-        )
-        for _ in range(2)
-    ]
-    for holder in holders:
-        next(iter(holder))  # both admitted, and streaming
-    # The key's 2 rows are taken: 6 more sent at once are all refused.
-    assert parallel_statuses(served, KEYS["two"], 6, max_tokens=4) == [429] * 6
-    for holder in holders:
-        holder.close()
+    holders = []
+    try:
+        for _ in range(2):
+            holders.append(
+                client.completions.create(
+                    model=EMBEDDED_MODEL,
+                    prompt="Count: 1, 2,",
+                    max_tokens=HOLDING_TOKENS,
+                    stream=True,
+                    extra_body={"ignore_eos": True, "speculation": "off"},
+                )
+            )
+            next(iter(holders[-1]))  # admitted, and streaming
+        # The key's 2 rows are taken: 6 more sent at once are all refused.
+        assert parallel_statuses(served, KEYS["two"], 6, max_tokens=4) == [429] * 6
+    finally:
+        for holder in holders:
+            holder.close()
     wait_for(lambda: admin_stats(served)["auth"]["tenants"]["two"]["in_flight"] == 0, 60, "the rows back")
     assert parallel_statuses(served, KEYS["two"], 1, max_tokens=4) == [200]
 
@@ -446,7 +466,7 @@ def test_a_key_rotated_in_the_file_takes_effect_without_a_restart(keyed):
     write_atomically(path, key_file_text(rotated))
     try:
         wait_for(lambda: accepted(served, rotated["alice"]), RELOAD_TIMEOUT_S, "the rotated key")
-        assert not accepted(served, KEYS["alice"])
+        assert key_status(served, KEYS["alice"]) == 401
         assert ask(served.client(rotated["alice"]), max_tokens=2).choices
     finally:
         write_atomically(path, key_file_text(KEYS))

@@ -115,7 +115,9 @@ def test_full_queue_answers_503_and_the_queued_requests_finish(served):
         running = server.generate({**holder, "speculation": "off"})
         first = await running.__anext__()  # admitted: it now holds the only batch row
         queued = asyncio.ensure_future(_drain(server.generate({"prompt": PROMPT, "max_tokens": 2})))
+        deadline = time.monotonic() + 60
         while server.stats()["num_waiting"] < 1:  # it takes the only queue place
+            assert time.monotonic() < deadline, "the second request never queued"
             await asyncio.sleep(0.01)
         (refused,) = await _drain(server.generate({"prompt": PROMPT, "max_tokens": 2}))
         return [first, *await _drain(running)], refused, await queued

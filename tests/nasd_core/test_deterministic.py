@@ -40,12 +40,17 @@ def plain_runs(bf16_model, tokenizer) -> list[list[int]]:
     logits here do not depend on its batch (test_a_positions_logits_do_not_depend_on_its_step),
     so these are each prompt's run alone."""
     engine = engine_of(bf16_model, tokenizer, len(PROMPTS))
-    request_ids = [
-        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off"))
-        for prompt, max_tokens in zip(PROMPTS, MAX_NEW, strict=True)
-    ]
-    while not engine.is_finished():
-        engine.step()
+    before = torch.get_num_threads()
+    torch.set_num_threads(min(before, invariant_threads(engine.runner.model)))
+    try:
+        request_ids = [
+            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off"))
+            for prompt, max_tokens in zip(PROMPTS, MAX_NEW, strict=True)
+        ]
+        while not engine.is_finished():
+            engine.step()
+    finally:
+        torch.set_num_threads(before)
     return [engine.pop_result(request_id).token_ids for request_id in request_ids]
 
 
