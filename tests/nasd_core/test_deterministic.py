@@ -19,6 +19,7 @@ from nasd_core.engine.engine import Engine
 from nasd_core.model.cpu_kernels import invariant_threads
 from nasd_core.model.model_runner import ModelRunner, StepRow
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, FixedStepTimes, run_staggered
+from tests.nasd_core.test_quantized import with_threads
 
 MAX_NEW = [2 * count for count in MAX_TOKENS]
 
@@ -40,17 +41,16 @@ def plain_runs(bf16_model, tokenizer) -> list[list[int]]:
     logits here do not depend on its batch (test_a_positions_logits_do_not_depend_on_its_step),
     so these are each prompt's run alone."""
     engine = engine_of(bf16_model, tokenizer, len(PROMPTS))
-    before = torch.get_num_threads()
-    torch.set_num_threads(min(before, invariant_threads(engine.runner.model)))
-    try:
-        request_ids = [
-            engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off"))
-            for prompt, max_tokens in zip(PROMPTS, MAX_NEW, strict=True)
-        ]
+    request_ids = [
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), SpecConfig(mode="off"))
+        for prompt, max_tokens in zip(PROMPTS, MAX_NEW, strict=True)
+    ]
+
+    def run() -> None:
         while not engine.is_finished():
             engine.step()
-    finally:
-        torch.set_num_threads(before)
+
+    with_threads(min(torch.get_num_threads(), invariant_threads(engine.runner.model)), run)
     return [engine.pop_result(request_id).token_ids for request_id in request_ids]
 
 

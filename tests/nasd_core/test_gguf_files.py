@@ -191,11 +191,12 @@ def file_models(gguf_files, cache_dir) -> dict[str, tuple]:
     """Each file's (model on its blocks, tokenizer, float32 conversion, log of the load)."""
     models = {}
     for name, path in gguf_files.items():
+        float32 = ModelConfig(cache_dir=cache_dir, cpu_fast_path=False)
+        float32_conversion = partial(load_model, str(path), float32)
         # mixed_layers' float32 load first: its conversion (tokenizer included) then serves the
         # blocks' load too. every_kernel_type's blocks first: the cache then holds its config
         # and tokenizer alone (test_a_gguf_load_makes_no_float32_copy_of_the_blocks).
-        if name == "mixed_layers":
-            load_model(str(path), ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
+        reference = float32_conversion()[0] if name == "mixed_layers" else None
         records: list[logging.LogRecord] = []
         handler = logging.Handler(logging.INFO)
         handler.emit = records.append
@@ -208,7 +209,8 @@ def file_models(gguf_files, cache_dir) -> dict[str, tuple]:
         finally:
             logger.removeHandler(handler)
             logger.setLevel(level)
-        reference, _ = load_model(str(path), ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
+        if reference is None:
+            reference = float32_conversion()[0]
         models[name] = (model, tokenizer, reference, " ".join(record.getMessage() for record in records))
     return models
 
