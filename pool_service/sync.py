@@ -185,7 +185,9 @@ class PoolSync:
 
     async def _write_loop(self) -> None:
         while True:
-            await self._wake.wait()
+            # What a failed publish left pending goes out on reconnect, not at the next publish.
+            if not self._pending:
+                await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(self.config.flush_interval_ms / 1000)  # let a burst batch up
             while self._pending:

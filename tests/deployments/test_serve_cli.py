@@ -94,8 +94,14 @@ def served(
         assert not is_listening(port), "the HTTP proxy outlived the command"
     finally:
         if process.poll() is None:
-            process.kill()
-            process.wait()
+            # After a failure, stopped as a user stops it first: a killed `serve run` leaves its
+            # Ray cluster running, and the rest of the suite would share the cores with it.
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def test_serve_run_answers_with_defaults_and_drains_on_sigterm(tmp_path):

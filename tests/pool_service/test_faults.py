@@ -29,6 +29,7 @@ PROMPTS = [
     "<ul>\n  <li>apple</li>\n  <li>banana</li>\n  <li>",
 ]
 MAX_TOKENS = 20
+STALLED_SEQUENCE = [31, 41, 59, 26, 53, 58, 97, 93]
 
 
 def _namespace_stats(pools: SharedPools) -> dict:
@@ -93,11 +94,18 @@ def test_generation_survives_redis_kill_and_sync_resumes(model, tokenizer, names
         assert _namespace_stats(pools)["state"] == "connected"
 
         # Phase 4: Redis stalls (DEBUG SLEEP) longer than the socket timeout while a request runs.
+        # A publish sent into the stall fails on its timeout, and goes out once the pool is back
+        # with no other publish to wake the writer.
         stall = threading.Thread(target=lambda: client.execute_command("DEBUG", "SLEEP", "1.5"))
         stall.start()
+        await asyncio.sleep(0.1)
+        pools.publish(None, STALLED_SEQUENCE)
         assert await serve_one(PROMPTS[0]) == expected[0]
         stall.join()
         assert await until(lambda: _namespace_stats(pools)["state"] == "connected", 10)
+        assert await until(lambda: _namespace_stats(pools)["pending"] == 0, 10), _namespace_stats(pools)
+        published = [tuple(e.token_ids) for e in (await _read_all(server.url, namespace))]
+        assert published.count(tuple(STALLED_SEQUENCE)) == 1
         await pools.stop()
 
     try:
