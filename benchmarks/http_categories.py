@@ -23,8 +23,13 @@ the mixed cell's chats, which are other ones: the load is near its capacity, not
 share), and reads each category the same way: how long a server takes over the same requests
 arriving at the same times.
 
-    python -m benchmarks.http_categories            # 4 prompts per category at C=1, 8 at C=8
-    python -m benchmarks.http_categories --quick    # 2 and 8, fewer categories
+With ``--repeats N`` every cell is sent N times, each time with new prompts and the servers'
+order rotated once more, and reads the N rounds pooled (tokens over seconds); each round's
+ratios are kept beside (``rounds``), their spread what one round of that cell can be trusted to.
+
+    python -m benchmarks.http_categories               # 4 prompts per category at C=1, 8 at C=8
+    python -m benchmarks.http_categories --quick       # 2 and 8, fewer categories
+    python -m benchmarks.http_categories --repeats 3   # three rounds of new prompts per cell
 """
 
 from __future__ import annotations
@@ -83,52 +88,78 @@ def run(
     max_tokens: int,
     num_cpus: int,
     app_args: dict,
+    repeats: int = 1,
 ) -> tuple[dict, dict, dict]:
-    """Every category's cells at each concurrency, then the mixed cell and the arrivals cell:
-    (cells, mixed, arrivals)."""
+    """Every category's cells at each concurrency, then the mixed cell and the arrivals cell,
+    each sent ``repeats`` times with new prompts: (cells, mixed, arrivals)."""
     cells: dict[str, dict] = {}
+    # Prompts per category a round takes: its cells', the mixed cell's and the arrivals cell's.
+    per_round = sum(requests.values()) + 2 * MIXED_PER_CATEGORY
     with served_modes(1, num_cpus, MODES, dtype="gguf", app_args=app_args) as urls:
         for index, category in enumerate(categories):
             skip = 0
             for level, count in requests.items():
-                prompts = category_prompts(tokenizer, category, count, skip)
+                rounds = [
+                    category_prompts(tokenizer, category, count, skip + r * per_round) for r in range(repeats)
+                ]
                 skip += count
-                row, _ = run_modes(urls, prompts, level, max_tokens, index + level)
+                row, _ = run_modes(urls, rounds, level, max_tokens, index + level)
                 cells.setdefault(category, {})[str(level)] = row
                 print(category, level, row["auto_over_off"], row["control_over_off"], flush=True)
         skip = sum(requests.values())
-        mixed = run_mixed(urls, tokenizer, categories, skip, max_tokens)
+        mixed = run_mixed(urls, tokenizer, categories, skip, per_round, repeats, max_tokens)
         off = mixed["off"]
         interval_s = off["seconds"] / off["requests"] / ARRIVAL_LOAD
-        arrivals = run_mixed(urls, tokenizer, categories, skip + MIXED_PER_CATEGORY, max_tokens, interval_s)
+        arrivals = run_mixed(
+            urls, tokenizer, categories, skip + MIXED_PER_CATEGORY, per_round, repeats, max_tokens, interval_s
+        )
     return cells, mixed, arrivals
 
 
 def run_modes(
     urls: dict,
-    conversations: list,
+    rounds: list[list],
     concurrency: int,
     max_tokens: int,
     shift: int,
     interval_s: float | None = None,
 ) -> tuple[dict, dict[str, list[dict]]]:
-    """``conversations`` through every mode's server in turn (the order rotated by ``shift``;
-    ``interval_s``: sent at that fixed interval, ``run_requests``): the row of each mode's
-    summary and engine counters, the ratios to ``off`` and whether the texts agree; and each
-    mode's per-request results."""
-    row: dict = {}
-    results: dict[str, list[dict]] = {}
-    for mode in rotated(MODES, shift):
-        before = engine_counters(urls[mode])
-        cell = run_requests(
-            urls[mode], conversations, concurrency, speculation_of(mode), max_tokens, interval_s
+    """Each round's conversations through every mode's server in turn (the order rotated by
+    ``shift``, and once more each round; ``interval_s``: sent at that fixed interval,
+    ``run_requests``): the row of each mode's summary over the rounds and engine counters, the
+    ratios to ``off``, each round's (``rounds``) and whether the texts agree; and each mode's
+    per-request results, round after round."""
+    results: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    seconds = dict.fromkeys(MODES, 0.0)
+    counters: dict[str, dict[str, int]] = {}
+    per_round = []
+    for number, conversations in enumerate(rounds):
+        rates = {}
+        for mode in rotated(MODES, shift + number):
+            before = engine_counters(urls[mode])
+            cell = run_requests(
+                urls[mode], conversations, concurrency, speculation_of(mode), max_tokens, interval_s
+            )
+            mode_results, elapsed = asyncio.run(cell)
+            results[mode] += mode_results
+            seconds[mode] += elapsed
+            # At fixed arrivals the run's rate is the arrival rate: a round reads its requests' own.
+            spent = elapsed if interval_s is None else sum(result["seconds"] for result in mode_results)
+            rates[mode] = sum(result["tokens"] for result in mode_results) / spent
+            delta = counters_delta(before, engine_counters(urls[mode]))
+            so_far = counters.get(mode, {})
+            counters[mode] = {name: so_far.get(name, 0) + value for name, value in delta.items()}
+        per_round.append(
+            {
+                "auto_over_off": round(rates["auto"] / rates["off"], 3),
+                "control_over_off": round(rates["off:control"] / rates["off"], 3),
+            }
         )
-        results[mode], elapsed = asyncio.run(cell)
-        row[mode] = summarise(results[mode], elapsed)
-        row[mode]["engine"] = counters_delta(before, engine_counters(urls[mode]))
+    row: dict = {mode: summarise(results[mode], seconds[mode]) | {"engine": counters[mode]} for mode in MODES}
     off = row["off"]["tokens_per_s"]
     row["auto_over_off"] = round(row["auto"]["tokens_per_s"] / off, 3)
     row["control_over_off"] = round(row["off:control"]["tokens_per_s"] / off, 3)
+    row["rounds"] = per_round
     texts = {mode: [result["text"] for result in mode_results] for mode, mode_results in results.items()}
     row["identical"] = texts["auto"] == texts["off"] == texts["off:control"]
     return row, results
@@ -149,23 +180,30 @@ def run_mixed(
     tokenizer,
     categories: tuple[str, ...],
     skip: int,
+    per_round: int,
+    repeats: int,
     max_tokens: int,
     interval_s: float | None = None,
 ) -> dict:
     """Every category's next ``MIXED_PER_CATEGORY`` chats, taken in turn, ``MIXED_CONCURRENCY``
-    in flight: the whole run's tokens/s by mode and each category's tokens over its requests'
-    seconds (the client's queueing excluded). ``interval_s``: each chat is sent that long after
-    the one before, however many are in flight, and the cell's own figure is every request's
-    tokens over their own seconds (``request_tok_s`` by mode)."""
-    by_category = {name: category_prompts(tokenizer, name, MIXED_PER_CATEGORY, skip) for name in categories}
-    order = [(name, by_category[name][i]) for i in range(MIXED_PER_CATEGORY) for name in categories]
-    names = [name for name, _ in order]
-    concurrency = MIXED_CONCURRENCY if interval_s is None else len(order)
+    in flight (each of ``repeats`` rounds ``per_round`` prompts further on): the whole run's
+    tokens/s by mode and each category's tokens over its requests' seconds (the client's
+    queueing excluded). ``interval_s``: each chat is sent that long after the one before,
+    however many are in flight, and the cell's own figure is every request's tokens over their
+    own seconds (``request_tok_s`` by mode)."""
+    rounds, names = [], []
+    for number in range(repeats):
+        by_category = {
+            name: category_prompts(tokenizer, name, MIXED_PER_CATEGORY, skip + number * per_round)
+            for name in categories
+        }
+        order = [(name, by_category[name][i]) for i in range(MIXED_PER_CATEGORY) for name in categories]
+        rounds.append([messages for _, messages in order])
+        names += [name for name, _ in order]
+    concurrency = MIXED_CONCURRENCY if interval_s is None else len(rounds[0])
     # The arrivals cell starts its rotation one server later than the mixed cell's.
     shift = len(categories) + (interval_s is not None)
-    row, results = run_modes(
-        urls, [messages for _, messages in order], concurrency, max_tokens, shift, interval_s
-    )
+    row, results = run_modes(urls, rounds, concurrency, max_tokens, shift, interval_s)
     rates = {mode: category_rates(names, mode_results) for mode, mode_results in results.items()}
     row["categories"] = {
         name: {
@@ -232,7 +270,9 @@ def settings_line(payload: dict) -> str:
     if changed:
         servers += " except " + ", ".join(f"`{name}={value}`" for name, value in changed.items())
     host = f"{meta.get('processor', 'not recorded')}, {meta.get('isa', 'instruction set not recorded')}"
-    return f"Host: {host}. Servers: {servers}; each answered one warm-up chat first."
+    repeats = payload.get("repeats", 1)
+    pooled = f" Every cell: {repeats} rounds of new prompts, pooled." if repeats > 1 else ""
+    return f"Host: {host}. Servers: {servers}; each answered one warm-up chat first.{pooled}"
 
 
 def markdown_table(payload: dict) -> str:
@@ -287,6 +327,7 @@ def main() -> None:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of new prompts per cell")
     parser.add_argument(
         "--probe-max-rows", type=int, default=None, help="the servers' start-up probe (default: theirs)"
     )
@@ -309,11 +350,14 @@ def main() -> None:
         changed["num_cpus_per_replica"] = args.num_cpus
     # What a lone replica gets by default, set explicitly because the three servers share one Ray.
     app_args = dict(changed) if args.num_cpus is not None else {**changed, "prefill_threads": cores}
-    cells, mixed, arrivals = run(tokenizer, categories, requests, args.max_tokens, num_cpus, app_args)
+    cells, mixed, arrivals = run(
+        tokenizer, categories, requests, args.max_tokens, num_cpus, app_args, args.repeats
+    )
     payload = {
         "benchmark": "http_categories",
         "meta": run_metadata(model, "gguf", "benchmarks.http_categories"),
         "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
         "app_args": app_args,
         "changed_settings": changed,
         "requests": {str(level): count for level, count in requests.items()},

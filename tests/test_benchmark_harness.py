@@ -146,6 +146,49 @@ def test_http_categories_mixed_cell_rates_and_table():
     assert total.endswith("| **1.30x** | 0.99x | **1.10x** | 1.02x |")
 
 
+def test_http_categories_rounds_are_pooled_and_each_kept(monkeypatch):
+    """With repeats, a cell's row reads its rounds pooled (tokens over seconds summed), keeps
+    each round's ratios, rotates the servers' order once more each round, and adds up the
+    engine counters; the servers' part is a stand-in that answers each round at set rates."""
+    from benchmarks import http_categories
+
+    rates = {"off": [10.0, 20.0], "auto": [15.0, 20.0], "off:control": [10.0, 10.0]}
+    order = []
+
+    async def answered(url, conversations, concurrency, speculation, max_tokens, interval_s):
+        mode, number = url
+        order.append(mode)
+        results = [
+            {"tokens": 20, "seconds": 1.0, "ttft_s": 0.1, "itl_s": 0.01, "text": prompt}
+            for prompt in conversations
+        ]
+        return results, 20 * len(conversations) / rates[mode][number]
+
+    def counters(url):
+        return {"requests_sent": len(order)}  # one more across each mode's round
+
+    monkeypatch.setattr(http_categories, "run_requests", answered)
+    monkeypatch.setattr(http_categories, "engine_counters", counters)
+
+    class Urls(dict):
+        def __getitem__(self, mode):  # a mode's server, and which round it answers
+            return (mode, order.count(mode))
+
+    row, results = http_categories.run_modes(Urls(), [["a"], ["b"]], 1, 16, shift=0)
+    assert order == ["off", "auto", "off:control", "auto", "off:control", "off"]
+    assert row["rounds"] == [
+        {"auto_over_off": 1.5, "control_over_off": 1.0},
+        {"auto_over_off": 1.0, "control_over_off": 0.5},
+    ]
+    # Pooled: 40 tokens in 2 + 1 s (off), 40 in 1.33 + 1 s (auto).
+    assert row["off"]["tokens_per_s"] == pytest.approx(40 / 3, abs=0.01)
+    assert row["auto_over_off"] == pytest.approx((40 / (20 / 15 + 1)) / (40 / 3), abs=1e-3)
+    assert row["off"]["requests"] == 2 and row["identical"] and len(results["auto"]) == 2
+    assert row["auto"]["engine"] == {"requests_sent": 2}
+    assert "3 rounds of new prompts" in http_categories.settings_line({"repeats": 3})
+    assert "rounds" not in http_categories.settings_line({})
+
+
 def test_distinct_prompts_never_repeat_and_say_when_they_run_out():
     from benchmarks.workloads import _EXTRA_INSTRUCTIONS, distinct_prompts
 
