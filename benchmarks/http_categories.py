@@ -144,8 +144,10 @@ def run_modes(
             results[mode] += mode_results
             seconds[mode] += elapsed
             # At fixed arrivals the run's rate is the arrival rate: a round reads its requests' own.
-            spent = elapsed if interval_s is None else sum(result["seconds"] for result in mode_results)
-            rates[mode] = sum(result["tokens"] for result in mode_results) / spent
+            if interval_s is None:
+                rates[mode] = sum(result["tokens"] for result in mode_results) / elapsed
+            else:
+                rates[mode] = category_rates(["all"] * len(mode_results), mode_results)["all"]
             delta = counters_delta(before, engine_counters(urls[mode]))
             so_far = counters.get(mode, {})
             counters[mode] = {name: so_far.get(name, 0) + value for name, value in delta.items()}

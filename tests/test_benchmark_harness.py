@@ -185,6 +185,10 @@ def test_http_categories_rounds_are_pooled_and_each_kept(monkeypatch):
     assert row["auto_over_off"] == pytest.approx((40 / (20 / 15 + 1)) / (40 / 3), abs=1e-3)
     assert row["off"]["requests"] == 2 and row["identical"] and len(results["auto"]) == 2
     assert row["auto"]["engine"] == {"requests_sent": 2}
+    # At fixed arrivals a round reads its requests' own seconds (all 1 s here), not the wall's.
+    order.clear()
+    row, _ = http_categories.run_modes(Urls(), [["a"]], 1, 16, shift=0, interval_s=0.5)
+    assert row["rounds"] == [{"auto_over_off": 1.0, "control_over_off": 1.0}]
     assert "3 rounds of new prompts" in http_categories.settings_line({"repeats": 3})
     assert "rounds" not in http_categories.settings_line({})
 
