@@ -254,11 +254,20 @@ class FixedStepTimes(StepTimeModel):
 
 def clock_agrees_with_model(monkeypatch) -> None:
     """Steps read as costing what the policy's cost model estimated, not what this host's clock
-    says, so that the pace and the gates follow the model a test sets."""
+    says, so that the pace, the gates and the payoff follow the model a test sets (a payoff read
+    off this host's clock drafted too little on a Zen 5 for a row's pace to be tested)."""
     monkeypatch.setattr(
         speculator.Speculator,
         "cost_ratio",
         lambda self, step, proposal, wall_s: (proposal.plan.cost_ratio, 0.0),
+    )
+    record = policy.DraftPayoff.record
+    monkeypatch.setattr(
+        policy.DraftPayoff,
+        "record",
+        lambda self, num_rows, plan, estimated_s, measured_s, num_tokens: record(
+            self, num_rows, plan, estimated_s, estimated_s, num_tokens
+        ),
     )
 
 
