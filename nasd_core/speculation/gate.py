@@ -3,9 +3,15 @@
 The batch policy prices drafts with a model of step costs; the gate checks the result. Over each
 window of ``GATE_WINDOW`` drafted steps (or ``LOOKUP_WINDOW`` steps with a lookup, drafted or
 not), it weighs the tokens the request's drafts added against what its lookups and drafts cost
-the batch, read off the clock (``row_costs``). A window that did not pay closes the gate: the
-request then runs plain steps, skipping its lookups and its pricing altogether, for 4, 8, 16, ...
-steps (exponential back-off), and tests again. A window that paid resets the back-off.
+the batch, read off the clock (``row_costs``). A window that did not pay closes the gate, and so
+does one that has already lost ``LOSS_BUDGET`` tokens before it ends: the request then runs plain
+steps, skipping its lookups and its pricing altogether, for 4, 8, 16, ... steps (exponential
+back-off), and tests again, in a window ``RETEST_SHARE`` of the first in every measure (drafted
+steps, lookups, budget). A window that paid resets the back-off and the window.
+
+What a request can lose is therefore bounded by its windows' budgets, and a request whose drafts
+never pay spends ever fewer of its steps finding that out: one window, then re-tests a quarter
+as long at back-offs that double.
 
 Why a gate as well as the policy: the policy's estimates are only as good as its step-time model
 on this host, and a request whose drafts never land (free-form text, sampled answers) still paid
@@ -23,6 +29,12 @@ GATE_WINDOW = 8
 # ...or after this many steps with the speculative path, drafted or not: lookups that rarely lead
 # to a draft are judged too, on what they found against what all of them cost.
 LOOKUP_WINDOW = 32
+# A window ends early, failed, once its cost passes its gain by this many tokens of plain
+# decoding (a whole window of misses at eight rows could lose several).
+LOSS_BUDGET = 1.0
+# A re-test after a closure is this share of a window (drafted steps, lookups and budget): the
+# request's prior is then that its drafts do not pay, and a copied span shows in a few steps.
+RETEST_SHARE = 0.25
 FIRST_BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 256
 
@@ -55,9 +67,11 @@ class DraftGate:
         self.window_drafted += drafted
         self.window_gain += gain
         self.window_cost += cost
-        if self.window_drafted < GATE_WINDOW and self.window_steps < LOOKUP_WINDOW:
+        share = RETEST_SHARE if self.num_failures else 1.0
+        ended = self.window_drafted >= share * GATE_WINDOW or self.window_steps >= share * LOOKUP_WINDOW
+        if not ended and self.window_cost - self.window_gain < share * LOSS_BUDGET:
             return
-        if self.window_gain > self.window_cost:
+        if ended and self.window_gain > self.window_cost:
             self.num_failures = 0
         else:
             self.num_failures += 1

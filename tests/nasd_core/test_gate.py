@@ -8,16 +8,23 @@ from nasd_core.speculation.gate import (
     FIRST_BACKOFF_STEPS,
     GATE_WINDOW,
     LOOKUP_WINDOW,
+    LOSS_BUDGET,
     MAX_BACKOFF_STEPS,
+    RETEST_SHARE,
     DraftGate,
     row_costs,
 )
 
 
-def run_window(gate: DraftGate, gain: float, cost: float, drafted: bool = True) -> None:
-    for _ in range(GATE_WINDOW if drafted else LOOKUP_WINDOW):
+def run_window(gate: DraftGate, gain: float, cost: float, drafted: bool = True) -> int:
+    """Steps of ``gain`` and ``cost`` until the window's verdict: how many it took."""
+    steps = 0
+    while True:
         assert gate.is_open
         gate.record(drafted, gain, cost)
+        steps += 1
+        if gate.window_steps == 0:
+            return steps
 
 
 def plain_steps_until_open(gate: DraftGate) -> int:
@@ -50,10 +57,28 @@ def test_a_window_that_paid_keeps_the_gate_open_and_resets_the_backoff():
     assert plain_steps_until_open(gate) == FIRST_BACKOFF_STEPS
 
 
+def test_a_window_that_loses_its_budget_ends_at_once_and_a_retest_is_a_quarter_window():
+    gate = DraftGate()
+    # Misses of 0.3 tokens each: the fourth passes the first window's budget of 1 token.
+    assert run_window(gate, gain=0.0, cost=0.3) == 4 == int(LOSS_BUDGET / 0.3) + 1
+    assert plain_steps_until_open(gate) == FIRST_BACKOFF_STEPS
+    retest_budget = RETEST_SHARE * LOSS_BUDGET
+    assert run_window(gate, gain=0.0, cost=0.1, drafted=False) == 3 == int(retest_budget / 0.1) + 1
+    assert plain_steps_until_open(gate) == 2 * FIRST_BACKOFF_STEPS
+    # Lookups that cost next to nothing still get their verdict at the window's end: a re-test's.
+    assert run_window(gate, gain=0.0, cost=0.001, drafted=False) == RETEST_SHARE * LOOKUP_WINDOW
+    assert not gate.is_open and gate.num_failures == 3
+    # Drafts that pay in a re-test's drafted steps give the next window its whole size back.
+    plain_steps_until_open(gate)
+    assert run_window(gate, gain=1.0, cost=0.5) == RETEST_SHARE * GATE_WINDOW and gate.num_failures == 0
+    assert run_window(gate, gain=0.0, cost=0.3) == 4
+    assert run_window(DraftGate(), gain=0.0, cost=0.001, drafted=False) == LOOKUP_WINDOW
+
+
 def test_a_verdict_waits_for_a_whole_window_and_lookups_alone_wait_longer():
     gate = DraftGate()
     for _ in range(GATE_WINDOW - 1):
-        gate.record(True, 0.0, 10.0)
+        gate.record(True, 0.0, 0.1)
     assert gate.is_open
     gate.record(True, 100.0, 0.0)  # the window's total decides, not its last step
     assert gate.is_open and gate.num_failures == 0
