@@ -23,9 +23,10 @@ the mixed cell's chats, which are other ones: the load is near its capacity, not
 share), and reads each category the same way: how long a server takes over the same requests
 arriving at the same times.
 
-With ``--repeats N`` every cell is sent N times, each time with new prompts and the servers'
-order rotated once more, and reads the N rounds pooled (tokens over seconds); each round's
-ratios are kept beside (``rounds``), their spread what one round of that cell can be trusted to.
+With ``--repeats N`` every cell is sent N times, each time with new prompts, and reads the N rounds
+pooled (tokens over seconds). A category's round goes to the servers a wave at a time (``waves``:
+one chat at C=1, all eight at C=8), the servers' order rotated at each wave; each wave's ratios
+are kept beside (``rounds``), their spread what one wave of that cell can be trusted to.
 
     python -m benchmarks.http_categories               # 4 prompts per category at C=1, 8 at C=8
     python -m benchmarks.http_categories --quick       # 2 and 8, fewer categories
@@ -103,7 +104,7 @@ def run(
                     category_prompts(tokenizer, category, count, skip + r * per_round) for r in range(repeats)
                 ]
                 skip += count
-                row, _ = run_modes(urls, rounds, level, max_tokens, index + level)
+                row, _ = run_modes(urls, waves(rounds, level), level, max_tokens, index + level)
                 cells.setdefault(category, {})[str(level)] = row
                 print(category, level, row["auto_over_off"], row["control_over_off"], flush=True)
         skip = sum(requests.values())
@@ -114,6 +115,16 @@ def run(
             urls, tokenizer, categories, skip + MIXED_PER_CATEGORY, per_round, repeats, max_tokens, interval_s
         )
     return cells, mixed, arrivals
+
+
+def waves(rounds: list[list], concurrency: int) -> list[list]:
+    """Each round cut into waves of ``concurrency`` chats, the turns the servers take: one chat at
+    a time at C=1, so the host's drift over seconds falls on the three servers alike (a C=1 round
+    of four chats a server took 2-10 s, and two servers doing the same work differed by 12% a
+    round; docs/results.md)."""
+    return [
+        chats[start : start + concurrency] for chats in rounds for start in range(0, len(chats), concurrency)
+    ]
 
 
 def run_modes(

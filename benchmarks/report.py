@@ -51,7 +51,7 @@ TABLE_BLOCKS = {
     "vs_llamacpp": ("vs_llamacpp_gguf", "vs_llamacpp", "markdown_table"),
     "gguf_step": ("gguf_step", "gguf_step", "markdown_table"),
     "http_categories": ("http_categories_gguf", "http_categories", "markdown_table"),
-    "plain_step": ("plain_step_gguf", "plain_step", "markdown_table"),
+    "lockstep": ("lockstep_gguf", "lockstep", "markdown_table"),
 }
 # Runs on a lent GPU (benchmarks/gpu_session.sh): README block -> (result file stem, suite, table).
 GPU_BLOCKS = {

@@ -190,6 +190,10 @@ def test_http_categories_rounds_are_pooled_and_each_kept(monkeypatch):
     row, _ = http_categories.run_modes(Urls(), [["a"]], 1, 16, shift=0, interval_s=0.5)
     assert row["rounds"] == [{"auto_over_off": 1.0, "control_over_off": 1.0}]
     assert "3 rounds of new prompts" in http_categories.settings_line({"repeats": 3})
+    # The servers take turns a wave at a time: every chat on its own at C=1, the round at C=8.
+    rounds = [["a", "b"], ["c", "d"]]
+    assert http_categories.waves(rounds, 1) == [["a"], ["b"], ["c"], ["d"]]
+    assert http_categories.waves(rounds, 8) == rounds
     assert "rounds" not in http_categories.settings_line({})
 
 

@@ -1,0 +1,185 @@
+"""``auto`` against ``off`` in lockstep, by workload and row count, on the server's CPU default.
+
+Two engines share the embedded model (the GGUF blocks, every setting its default, on the torch
+threads a lone server replica gets: the cores but ``RAY_RESERVED_CPUS`` for a step, every core
+for prompt chunks), one per mode, and are handed the same requests, a wave of ``rows`` at a
+time; their steps alternate, one of each in turn (which goes first alternating by wave), and
+each mode is timed over its own steps only. Whatever the host does meanwhile (another tenant, a
+clock that boosts and throttles) falls on both alike, so a difference of a percent shows in one
+run, where cells of a few seconds through HTTP spread by 10% between two servers doing the same
+work (docs/results.md). It measures the engine, not the server: the floor ``auto`` must keep,
+without the HTTP path's noise.
+
+Workloads: repetitive ones (``code_edit``, ``rag_quote``), free text (``creative``), the
+adversarial ``hot_sampled`` (answers sampled at ``HOT_TEMPERATURE``, where next to no draft is
+accepted), ``closed``: creative prompts with every ``auto`` request's gate closed for the whole
+run, the plain step a request whose drafts do not pay is sent back to, which must cost what a
+step of ``off`` does; and ``control``: creative prompts with both engines ``off``, what the
+instrument itself reads between two engines doing the same work. Every answer must be the same
+under both modes.
+
+    python -m benchmarks.lockstep               # rows 1 and 8
+    python -m benchmarks.lockstep --rows 8 --workloads creative hot_sampled
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from benchmarks.common import run_metadata, write_result
+from benchmarks.workloads import HOT_TEMPERATURE, chat_ids, distinct_prompts, hot_sampled
+from deployments.builder import RAY_RESERVED_CPUS, visible_cpus
+from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from nasd_core.engine.engine import Engine
+from nasd_core.models import load_model
+
+MODES = ("off", "auto")
+CLOSED = "closed"
+CONTROL = "control"
+HOT_SAMPLED = "hot_sampled"
+WORKLOADS = ("code_edit", "rag_quote", "creative", HOT_SAMPLED, CLOSED, CONTROL)
+ROWS = (1, 8)
+# Waves per cell: about as many tokens at one row as at eight take seconds.
+WAVES = {1: 12, 8: 6}
+MAX_TOKENS = 128
+CLOSED_STEPS = 10**6  # plain steps left on a closed gate: closed for the whole run
+
+Request = tuple[list[int], dict]  # prompt ids and the sampling parameters beyond max_tokens
+
+
+def workload_requests(tokenizer, workload: str, count: int) -> list[Request]:
+    """``count`` new requests of ``workload``: greedy, but for ``hot_sampled``'s seeded samples."""
+    if workload == HOT_SAMPLED:
+        samples = hot_sampled(count, seed=5)
+        return [(chat_ids(tokenizer, messages), dict(sampling)) for messages, sampling in samples]
+    name = "creative" if workload in (CLOSED, CONTROL) else workload
+    return [(chat_ids(tokenizer, messages), {}) for messages in distinct_prompts([name], count, seed=41)]
+
+
+def run_wave(engines: dict[str, Engine], wave: list[Request], workload: str, first: int) -> dict[str, dict]:
+    """``wave`` on each mode's engine, their steps alternating (``first``: the mode that leads):
+    per mode, its steps' seconds, the step count and the requests' results."""
+    ids = {}
+    for mode, engine in engines.items():
+        params = [SamplingParams(max_tokens=MAX_TOKENS, **extra) for _, extra in wave]
+        spec = SpecConfig(mode="off" if workload == CONTROL else mode)
+        ids[mode] = [
+            engine.add_request(prompt, param, spec) for (prompt, _), param in zip(wave, params, strict=True)
+        ]
+        if workload == CLOSED and mode == "auto":
+            for request_id in ids[mode]:
+                engine.requests[request_id].gate.plain_steps_left = CLOSED_STEPS
+    order = MODES[first:] + MODES[:first]
+    seconds = dict.fromkeys(MODES, 0.0)
+    steps = dict.fromkeys(MODES, 0)
+    while not all(engines[mode].is_finished() for mode in MODES):
+        for mode in order:
+            if engines[mode].is_finished():
+                continue
+            started = time.perf_counter()
+            engines[mode].step()
+            seconds[mode] += time.perf_counter() - started
+            steps[mode] += 1
+    return {
+        mode: {
+            "seconds": seconds[mode],
+            "steps": steps[mode],
+            "results": [engines[mode].pop_result(request_id) for request_id in ids[mode]],
+        }
+        for mode in MODES
+    }
+
+
+def measure(model, tokenizer, workload: str, num_rows: int) -> dict:
+    """One cell: ``WAVES[num_rows]`` waves of ``num_rows`` new requests through both modes."""
+    config = EngineConfig(max_batch_rows=num_rows, prefill_threads=visible_cpus())
+    engines = {mode: Engine(model, tokenizer, config) for mode in MODES}
+    num_waves = WAVES.get(num_rows, 6)
+    requests = workload_requests(tokenizer, workload, (num_waves + 1) * num_rows)
+    run_wave(engines, requests[:num_rows], workload, 0)  # warm both: kernels, first timings
+    counters = ("steps", "tokens", "speculative_steps", "accepted")
+    totals = {mode: {"seconds": 0.0} | dict.fromkeys(counters, 0) for mode in MODES}
+    identical = True
+    for number in range(num_waves):
+        wave = requests[(number + 1) * num_rows : (number + 2) * num_rows]
+        ran = run_wave(engines, wave, workload, number % 2)
+        for mode, outcome in ran.items():
+            total = totals[mode]
+            total["seconds"] += outcome["seconds"]
+            total["steps"] += outcome["steps"]
+            for result in outcome["results"]:
+                total["tokens"] += len(result.token_ids)
+                total["speculative_steps"] += result.stats.num_speculative_steps
+                total["accepted"] += result.stats.num_accepted
+        texts = {mode: [result.token_ids for result in outcome["results"]] for mode, outcome in ran.items()}
+        identical &= texts["off"] == texts["auto"]
+    rates = {mode: total["tokens"] / total["seconds"] for mode, total in totals.items()}
+    auto = totals["auto"]
+    return {
+        "workload": workload,
+        "rows": num_rows,
+        "waves": num_waves,
+        "off_tok_s": round(rates["off"], 2),
+        "auto_tok_s": round(rates["auto"], 2),
+        "auto_over_off": round(rates["auto"] / rates["off"], 3),
+        "off_steps": totals["off"]["steps"],
+        "auto_steps": auto["steps"],
+        # Of auto's row-steps, the share that ran the speculative path (a lookup at least).
+        "speculative_share": round(auto["speculative_steps"] / auto["tokens"], 3),
+        "accepted": auto["accepted"],
+        "identical": identical,
+    }
+
+
+def markdown_table(payload: dict) -> str:
+    meta = payload["meta"]
+    lines = [
+        f"Host: {meta.get('processor')}, {meta.get('isa')}. Engines: GGUF blocks, every setting its default, "
+        f"{payload['step_threads']} torch thread(s) a step as a lone replica; "
+        f"{payload['max_tokens']} tokens a request, {HOT_TEMPERATURE} for hot_sampled, greedy otherwise.",
+        "",
+        "| workload | rows | auto / off | off tok/s | auto tok/s | steps off / auto "
+        "| auto's row-steps with a lookup | identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in payload["cells"]:
+        lines.append(
+            f"| {cell['workload']} | {cell['rows']} | **{cell['auto_over_off']:.3f}** "
+            f"| {cell['off_tok_s']:.1f} | {cell['auto_tok_s']:.1f} "
+            f"| {cell['off_steps']} / {cell['auto_steps']} "
+            f"| {cell['speculative_share']:.0%} | {'yes' if cell['identical'] else '**no**'} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    args = parser.parse_args()
+    model, tokenizer = load_model(config=ModelConfig(dtype="gguf"))
+    torch.set_num_threads(max(1, visible_cpus() - RAY_RESERVED_CPUS))
+    cells = []
+    for num_rows in args.rows:
+        for workload in args.workloads:
+            cells.append(measure(model, tokenizer, workload, num_rows))
+            print(cells[-1], flush=True)
+    payload = {
+        "benchmark": "lockstep",
+        "meta": run_metadata(model, "gguf", "benchmarks.lockstep"),
+        "max_tokens": MAX_TOKENS,
+        "step_threads": torch.get_num_threads(),
+        "cells": cells,
+    }
+    path = write_result("lockstep_gguf", payload)
+    print(markdown_table(payload))
+    print(f"results: {path}")
+
+
+if __name__ == "__main__":
+    main()
