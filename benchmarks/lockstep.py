@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from benchmarks.common import run_metadata, write_result
+from benchmarks.common import rotated, run_metadata, write_result
 from benchmarks.workloads import HOT_TEMPERATURE, chat_ids, distinct_prompts, hot_sampled
 from deployments.builder import RAY_RESERVED_CPUS, visible_cpus
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
@@ -63,8 +63,8 @@ def run_wave(engines: dict[str, Engine], wave: list[Request], workload: str, fir
     """``wave`` on each mode's engine, their steps alternating (``first``: the mode that leads):
     per mode, its steps' seconds, the step count and the requests' results."""
     ids = {}
+    params = [SamplingParams(max_tokens=MAX_TOKENS, **extra) for _, extra in wave]
     for mode, engine in engines.items():
-        params = [SamplingParams(max_tokens=MAX_TOKENS, **extra) for _, extra in wave]
         spec = SpecConfig(mode="off" if workload == CONTROL else mode)
         ids[mode] = [
             engine.add_request(prompt, param, spec) for (prompt, _), param in zip(wave, params, strict=True)
@@ -72,7 +72,7 @@ def run_wave(engines: dict[str, Engine], wave: list[Request], workload: str, fir
         if workload == CLOSED and mode == "auto":
             for request_id in ids[mode]:
                 engine.requests[request_id].gate.plain_steps_left = CLOSED_STEPS
-    order = MODES[first:] + MODES[:first]
+    order = rotated(MODES, first)
     seconds = dict.fromkeys(MODES, 0.0)
     steps = dict.fromkeys(MODES, 0)
     while not all(engines[mode].is_finished() for mode in MODES):
@@ -127,7 +127,7 @@ def measure(model, tokenizer, workload: str, num_rows: int) -> dict:
         "auto_over_off": round(rates["auto"] / rates["off"], 3),
         "off_steps": totals["off"]["steps"],
         "auto_steps": auto["steps"],
-        # Of auto's row-steps, the share that ran the speculative path (a lookup at least).
+        # auto's steps that ran a row's speculative path (a lookup at least), per token it emitted.
         "speculative_share": round(auto["speculative_steps"] / auto["tokens"], 3),
         "accepted": auto["accepted"],
         "identical": identical,
@@ -142,7 +142,7 @@ def markdown_table(payload: dict) -> str:
         f"{payload['max_tokens']} tokens a request, {HOT_TEMPERATURE} for hot_sampled, greedy otherwise.",
         "",
         "| workload | rows | auto / off | off tok/s | auto tok/s | steps off / auto "
-        "| auto's row-steps with a lookup | identical |",
+        "| auto's lookups per token | identical |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for cell in payload["cells"]:
