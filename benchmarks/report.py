@@ -182,6 +182,12 @@ def footer(meta: dict, path: Path) -> str:
     )
 
 
+def cpu_device(meta: dict) -> str:
+    """A CPU result's host: its processor, instruction set (where the run recorded it) and threads."""
+    isa = f", {meta['isa']}" if meta.get("isa") else ""
+    return f"{meta.get('processor') or 'CPU'}{isa}, {meta['cpu_threads']} threads"
+
+
 def headline_table() -> str:
     """The README's headline: the figures of ``HEADLINE``, each with its device, date and the
     full table it comes from."""
@@ -190,9 +196,7 @@ def headline_table() -> str:
         payload = json.loads((RESULTS_DIR / f"{stem}.json").read_text())
         ratio = suite_module(suite).ratios(payload)[key]
         meta = payload["meta"]
-        device = (
-            meta["device"] if meta.get("device", "cpu") != "cpu" else f"CPU, {meta['cpu_threads']} threads"
-        )
+        device = meta["device"] if meta.get("device", "cpu") != "cpu" else cpu_device(meta)
         link = f"[{what}](docs/results.md#{anchor})"
         lines.append(f"| {link} | **{ratio:.2f}x** | {device} | {meta['date_utc'][:10]} |")
     lines.append("")
