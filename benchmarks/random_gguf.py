@@ -12,6 +12,7 @@ multiples of 32 (the blocks').
 from __future__ import annotations
 
 import argparse
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,18 +41,51 @@ SHAPES = {
 }
 
 
-def write_random_gguf(target: Path, architecture: str, shape: Shape, seed: int = 0) -> None:
-    """Write ``target``: a random ``architecture`` model (llama, qwen2 or qwen3) of ``shape``.
-    Qwen3's heads are 128 wide unless ``shape`` says otherwise (transformers' GGUF config leaves
-    its default)."""
-    reader = gguf.GGUFReader(str(embedded_gguf_path()))
-    writer = gguf.GGUFWriter(str(target), architecture)
+@functools.cache
+def embedded_reader() -> gguf.GGUFReader:
+    """gguf-py's reader of the embedded file (it parses the metadata for seconds: once a process)."""
+    return gguf.GGUFReader(str(embedded_gguf_path()))
+
+
+def tokenizer_fields(reader: gguf.GGUFReader, vocab_size: int | None = None) -> dict[str, tuple]:
+    """``reader``'s tokenizer fields: name -> (value, type, item type). With ``vocab_size``, its
+    first ``vocab_size`` tokens (a byte-level BPE's special tokens and bytes come first) and the
+    merges among them: still a whole tokenizer, whose metadata a loader reads in milliseconds
+    rather than the seconds 49k tokens and their merges take."""
+    fields = {}
     for name, field in reader.fields.items():
         if name.startswith("tokenizer."):
             sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+            fields[name] = (field.contents(), field.types[0], sub_type)
+    if vocab_size is not None:
+        tokens = fields["tokenizer.ggml.tokens"][0][:vocab_size]
+        kept = set(tokens)
+        merges = [
+            merge
+            for merge in fields["tokenizer.ggml.merges"][0]
+            if all(part in kept for part in merge.split(" ")) and merge.replace(" ", "") in kept
+        ]
+        for name, value in (
+            ("tokenizer.ggml.tokens", tokens),
+            ("tokenizer.ggml.token_type", fields["tokenizer.ggml.token_type"][0][:vocab_size]),
+            ("tokenizer.ggml.merges", merges),
+        ):
+            fields[name] = (value, *fields[name][1:])
+    return fields
+
+
+def write_random_gguf(
+    target: Path, architecture: str, shape: Shape, seed: int = 0, vocab_size: int | None = None
+) -> None:
+    """Write ``target``: a random ``architecture`` model (llama, qwen2 or qwen3) of ``shape``, on the
+    embedded tokenizer (its first ``vocab_size`` tokens: ``tokenizer_fields``). Qwen3's heads are
+    128 wide unless ``shape`` says otherwise (transformers' GGUF config leaves its default)."""
+    writer = gguf.GGUFWriter(str(target), architecture)
+    tokenizer = tokenizer_fields(embedded_reader(), vocab_size)
+    for name, (value, value_type, sub_type) in tokenizer.items():
+        writer.add_key_value(name, value, value_type, sub_type=sub_type)
     head_dim = shape.head_dim or (128 if architecture == "qwen3" else shape.hidden // shape.heads)
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
     writer.add_context_length(2048)
     writer.add_embedding_length(shape.hidden)
     writer.add_block_count(shape.layers)

@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from nasd_core.model.gguf_index import read_tensors
+
 logger = logging.getLogger(__name__)
 
 BLOCK = 32  # weights per block in every format the kernels take
@@ -349,10 +351,9 @@ def _gguf_tensors(gguf_path: Path) -> dict[str, tuple[torch.Tensor, int]]:
     are float32, as gguf-py reads them (exact for F32 / F16 / BF16, its dequantization else)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(gguf_path))
     tensors = {}
-    for tensor in reader.tensors:
-        kind = int(tensor.tensor_type)
+    for tensor in read_tensors(gguf_path):
+        kind = tensor.kind
         if kind in FILE_BLOCKS:
             values = torch.from_numpy(repack(np.asarray(tensor.data), kind))
         elif kind in BLOCK_FORMATS:

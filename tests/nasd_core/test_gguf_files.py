@@ -1,7 +1,8 @@
 """A user's own GGUF file as the model (``load_model("model.gguf", ModelConfig(dtype="gguf"))``).
 
 The files are real GGUF files written here from the embedded one with gguf-py: the same
-metadata (tokenizer included), some weights re-quantized to other block types (the K-quants by
+metadata, its first few layers and its tokenizer's first ``TINY_VOCAB`` tokens (the vocabulary's
+rows cut to them), some weights re-quantized to other block types (the K-quants by
 plain rounding here, as gguf-py has no quantizer for them). Weights whose type has a kernel
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K) are kept as the file's blocks (Q3_K is
 covered by the kernel tests only: neither gguf-py nor these tests quantize to it); the others are
@@ -22,16 +23,17 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.random_gguf import SHAPES, write_random_gguf
+from benchmarks.random_gguf import SHAPES, embedded_reader, tokenizer_fields, write_random_gguf
 from nasd_core import SamplingParams, SpecConfig
 from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import ModelLoadError
 from nasd_core.model import quantized
 from nasd_core.model.cpu_kernels import invariant_threads
+from nasd_core.model.gguf_index import read_tensors
 from nasd_core.model.model_runner import ModelRunner, StepRow
 from nasd_core.model.quantized import QuantLinear, QuantLinears, dequantize
-from nasd_core.models import embedded_gguf_path, load_model, resolve_model_dir
+from nasd_core.models import load_model, resolve_model_dir
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, FixedStepTimes, run_staggered
 from tests.nasd_core.test_quantized import INT8_RELATIVE_ERROR, relative_error
 
@@ -112,24 +114,37 @@ def quantize_q6_k(weights: np.ndarray) -> np.ndarray:
 
 
 QUANTIZERS = {Q.Q4_K: quantize_q4_k, Q.Q5_K: quantize_q5_k, Q.Q6_K: quantize_q6_k}
+# A vocabulary's rows (the embedded model ties its output to the embedding).
+VOCABULARY_TENSORS = ("token_embd.weight", "output.weight")
+# The files' vocabulary: the embedded tokenizer's first tokens. Each load of a file with all 49k
+# of them (and their merges) parsed its metadata for seconds, several times over.
+TINY_VOCAB = 1024
 
 
-def write_retyped_gguf(source: Path, target: Path, retype: Callable[[str], Q | None], layers: int) -> None:
-    """A copy of ``source``'s first ``layers`` layers whose tensors ``retype(name)`` names a type for
-    are re-quantized to it (from their dequantized values, rows in the file's order)."""
-    reader = gguf.GGUFReader(str(source))
+def write_retyped_gguf(
+    reader: gguf.GGUFReader, target: Path, retype: Callable[[str], Q | None], layers: int, vocab_size: int
+) -> None:
+    """A copy of ``reader``'s file with its first ``layers`` layers and ``vocab_size`` tokens
+    (``tokenizer_fields``; the vocabulary's rows cut to them), whose tensors ``retype(name)``
+    names a type for are re-quantized to it (from their dequantized values, rows in the file's
+    order)."""
     architecture = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(target), architecture)
     for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue  # the writer's own header fields
+        if name.startswith(("GGUF.", "tokenizer.")) or name == "general.architecture":
+            continue  # the writer's own header fields; the tokenizer's below
         sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        value = layers if name == f"{architecture}.block_count" else field.contents()
+        counts = {f"{architecture}.block_count": layers, f"{architecture}.vocab_size": vocab_size}
+        value = counts.get(name, field.contents())
         writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
+    for name, (value, value_type, sub_type) in tokenizer_fields(reader, vocab_size).items():
+        writer.add_key_value(name, value, value_type, sub_type=sub_type)
     for tensor in reader.tensors:
         if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= layers:
             continue
         data, kind = np.array(tensor.data), tensor.tensor_type
+        if tensor.name in VOCABULARY_TENSORS:
+            data = data[:vocab_size]
         new_kind = retype(tensor.name)
         if new_kind is not None and new_kind != kind:
             values = gguf.quants.dequantize(data, kind)
@@ -177,7 +192,7 @@ def gguf_files(tmp_path_factory) -> dict[str, Path]:
     # As many layers as it takes to hold every down projection type: re-quantizing (in numpy) and
     # loading all 30 of the embedded model's took ~40 s more of this module's setup.
     for name, retype in retypes.items():
-        write_retyped_gguf(embedded_gguf_path(), files[name], retype, layers=len(DOWN_TYPES))
+        write_retyped_gguf(embedded_reader(), files[name], retype, len(DOWN_TYPES), TINY_VOCAB)
     return files
 
 
@@ -271,13 +286,35 @@ def test_greedy_speculation_on_a_gguf_file_is_plain_decoding(file_models, name):
     assert engine.stats.num_accepted > 0, "speculation was not exercised"
 
 
+@pytest.fixture(scope="module")
+def mixed_layers_reader(gguf_files) -> gguf.GGUFReader:
+    return gguf.GGUFReader(gguf_files["mixed_layers"])
+
+
+def test_the_tensor_index_gives_each_tensor_as_gguf_py_reads_it(gguf_files, mixed_layers_reader):
+    """``read_tensors`` (what the blocks are loaded from) against gguf-py's reader, on a file of
+    F32, F16, Q4_0, Q4_1 and Q8_0 tensors; and a file that is no GGUF file is refused."""
+    ours = read_tensors(gguf_files["mixed_layers"])
+    theirs = mixed_layers_reader.tensors
+    assert [tensor.name for tensor in ours] == [tensor.name for tensor in theirs]
+    assert {tensor.kind for tensor in ours} >= {Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0}
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine.kind == int(reference.tensor_type), mine.name
+        assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
+        assert np.array_equal(mine.data, reference.data), mine.name
+    not_gguf = gguf_files["mixed_layers"].with_name("not-a-model.gguf")
+    not_gguf.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_tensors(not_gguf)
+
+
 def test_types_without_a_kernel_keep_the_files_values_and_mixed_types_their_own_blocks(
-    file_models, gguf_files
+    file_models, mixed_layers_reader
 ):
     model, tokenizer, reference, log = file_models["mixed_layers"]
     assert "float32 for types without a kernel here: 1 F16" in log
     # The F16 vocabulary (tied to the output) is the file's values: gguf-py's reading of them.
-    file_tensors = {tensor.name: tensor for tensor in gguf.GGUFReader(gguf_files["mixed_layers"]).tensors}
+    file_tensors = {tensor.name: tensor for tensor in mixed_layers_reader.tensors}
     embedding = torch.from_numpy(np.array(file_tensors["token_embd.weight"].data, dtype=np.float32))
     assert torch.equal(model.get_decoder().embed_tokens.weight, embedding)
     assert not isinstance(model.lm_head, QuantLinear)  # tied to it: float32 (packed for oneDNN here)
@@ -307,7 +344,8 @@ def test_a_qwen_files_blocks_are_transformers_weights_and_greedy_speculation_is_
     ``key_length``, which transformers' GGUF mapping reads only for Qwen3-MoE). Once the float32
     load has converted the file with its weights, its config and tokenizer come from there."""
     path = tmp_path / f"tiny-{architecture}-{head_dim}.gguf"
-    write_random_gguf(path, architecture, dataclasses.replace(SHAPES["tiny"], head_dim=head_dim))
+    shape = dataclasses.replace(SHAPES["tiny"], head_dim=head_dim)
+    write_random_gguf(path, architecture, shape, vocab_size=TINY_VOCAB)
     model, tokenizer = load_model(str(path), ModelConfig(dtype="gguf", cache_dir=cache_dir))
     reference, _ = load_model(str(path), ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
     assert model.config.model_type == architecture
