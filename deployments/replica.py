@@ -248,7 +248,7 @@ class NASDServer:
                 calibration=batch_engine.calibration,
             )
             logger.info("step times probed in %.1f s", time.perf_counter() - started)
-        # AsyncEngine.start builds the grammar compiler (~3 s on 2 cores) before its thread runs.
+        # AsyncEngine.start builds the grammar compiler before its thread runs.
         self.async_engine = AsyncEngine(batch_engine)
         self.async_engine.start()
         namespace = namespace_for(config.model.name or EMBEDDED_MODEL, self.tokenizer)

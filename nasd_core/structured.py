@@ -120,12 +120,9 @@ class Grammars:
         tokenizer: the model's (fast) transformers tokenizer.
         vocab_size: the width of the model's logits (masks are this wide).
         eos_ids: the tokens that end a request; a finished grammar allows only these.
-        device: where the logits it masks are.
     """
 
-    def __init__(
-        self, tokenizer, vocab_size: int, eos_ids: Sequence[int], device: torch.device | str = "cpu"
-    ) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
         self.eos_ids = frozenset(eos_ids)
         # Computes a step's masks for all its rows at once, on its own threads.
@@ -136,16 +133,6 @@ class Grammars:
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._cached_chars = 0
         self._lock = threading.Lock()
-        # llguidance's mask kernel is torch.compile'd: compiled here, where the engine builds its
-        # Grammars off the engine thread, and not in the first constrained step, which stalled
-        # every running request for 2-6 s on a CPU. One row and several (dynamo specialises 1),
-        # in inference mode as steps run (dynamo guards on the grad mode).
-        with torch.inference_mode():
-            for rows in (1, 2):
-                apply_masks(
-                    torch.zeros(rows, vocab_size, device=device),
-                    llguidance.torch.allocate_token_bitmask(rows, vocab_size),
-                )
 
     def compile(self, spec: GrammarSpec) -> str:
         """``spec``'s grammar, checked; raises ``InvalidRequestError`` naming ``spec.param``.
@@ -208,8 +195,22 @@ def grammar_masks(
 
 
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set to -inf, in place, what ``bitmask`` (one row per position of ``logits``) forbids."""
-    llguidance.torch.apply_token_bitmask_inplace(logits, bitmask.to(logits.device))
+    """Set to -inf, in place, what ``bitmask`` (one row per position of ``logits``; llguidance's
+    layout, token t allowed where bit t % 32 of word t // 32 is set, tokens past its words
+    forbidden) forbids.
+
+    Not llguidance's kernel, which is torch.compile'd: tracing it took 2.7 s of every replica's
+    start on a CPU. There NumPy unpacks the bits (11 us a row of the embedded model's vocabulary
+    on a Zen 5, the compiled kernel 28 us); on a device, tensor ops do."""
+    width = min(logits.shape[-1], 32 * bitmask.shape[-1])
+    logits[..., width:] = float("-inf")
+    if logits.is_cpu and logits.dtype == torch.float32:
+        forbidden = np.unpackbits(~bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+        np.copyto(logits.numpy()[..., :width], -np.inf, where=forbidden.view(np.bool_)[..., :width])
+        return
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.to(logits.device).unsqueeze(-1) >> shifts) & 1).flatten(-2)
+    logits[..., :width].masked_fill_(allowed[..., :width] == 0, float("-inf"))
 
 
 class RequestGrammar:

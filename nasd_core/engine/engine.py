@@ -364,9 +364,7 @@ class Engine:
         """Build the grammar compiler now if it is not built (``AsyncEngine.start`` does)."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = Grammars(
-                    self.tokenizer, self.vocab_size, self.eos_token_ids, self.model.device
-                )
+                self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
             return self._grammars
 
     # ---------------------------------------------------------------- step

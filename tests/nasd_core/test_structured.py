@@ -22,6 +22,7 @@ from nasd_core.errors import InvalidRequestError
 from nasd_core.processors import LogitsProcessors
 from nasd_core.sampling import TokenDraws, logits_to_probs, sample_tokens
 from nasd_core.speculation.verify import VerifyRow, accept_prefix, verify_rows
+from nasd_core.structured import apply_masks
 from tests.nasd_core.test_verify import NUM_TRIALS, chi_square_p
 
 SCHEMA = {
@@ -291,11 +292,32 @@ def test_a_servers_grammars_compile_off_the_thread_that_runs_steps(model, tokeni
     assert threads and threads[0] != "nasd-engine", threads  # compiled first on a worker thread
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["numpy", "tensor_ops"])
+@pytest.mark.parametrize("vocab_size", [64, 70])
+def test_masks_forbid_what_llguidances_kernel_forbids(dtype, vocab_size):
+    """``apply_masks`` (NumPy for a CPU's float32 logits, tensor ops otherwise) against
+    llguidance's compiled kernel: words with their top bit set, empty and partial ones, a mask
+    narrower than the logits (its missing tokens forbidden), one row or several."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, vocab_size, generator=generator, dtype=dtype)
+    bitmask = llguidance.torch.allocate_token_bitmask(4, 64)
+    bitmask[1] = torch.tensor([0x0F0F0F0F, -(2**31)], dtype=torch.int32)
+    bitmask[2] = 0
+    bitmask[3] = torch.randint(-(2**31), 2**31 - 1, (2,), generator=generator, dtype=torch.int32)
+    expected = logits.clone()
+    llguidance.torch.apply_token_bitmask_inplace(expected, bitmask)
+    masked = logits.clone()
+    apply_masks(masked, bitmask)
+    assert torch.equal(masked, expected)
+    row = logits[3].clone()
+    apply_masks(row, bitmask[3])
+    assert torch.equal(row, expected[3])
+
+
 def test_constrained_steps_compile_nothing_on_the_engine_thread(model, tokenizer):
-    """llguidance's mask kernel is torch.compile'd: ``AsyncEngine.start`` builds the engine's
-    Grammars, which compiles it, before its thread steps anything, so no step, with one
-    constrained row or several, waits 2-6 s for dynamo, and no compilation traces (FX patches
-    ``nn.Module.__call__`` process-wide while it does) beside a running step."""
+    """No step, with one constrained row or several, compiles (masks are applied without
+    torch.compile: ``apply_masks``), so none waits seconds for dynamo, and no compilation traces
+    (FX patches ``nn.Module.__call__`` process-wide while it does) beside a running step."""
     torch._dynamo.reset()  # as in a new process: nothing compiled yet
     engine = Engine(model, tokenizer)
     async_engine = AsyncEngine(engine)
