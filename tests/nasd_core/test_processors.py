@@ -65,15 +65,37 @@ def unprocessed(model, tokenizer) -> list[int]:
     ).token_ids
 
 
+def batched_outputs(model, tokenizer, params: dict[str, SamplingParams], mode: str) -> dict[str, list[int]]:
+    """PROMPT under each of ``params`` as one row of one batch, speculating in ``mode``: every
+    row's processors are its own, whatever the other rows'."""
+    engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=len(params)))
+    spec = SpecConfig(mode=mode, num_draft_tokens=8)
+    ids = {name: engine.add_request(PROMPT, row_params, spec) for name, row_params in params.items()}
+    while not engine.is_finished():
+        engine.step()
+    return {name: engine.pop_result(request_id).token_ids for name, request_id in ids.items()}
+
+
+MODES = ("off", "on", "auto")
+
+
+@pytest.fixture(scope="module")
+def processed_greedy(model, tokenizer) -> dict[str, dict[str, list[int]]]:
+    """Each mode's greedy output under every ``PROCESSORS`` entry, the entries rows of one batch."""
+    params = {name: SamplingParams(max_tokens=MAX_TOKENS, **fields) for name, fields in PROCESSORS.items()}
+    return {mode: batched_outputs(model, tokenizer, params, mode) for mode in MODES}
+
+
 @pytest.mark.parametrize("name", list(PROCESSORS))
-def test_processed_greedy_output_is_plain_decoding_with_the_processors(model, tokenizer, unprocessed, name):
+def test_processed_greedy_output_is_plain_decoding_with_the_processors(
+    model, tokenizer, unprocessed, processed_greedy, name
+):
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False)
     params = SamplingParams(max_tokens=MAX_TOKENS, **PROCESSORS[name])
     stop_ids = set(params.stop_token_ids) | {tokenizer.eos_token_id}
     expected = reference_decode(model, prompt_ids, params, stop_ids)
-    for mode in ("off", "on", "auto"):
-        result = generate(model, tokenizer, prompt_ids, params, SpecConfig(mode=mode, num_draft_tokens=8))
-        assert result.token_ids == expected, mode
+    for mode in MODES:
+        assert processed_greedy[mode][name] == expected, mode
     # The processors changed the output (else this test could not fail).
     assert unprocessed != expected
     if "min_tokens" in PROCESSORS[name]:
@@ -90,12 +112,13 @@ def test_drafts_are_verified_under_penalties_that_count_them(model, tokenizer):
 
 
 def test_sampled_penalised_output_is_the_same_with_or_without_speculation(model, tokenizer):
-    for fields in PROCESSORS.values():
-        outputs = set()
-        for mode in ("off", "on", "auto"):
-            params = SamplingParams(max_tokens=16, temperature=0.8, seed=7, **fields)
-            outputs.add(tuple(generate(model, tokenizer, PROMPT, params, SpecConfig(mode=mode)).token_ids))
-        assert len(outputs) == 1, fields
+    params = {
+        name: SamplingParams(max_tokens=16, temperature=0.8, seed=7, **fields)
+        for name, fields in PROCESSORS.items()
+    }
+    outputs = {mode: batched_outputs(model, tokenizer, params, mode) for mode in MODES}
+    for name in PROCESSORS:
+        assert outputs["on"][name] == outputs["off"][name] == outputs["auto"][name], name
 
 
 def test_logprobs_are_the_plain_forwards_log_softmax(model, tokenizer):
