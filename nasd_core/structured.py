@@ -197,7 +197,8 @@ def grammar_masks(
 def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set to -inf, in place, what ``bitmask`` (one row per position of ``logits``; llguidance's
     layout, token t allowed where bit t % 32 of word t // 32 is set, tokens past its words
-    forbidden) forbids.
+    forbidden) forbids. ``logits`` and ``bitmask`` have as many dimensions (a 1-D row takes a
+    1-D mask); on a CPU the mask's words are contiguous, as llguidance allocates them.
 
     Not llguidance's kernel, which is torch.compile'd: tracing it took 2.7 s of every replica's
     start on a CPU. There NumPy unpacks the bits (11 us a row of the embedded model's vocabulary

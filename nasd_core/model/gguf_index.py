@@ -78,8 +78,8 @@ def read_tensors(path: str | Path) -> list[GGUFTensor]:
     """The tensors of the GGUF file at ``path``, in the file's order.
 
     Raises:
-        ValueError: not a GGUF file, a version or byte order this reader does not know, or a
-            tensor of an unknown type.
+        ValueError: not a GGUF file, a version or byte order this reader does not know, a bad
+            alignment, a tensor named twice, of an unknown type or past the file's end.
     """
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quant_shape_to_byte_shape
@@ -98,10 +98,13 @@ def read_tensors(path: str | Path) -> list[GGUFTensor]:
     for _ in range(num_fields):
         key = cursor.string()
         (value_type,) = cursor.unpack("<I")
-        if key == ALIGNMENT_KEY and value_type == _UINT32:
-            (alignment,) = cursor.unpack("<I")
-        else:
+        if key != ALIGNMENT_KEY:
             cursor.skip_value(value_type)
+            continue
+        # A wrong alignment would read every tensor from the wrong offset: refused, as gguf-py does.
+        (alignment,) = cursor.unpack("<I") if value_type == _UINT32 else (0,)
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{path.name}: {ALIGNMENT_KEY} is not a power of two as a uint32")
     index = []
     for _ in range(num_tensors):
         name = cursor.string()
@@ -110,6 +113,8 @@ def read_tensors(path: str | Path) -> list[GGUFTensor]:
         kind, offset = cursor.unpack("<IQ")
         index.append((name, dims, kind, offset))
     data_start = -(-cursor.offset // alignment) * alignment
+    if len({name for name, *_ in index}) < len(index):
+        raise ValueError(f"{path.name} names a tensor twice")
     tensors = []
     for name, dims, kind, offset in index:
         shape = tuple(reversed(dims))  # rows first, as numpy and torch index
@@ -123,6 +128,8 @@ def read_tensors(path: str | Path) -> list[GGUFTensor]:
             dtype = np.dtype(np.uint8)
             num_bytes = int(np.prod(shape)) * type_size // block_size
             shape = quant_shape_to_byte_shape(shape, quant_type)
+        if start + num_bytes > len(buffer):
+            raise ValueError(f"{path.name} ends inside tensor {name} (a partial download?)")
         view = buffer[start : start + num_bytes].view(dtype).reshape(shape)
         tensors.append(GGUFTensor(name, kind, view))
     return tensors

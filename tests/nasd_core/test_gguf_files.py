@@ -130,12 +130,12 @@ def write_retyped_gguf(
     order)."""
     architecture = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(target), architecture)
+    counts = {f"{architecture}.block_count": layers, f"{architecture}.vocab_size": vocab_size}
     for name, field in reader.fields.items():
         if name.startswith(("GGUF.", "tokenizer.")) or name == "general.architecture":
             continue  # the writer's own header fields; the tokenizer's below
         sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        counts = {f"{architecture}.block_count": layers, f"{architecture}.vocab_size": vocab_size}
-        value = counts.get(name, field.contents())
+        value = counts[name] if name in counts else field.contents()
         writer.add_key_value(name, value, field.types[0], sub_type=sub_type)
     for name, (value, value_type, sub_type) in tokenizer_fields(reader, vocab_size).items():
         writer.add_key_value(name, value, value_type, sub_type=sub_type)
@@ -287,34 +287,41 @@ def test_greedy_speculation_on_a_gguf_file_is_plain_decoding(file_models, name):
 
 
 @pytest.fixture(scope="module")
-def mixed_layers_reader(gguf_files) -> gguf.GGUFReader:
-    return gguf.GGUFReader(gguf_files["mixed_layers"])
+def file_readers(gguf_files) -> dict[str, gguf.GGUFReader]:
+    return {name: gguf.GGUFReader(path) for name, path in gguf_files.items()}
 
 
-def test_the_tensor_index_gives_each_tensor_as_gguf_py_reads_it(gguf_files, mixed_layers_reader):
-    """``read_tensors`` (what the blocks are loaded from) against gguf-py's reader, on a file of
-    F32, F16, Q4_0, Q4_1 and Q8_0 tensors; and a file that is no GGUF file is refused."""
-    ours = read_tensors(gguf_files["mixed_layers"])
-    theirs = mixed_layers_reader.tensors
-    assert [tensor.name for tensor in ours] == [tensor.name for tensor in theirs]
-    assert {tensor.kind for tensor in ours} >= {Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q8_0}
-    for mine, reference in zip(ours, theirs, strict=True):
-        assert mine.kind == int(reference.tensor_type), mine.name
-        assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
-        assert np.array_equal(mine.data, reference.data), mine.name
-    not_gguf = gguf_files["mixed_layers"].with_name("not-a-model.gguf")
+def test_the_tensor_index_gives_each_tensor_as_gguf_py_reads_it(gguf_files, file_readers, tmp_path):
+    """``read_tensors`` (what the blocks are loaded from) against gguf-py's reader, on files of
+    F32, F16 and every block type written here; files that are no GGUF file, or a partial one,
+    are refused."""
+    kinds = set()
+    for name, path in gguf_files.items():
+        ours, theirs = read_tensors(path), file_readers[name].tensors
+        assert [tensor.name for tensor in ours] == [tensor.name for tensor in theirs]
+        for mine, reference in zip(ours, theirs, strict=True):
+            assert mine.kind == int(reference.tensor_type), mine.name
+            assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
+            assert np.array_equal(mine.data, reference.data), mine.name
+            kinds.add(mine.kind)
+    assert kinds >= {Q.F32, Q.F16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    not_gguf = tmp_path / "not-a-model.gguf"
     not_gguf.write_bytes(b"GGML" + bytes(60))
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_tensors(not_gguf)
+    partial = tmp_path / "partial.gguf"
+    partial.write_bytes(gguf_files["mixed_layers"].read_bytes()[:-4096])
+    with pytest.raises(ValueError, match="ends inside tensor"):
+        read_tensors(partial)
 
 
 def test_types_without_a_kernel_keep_the_files_values_and_mixed_types_their_own_blocks(
-    file_models, mixed_layers_reader
+    file_models, file_readers
 ):
     model, tokenizer, reference, log = file_models["mixed_layers"]
     assert "float32 for types without a kernel here: 1 F16" in log
     # The F16 vocabulary (tied to the output) is the file's values: gguf-py's reading of them.
-    file_tensors = {tensor.name: tensor for tensor in mixed_layers_reader.tensors}
+    file_tensors = {tensor.name: tensor for tensor in file_readers["mixed_layers"].tensors}
     embedding = torch.from_numpy(np.array(file_tensors["token_embd.weight"].data, dtype=np.float32))
     assert torch.equal(model.get_decoder().embed_tokens.weight, embedding)
     assert not isinstance(model.lm_head, QuantLinear)  # tied to it: float32 (packed for oneDNN here)

@@ -134,13 +134,13 @@ PAGED_CPU_PROMPTS = 7
 def run_engine_on_fixed_steps(
     model, tokenizer, references: list[list[int]], mode: str, graph_attention: str | None = None
 ) -> Engine:
-    """The staggered prompts on an engine with fixed-shape steps: rows joining and leaving
-    between steps (row counts off the buckets), drafts of every width, prompt chunks beside
-    decode steps (those steps take the packed path); its greedy outputs must be ``references``."""
+    """The staggered prompts (the first ``PAGED_CPU_PROMPTS`` for paged steps on a CPU) on an
+    engine with fixed-shape steps: rows joining and leaving between steps (row counts off the
+    buckets), drafts of every width, prompt chunks beside decode steps (those steps take the
+    packed path); its greedy outputs must be those prompts' ``references``."""
     # On a CPU paged steps run FlexAttention's unfused reference, 22 ms a layer through vmap on a
-    # Zen 5, whatever the pool: there the first PAGED_CPU_PROMPTS prompts (still rows joining and
-    # leaving, drafts of every width, chunks beside decode steps) in a small pool (their prompts
-    # and answers take about 250 positions).
+    # Zen 5: there only the first PAGED_CPU_PROMPTS prompts run (rows still join and leave, drafts
+    # of every width, chunks beside decode steps), in a pool of 512 positions (they take ~250).
     num_prompts = len(PROMPTS)
     kv_cache_tokens = None
     if graph_attention == "paged" and model.device.type == "cpu":

@@ -293,11 +293,12 @@ def test_a_servers_grammars_compile_off_the_thread_that_runs_steps(model, tokeni
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["numpy", "tensor_ops"])
-@pytest.mark.parametrize("vocab_size", [64, 70])
+@pytest.mark.parametrize("vocab_size", [60, 64, 70])
 def test_masks_forbid_what_llguidances_kernel_forbids(dtype, vocab_size):
     """``apply_masks`` (NumPy for a CPU's float32 logits, tensor ops otherwise) against
     llguidance's compiled kernel: words with their top bit set, empty and partial ones, a mask
-    narrower than the logits (its missing tokens forbidden), one row or several."""
+    wider than the logits (a vocabulary off a multiple of 32) and narrower (its missing tokens
+    forbidden), one row or several."""
     generator = torch.Generator().manual_seed(3)
     logits = torch.randn(4, vocab_size, generator=generator, dtype=dtype)
     bitmask = llguidance.torch.allocate_token_bitmask(4, 64)
