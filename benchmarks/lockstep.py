@@ -1,13 +1,17 @@
-"""``auto`` against ``off`` in lockstep, by workload and row count, on the server's CPU default.
+"""``auto`` against ``off`` in lockstep, by workload and row count, engines built as the server's.
 
-Two engines share the embedded model (the GGUF blocks, every setting its default, on the torch
-threads a lone server replica gets: the cores but ``RAY_RESERVED_CPUS`` for a step, every core
-for prompt chunks), one per mode, and are handed the same requests, a wave of ``rows`` at a
-time; their steps alternate, one of each in turn (which goes first alternating by wave), and
-each mode is timed over its own steps only. Whatever the host does meanwhile (another tenant, a
-clock that boosts and throttles) falls on both alike, so a difference of a percent shows in one
-run, where cells of a few seconds through HTTP spread by 10% between two servers doing the same
-work (docs/results.md). It measures the engine, not the server: the floor ``auto`` must keep,
+Two engines share the model a replica of ``serve run deployments.app`` loads (on a CPU the
+embedded GGUF blocks), one per mode, each built from the replica configuration of
+``serve run deployments:build_app speculation=MODE`` with every other setting its default
+(``builder.replica_config``: its engine settings, its draft sources, the torch threads a lone
+replica gets), and each learns its finished requests into its own ``replica`` draft source as a
+replica does (its ``pool`` source stays empty: a lone replica learns only others' requests from
+the pool). They are handed the same requests, a wave of ``rows`` at a time; their steps
+alternate, one of each in turn (which goes first alternating by wave), and each mode is timed
+over its own steps only. Whatever the host does meanwhile (another tenant, a clock that boosts
+and throttles) falls on both alike, so a difference of a percent shows in one run, where cells
+of a few seconds through HTTP spread by 10% between two servers doing the same work
+(docs/results.md). It measures the engine, not the server: the floor ``auto`` must keep,
 without the HTTP path's noise.
 
 Workloads: repetitive ones (``code_edit``, ``rag_quote``), free text (``creative``), the
@@ -31,10 +35,12 @@ import torch
 
 from benchmarks.common import rotated, run_metadata, write_result
 from benchmarks.workloads import HOT_TEMPERATURE, chat_ids, distinct_prompts, hot_sampled
-from deployments.builder import RAY_RESERVED_CPUS, visible_cpus
-from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
+from deployments.builder import AppArgs, replica_config
+from nasd_core.config import SamplingParams
 from nasd_core.engine.engine import Engine
 from nasd_core.models import load_model
+from nasd_core.speculation.drafter import SharedIndex, new_shared_index
+from pool_service.shared import POOL_SOURCE, REPLICA_SOURCE
 
 MODES = ("off", "auto")
 CLOSED = "closed"
@@ -59,15 +65,35 @@ def workload_requests(tokenizer, workload: str, count: int) -> list[Request]:
     return [(chat_ids(tokenizer, messages), {}) for messages in distinct_prompts([name], count, seed=41)]
 
 
-def run_wave(engines: dict[str, Engine], wave: list[Request], workload: str, first: int) -> dict[str, dict]:
+class ServerEngine:
+    """An engine as a replica of ``serve run deployments:build_app speculation=mode`` builds it,
+    and its ``replica`` draft source, which learns every request it finishes."""
+
+    def __init__(self, model, tokenizer, mode: str) -> None:
+        config = replica_config(AppArgs(speculation=mode))
+        self.replica: SharedIndex = new_shared_index(config.pool.index)
+        pool = new_shared_index(config.pool.index)
+        sources = [(REPLICA_SOURCE, self.replica), (POOL_SOURCE, pool)]
+        self.engine = Engine(model, tokenizer, config.engine, shared=sources)
+
+
+def server_engines(model, tokenizer, workload: str) -> dict[str, ServerEngine]:
+    """One engine per mode (both ``off`` for the control)."""
+    return {mode: ServerEngine(model, tokenizer, "off" if workload == CONTROL else mode) for mode in MODES}
+
+
+def run_wave(
+    servers: dict[str, ServerEngine], wave: list[Request], workload: str, first: int
+) -> dict[str, dict]:
     """``wave`` on each mode's engine, their steps alternating (``first``: the mode that leads):
-    per mode, its steps' seconds, the step count and the requests' results."""
+    per mode, its steps' seconds, the step count and the requests' results, which its replica
+    source then learns (as a replica learns each request it finishes, after its steps)."""
+    engines = {mode: server.engine for mode, server in servers.items()}
     ids = {}
     params = [SamplingParams(max_tokens=MAX_TOKENS, **extra) for _, extra in wave]
     for mode, engine in engines.items():
-        spec = SpecConfig(mode="off" if workload == CONTROL else mode)
         ids[mode] = [
-            engine.add_request(prompt, param, spec) for (prompt, _), param in zip(wave, params, strict=True)
+            engine.add_request(prompt, param) for (prompt, _), param in zip(wave, params, strict=True)
         ]
         if workload == CLOSED and mode == "auto":
             for request_id in ids[mode]:
@@ -83,20 +109,18 @@ def run_wave(engines: dict[str, Engine], wave: list[Request], workload: str, fir
             engines[mode].step()
             seconds[mode] += time.perf_counter() - started
             steps[mode] += 1
-    return {
-        mode: {
-            "seconds": seconds[mode],
-            "steps": steps[mode],
-            "results": [engines[mode].pop_result(request_id) for request_id in ids[mode]],
-        }
-        for mode in MODES
-    }
+    ran = {}
+    for mode in MODES:
+        results = [engines[mode].pop_result(request_id) for request_id in ids[mode]]
+        for result in results:
+            servers[mode].replica.update(result.prompt_ids + result.token_ids)
+        ran[mode] = {"seconds": seconds[mode], "steps": steps[mode], "results": results}
+    return ran
 
 
 def measure(model, tokenizer, workload: str, num_rows: int) -> dict:
     """One cell: ``WAVES[num_rows]`` waves of ``num_rows`` new requests through both modes."""
-    config = EngineConfig(max_batch_rows=num_rows, prefill_threads=visible_cpus())
-    engines = {mode: Engine(model, tokenizer, config) for mode in MODES}
+    engines = server_engines(model, tokenizer, workload)
     num_waves = WAVES.get(num_rows, 6)
     requests = workload_requests(tokenizer, workload, (num_waves + 1) * num_rows)
     run_wave(engines, requests[:num_rows], workload, 0)  # warm both: kernels, first timings
@@ -137,8 +161,9 @@ def measure(model, tokenizer, workload: str, num_rows: int) -> dict:
 def markdown_table(payload: dict) -> str:
     meta = payload["meta"]
     lines = [
-        f"Host: {meta.get('processor')}, {meta.get('isa')}. Engines: GGUF blocks, every setting its default, "
-        f"{payload['step_threads']} torch thread(s) a step as a lone replica; "
+        f"Host: {meta.get('processor')}, {meta.get('isa')}. Engines: a replica's of `serve run "
+        "deployments:build_app speculation=MODE`, every other setting its default, its finished requests "
+        f"its `replica` draft source; {payload['step_threads']} torch thread(s) a step as a lone replica; "
         f"{payload['max_tokens']} tokens a request, {HOT_TEMPERATURE} for hot_sampled, greedy otherwise.",
         "",
         "| workload | rows | auto / off | off tok/s | auto tok/s | steps off / auto "
@@ -162,8 +187,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     args = parser.parse_args()
-    model, tokenizer = load_model(config=ModelConfig(dtype="gguf"))
-    torch.set_num_threads(max(1, visible_cpus() - RAY_RESERVED_CPUS))
+    server = replica_config(AppArgs())
+    model, tokenizer = load_model(config=server.model)
+    torch.set_num_threads(server.num_threads or torch.get_num_threads())
     cells = []
     for num_rows in args.rows:
         for workload in args.workloads:

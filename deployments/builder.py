@@ -327,22 +327,13 @@ def args_from_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {field: environ[name] for field, name in ENV_VARS.items() if environ.get(name)}
 
 
-def build_app(args: dict[str, Any] | AppArgs) -> Application:
-    """Bind the OpenAI ingress to the NASD replica deployment.
-
-    Args:
-        args: ``AppArgs`` or a dict of its fields (strings are coerced).
-
-    Returns:
-        The application for ``serve.run`` or ``serve run``.
+def replica_config(args: AppArgs) -> ReplicaConfig:
+    """What each replica of the application of ``args`` is built from: its model, engine, pool
+    and threads (``build_app``'s replicas; ``benchmarks.lockstep`` builds engines from it too).
 
     Raises:
-        pydantic.ValidationError: an unknown argument or an invalid value.
         ValueError: ``dtype=gguf`` for a model that is not a GGUF file, or off a CPU.
     """
-    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
-    if is_serve_run():  # nasd-serve sets its own; elsewhere (tests, Serve's controller) none
-        drain_on_sigterm(args.drain_timeout_s)
     device = args.device or ("cuda" if args.num_gpus_per_replica > 0 else "cpu")
     if args.dtype == "gguf" and default_dtype(args, device) != "gguf":
         raise ValueError(
@@ -373,16 +364,10 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
             local_index="suffix" if args.drafter == "suffix" else "hybrid",
         ),
     )
-    served_model_name = args.served_model_name or args.model or EMBEDDED_MODEL
-    num_cpus = (
-        args.num_cpus_per_replica
-        if args.num_cpus_per_replica is not None
-        else default_cpus_per_replica(args, device)
-    )
-    config = ReplicaConfig(
+    return ReplicaConfig(
         model=ModelConfig(name=args.model, dtype=dtype, device=device),
-        served_model_name=served_model_name,
-        num_threads=max(1, int(num_cpus)) if device == "cpu" else None,
+        served_model_name=args.served_model_name or args.model or EMBEDDED_MODEL,
+        num_threads=max(1, int(replica_cpus(args, device))) if device == "cpu" else None,
         engine=engine,
         pool=PoolConfig(
             redis_url=args.redis_url,
@@ -394,7 +379,34 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
         probe_max_rows=args.probe_max_rows,
         tool_call_parser=args.tool_call_parser,
     )
-    actor_options: dict[str, Any] = {"num_cpus": num_cpus}
+
+
+def replica_cpus(args: AppArgs, device: str) -> float:
+    """The CPUs Ray gives each replica: ``num_cpus_per_replica``, else its default."""
+    if args.num_cpus_per_replica is not None:
+        return args.num_cpus_per_replica
+    return default_cpus_per_replica(args, device)
+
+
+def build_app(args: dict[str, Any] | AppArgs) -> Application:
+    """Bind the OpenAI ingress to the NASD replica deployment.
+
+    Args:
+        args: ``AppArgs`` or a dict of its fields (strings are coerced).
+
+    Returns:
+        The application for ``serve.run`` or ``serve run``.
+
+    Raises:
+        pydantic.ValidationError: an unknown argument or an invalid value.
+        ValueError: ``dtype=gguf`` for a model that is not a GGUF file, or off a CPU.
+    """
+    args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args)
+    if is_serve_run():  # nasd-serve sets its own; elsewhere (tests, Serve's controller) none
+        drain_on_sigterm(args.drain_timeout_s)
+    config = replica_config(args)
+    engine, served_model_name = config.engine, config.served_model_name
+    actor_options: dict[str, Any] = {"num_cpus": replica_cpus(args, config.model.device)}
     if args.num_gpus_per_replica > 0:
         actor_options["num_gpus"] = args.num_gpus_per_replica
     scaling = (
