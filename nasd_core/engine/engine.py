@@ -250,6 +250,7 @@ class Engine:
             ),
             draws=TokenDraws(params.seed),
             acceptance=AcceptanceEstimator(prior=self.acceptance),
+            gate=self.calibration.gate_history.new_gate(),
             on_tokens=on_tokens,
             processors=(
                 LogitsProcessors(params, prompt_ids, self.vocab_size, stopper.stop_ids, grammar)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nasd_core.model.model_runner import ModelRunner, StepRow
+from nasd_core.speculation.gate import GateHistory
 from nasd_core.speculation.graph_plan import GraphStepTimes
 from nasd_core.speculation.policy import (
     MIN_TRUSTED_SAMPLES,
@@ -47,6 +48,8 @@ class Calibration:
         acceptance: acceptance pooled over the requests, the prior of each new request's own.
         payoff: what drafted packed steps deliver of their promise (read against ``step_time``).
         graph_payoff: the same for fixed-shape steps.
+        gate_history: the first verdicts of the requests' draft gates, which size a new
+            request's first window.
     """
 
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
@@ -54,6 +57,7 @@ class Calibration:
     acceptance: AcceptanceEstimator = field(default_factory=pooled_acceptance)
     payoff: DraftPayoff = field(default_factory=DraftPayoff)
     graph_payoff: DraftPayoff = field(default_factory=DraftPayoff)
+    gate_history: GateHistory = field(default_factory=GateHistory)
 
 
 PROBE_ROW = "nasd-probe"

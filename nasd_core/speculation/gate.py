@@ -13,6 +13,11 @@ What a request can lose is therefore bounded by its windows' budgets, and a requ
 never pay spends ever fewer of its steps finding that out: one window, then re-tests a quarter
 as long at back-offs that double.
 
+A request's first window is its largest cost where drafts do not pay, and its verdict is what
+the engine's recent requests' first verdicts mostly were: where most of those failed
+(``GateHistory``), a new request's first window is a re-test's too. Where drafts pay, first
+windows pay and stay whole.
+
 Why a gate as well as the policy: the policy's estimates are only as good as its step-time model
 on this host, and a request whose drafts never land (free-form text, sampled answers) still paid
 each step's lookup and pricing; read in wall time, a miss is a miss whatever the model believed.
@@ -37,6 +42,25 @@ LOSS_BUDGET = 1.0
 RETEST_SHARE = 0.25
 FIRST_BACKOFF_STEPS = 4
 MAX_BACKOFF_STEPS = 256
+# Moving-average weight of each new first verdict in ``GateHistory``: a few requests in a row
+# whose first windows failed make the next ones start with a re-test's window.
+HISTORY_WEIGHT = 0.25
+
+
+@dataclass
+class GateHistory:
+    """The first verdicts of an engine's recent requests' gates (``Calibration.gate_history``)."""
+
+    paid_share: float = 1.0  # moving average of first windows that paid (1: trust a new request)
+    num_verdicts: int = 0
+
+    def record(self, paid: bool) -> None:
+        self.paid_share += HISTORY_WEIGHT * (paid - self.paid_share)
+        self.num_verdicts += 1
+
+    def new_gate(self) -> DraftGate:
+        """A new request's gate: its first window a re-test's where most recent ones failed."""
+        return DraftGate(history=self, first_share=RETEST_SHARE if self.paid_share < 0.5 else 1.0)
 
 
 @dataclass
@@ -50,10 +74,22 @@ class DraftGate:
     window_drafted: int = 0  # of which drafted
     window_gain: float = 0.0  # tokens the drafts added (accepted drafts)
     window_cost: float = 0.0  # what they cost the batch, in tokens of plain decoding
+    # Where the first verdict is recorded (None: nowhere), and the first window's share of a whole one.
+    history: GateHistory | None = None
+    first_share: float = 1.0
+    num_verdicts: int = 0
 
     @property
     def is_open(self) -> bool:
         return self.plain_steps_left == 0
+
+    @property
+    def window_share(self) -> float:
+        """This window's share of a whole one: a re-test's after a failure; the first as its
+        history set it (``GateHistory.new_gate``)."""
+        if self.num_failures:
+            return RETEST_SHARE
+        return 1.0 if self.num_verdicts else self.first_share
 
     def skip(self) -> None:
         """One plain step of the back-off went by."""
@@ -67,11 +103,15 @@ class DraftGate:
         self.window_drafted += drafted
         self.window_gain += gain
         self.window_cost += cost
-        share = RETEST_SHARE if self.num_failures else 1.0
+        share = self.window_share
         ended = self.window_drafted >= share * GATE_WINDOW or self.window_steps >= share * LOOKUP_WINDOW
         if not ended and self.window_cost - self.window_gain < share * LOSS_BUDGET:
             return
-        if ended and self.window_gain > self.window_cost:
+        paid = ended and self.window_gain > self.window_cost
+        if self.history is not None and not self.num_verdicts:
+            self.history.record(paid)
+        self.num_verdicts += 1
+        if paid:
             self.num_failures = 0
         else:
             self.num_failures += 1

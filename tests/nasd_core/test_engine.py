@@ -353,6 +353,10 @@ def test_a_request_whose_drafts_stop_paying_goes_to_plain_steps(model, tokenizer
     assert lookups == stats.num_speculative_steps <= (closures + 1) * gate.GATE_WINDOW
     backoffs = gate.FIRST_BACKOFF_STEPS * (2 ** (closures - 1) - 1)
     assert stats.num_steps - stats.num_speculative_steps >= backoffs
+    # Its first verdict, and only that one, is the engine's history of first windows
+    # (``gate.GateHistory``), which sizes the next requests' first windows.
+    history = engine.calibration.gate_history
+    assert history.num_verdicts == 1 and history.paid_share == 1.0 - gate.HISTORY_WEIGHT
 
 
 def test_a_plain_step_in_auto_runs_no_drafting_code(model, tokenizer, single_runs, monkeypatch):

@@ -12,6 +12,7 @@ from nasd_core.speculation.gate import (
     MAX_BACKOFF_STEPS,
     RETEST_SHARE,
     DraftGate,
+    GateHistory,
     row_costs,
 )
 
@@ -89,6 +90,31 @@ def test_a_verdict_waits_for_a_whole_window_and_lookups_alone_wait_longer():
     assert gate.window_steps == LOOKUP_WINDOW - 1
     gate.record(False, 0.0, 0.01)
     assert gate.is_open and gate.window_steps == 0
+
+
+def test_new_requests_first_windows_are_retests_while_most_recent_first_windows_failed():
+    history = GateHistory()
+    first_windows = []
+    for _ in range(4):  # requests whose lookups never found a draft worth its cost
+        gate = history.new_gate()
+        first_windows.append(run_window(gate, gain=0.0, cost=0.001, drafted=False))
+        assert not gate.is_open
+        # Only a request's first verdict is the history's: its re-tests say nothing new.
+        plain_steps_until_open(gate)
+        run_window(gate, gain=0.0, cost=0.001, drafted=False)
+    retest = int(RETEST_SHARE * LOOKUP_WINDOW)
+    assert first_windows == [LOOKUP_WINDOW, LOOKUP_WINDOW, LOOKUP_WINDOW, retest]
+    assert history.num_verdicts == 4 and history.paid_share < 0.5
+    # A re-test-sized first window that pays: the request keeps drafting, in whole windows.
+    gate = history.new_gate()
+    assert run_window(gate, gain=1.0, cost=0.5) == RETEST_SHARE * GATE_WINDOW
+    assert gate.is_open and run_window(gate, gain=1.0, cost=0.5) == GATE_WINDOW
+    # Requests whose drafts pay bring whole first windows back.
+    while history.paid_share < 0.5:
+        run_window(history.new_gate(), gain=1.0, cost=0.5)
+    assert run_window(history.new_gate(), gain=1.0, cost=0.5) == GATE_WINDOW
+    # A gate of no history (a lone request) starts whole.
+    assert run_window(DraftGate(), gain=0.0, cost=0.001, drafted=False) == LOOKUP_WINDOW
 
 
 def test_row_costs_split_lookups_among_lookers_and_positions_by_rows_drafts():
