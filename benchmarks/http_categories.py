@@ -31,6 +31,7 @@ are kept beside (``rounds``), their spread what one wave of that cell can be tru
     python -m benchmarks.http_categories               # 4 prompts per category at C=1, 8 at C=8
     python -m benchmarks.http_categories --quick       # 2 and 8, fewer categories
     python -m benchmarks.http_categories --repeats 3   # three rounds of new prompts per cell
+    python -m benchmarks.http_categories --categories creative hot_sampled --repeats 4  # these alone
 """
 
 from __future__ import annotations
@@ -342,6 +343,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="rounds of new prompts per cell")
     parser.add_argument(
+        "--categories", nargs="+", choices=CATEGORIES, help="these categories alone, in every cell"
+    )
+    parser.add_argument(
         "--probe-max-rows", type=int, default=None, help="the servers' start-up probe (default: theirs)"
     )
     parser.add_argument(
@@ -351,7 +355,7 @@ def main() -> None:
         help="each replica's CPUs and torch threads for every step (default: a lone replica's)",
     )
     args = parser.parse_args()
-    categories = QUICK_CATEGORIES if args.quick else CATEGORIES
+    categories = tuple(args.categories or (QUICK_CATEGORIES if args.quick else CATEGORIES))
     requests = QUICK_REQUESTS if args.quick else REQUESTS
     # The torch threads a lone replica gets by default: the cores Ray's own processes leave, and
     # every core for its prompt chunks.
