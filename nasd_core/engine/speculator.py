@@ -145,12 +145,15 @@ class Speculator:
     def charge(
         self, step: ScheduledStep, proposal: Proposal, emitted_rows: list[list[int]], wall_s: float
     ) -> None:
-        """Charge each row the step's cost in plain steps: its pace credit the plan's estimate (the
-        packed model's whole-step wall times), and the gate of each row that ran its speculative
-        path what the clock read (``cost_ratio``, ``gate.row_costs``). Why not the clock for the
-        pace too: the floor is a constraint the policy plans against, in its estimates' units;
-        charged the clock's readings, credits ran below what the plans allowed and a mixed stream
-        of eight requests drafted in 17 of 436 steps (docs/results.md)."""
+        """Charge each row the step's cost in plain steps: its pace credit the plan's estimate with
+        its excess scaled as drafted steps' excess has run over theirs on the clock
+        (``DraftPayoff.excess_scale``, which the plan's pace check applies too), and the gate of
+        each row that ran its speculative path what the clock read (``cost_ratio``,
+        ``gate.row_costs``). Why not each step's clock reading for the pace: the floor is a
+        constraint the policy plans against; charged the clock's noisy readings, credits ran
+        below what the plans allowed and a mixed stream of eight requests drafted in 17 of 436
+        steps, while charged the bare estimates, rows that did not draft ran at 0.89x-0.94x
+        (docs/results.md)."""
         rows, plan = step.rows, proposal.plan
         if not proposal.speculated:
             for request, emitted in zip(rows, emitted_rows):
@@ -158,10 +161,15 @@ class Speculator:
             return
         cost_ratio, lookup_share = self.cost_ratio(step, proposal, wall_s)
         costs = row_costs(cost_ratio, lookup_share, proposal.looked_up, plan.lengths)
+        # The pace is charged the estimate scaled as drafted steps have run over theirs, in the
+        # units the plan kept the floor in (the clock's own readings are too noisy a step each).
+        pace_ratio = 1 + (plan.cost_ratio - 1) * self.payoff.excess_scale(len(rows))
+        if not step.chunks and self.runner.graph_widths is None:
+            self.payoff.record_excess(len(rows), plan.cost_ratio, cost_ratio)
         for request, emitted, looked, length, cost in zip(
             rows, emitted_rows, proposal.looked_up, plan.lengths, costs
         ):
-            request.charge(length, len(emitted), plan.cost_ratio, cost if looked else None)
+            request.charge(length, len(emitted), pace_ratio, cost if looked else None)
 
     def cost_ratio(self, step: ScheduledStep, proposal: Proposal, wall_s: float) -> tuple[float, float]:
         """What a step with speculation cost, in plain steps of as many rows, and the share of a
@@ -207,6 +215,7 @@ class Speculator:
             drafting_s_per_row,
             self.payoff.factor(num_rows),
             chunk_floor,
+            self.payoff.excess_scale(num_rows),
         )
 
     def learn(

@@ -550,6 +550,7 @@ def plan_batch_drafts(
     drafting_s_per_row: float = 0.0,
     payoff: float = 1.0,
     chunk_floor: float = math.inf,
+    excess_scale: float = 1.0,
 ) -> DraftPlan:
     """Per-row draft lengths for one ragged step (each row pays only for its own positions).
 
@@ -564,6 +565,9 @@ def plan_batch_drafts(
     cost may not pass either.
     ``max_draft_positions`` caps the step's total draft positions (the engine passes
     ``draft_position_cap``).
+    ``excess_scale``: what drafted steps' excess over a plain one has cost on the clock, as a
+    multiple of the estimated excess (``DraftPayoff.excess_scale``): the pace floor is kept in the
+    clock's units.
     ``drafting_s_per_row``: what building one row's draft costs, charged once per row that
     gets drafts (the engine passes it when deciding which rows to draft at all; once the
     drafts are built their cost is spent and it passes 0).
@@ -618,7 +622,8 @@ def plan_batch_drafts(
     # What each row waits for: this step, chunks and all, over the same step without drafts.
     cost_ratios = 1 + (added + drafting_seconds) / base_seconds
     unpaced = tokens_per_s
-    paced = _paced_totals(rows, own_base, row_of, gain_values, cost_ratios, chunk_floor)
+    clock_ratios = 1 + (cost_ratios - 1) * excess_scale
+    paced = _paced_totals(rows, own_base, row_of, gain_values, clock_ratios, chunk_floor)
     tokens_per_s = np.where(paced, tokens_per_s, -np.inf)
     best = _explored(tokens_per_s, num_rows, base_positions, step_time)
     if best and not beats_plain(tokens_per_s[best], tokens_per_s[0], payoff, num_rows):
@@ -671,6 +676,11 @@ def _paced_totals(
 PAYOFF_WEIGHT = 0.03
 # Drafted steps promising at most this gain are read (those near the bar).
 MAX_READ_GAIN = 1.5
+# A drafted step's excess over a plain one is read against its estimate only where the estimate
+# adds at least this share of a plain step (below, the clock's noise is the whole reading)...
+MIN_READ_EXCESS = 0.02
+# ...and one reading counts for at most this multiple of it (a preempted step).
+MAX_EXCESS_SCALE = 4.0
 # A one-row step is not discounted: its draft was not picked as the best of many rows' (the
 # winner's curse the discount corrects), and interleaved runs of creative text at one row
 # (4 and then 9 runs of 2 requests) went 1.03x and 1.11x of off with it, 1.09x and 1.14x without.
@@ -722,6 +732,9 @@ class DraftPayoff:
     def __init__(self) -> None:
         # bucket -> moving average of log(measured / estimated seconds) of plain steps
         self._plain_overrun: dict[int, float] = {}
+        # bucket -> moving average of a drafted step's excess over a plain one, measured over
+        # estimated (``record_excess``)
+        self._excess: dict[int, float] = {}
         # bucket -> moving average of log(delivered / promised) of drafted steps, before the
         # plain steps' overrun is taken out
         self._shortfall: dict[int, float] = {}
@@ -746,6 +759,24 @@ class DraftPayoff:
         elif num_tokens > 0 and plan.gain <= MAX_READ_GAIN:
             delivered = math.log(num_tokens / plan.expected_tokens) + math.log(estimated_s / measured_s)
             _moving(self._shortfall, bucket, delivered)
+
+    def record_excess(self, num_rows: int, estimated_ratio: float, measured_ratio: float) -> None:
+        """A drafted step of ``num_rows`` rows cost ``measured_ratio`` plain steps on the clock
+        where the plan estimated ``estimated_ratio``: how far its excess over a plain step ran
+        over the estimate's (steps whose estimate adds next to nothing are not read)."""
+        if estimated_ratio - 1.0 < MIN_READ_EXCESS:
+            return
+        bucket = payoff_bucket(num_rows)
+        sample = min(max(0.0, (measured_ratio - 1.0) / (estimated_ratio - 1.0)), MAX_EXCESS_SCALE)
+        previous = self._excess.get(bucket, 1.0)
+        self._excess[bucket] = previous + PAYOFF_WEIGHT * (sample - previous)
+
+    def excess_scale(self, num_rows: int) -> float:
+        """What a drafted step of ``num_rows`` rows costs beyond a plain one, as a multiple of its
+        estimated excess (at least 1): the pace floor is planned and charged in the clock's units.
+        Why: charged the estimates, rows that did not draft ran at 0.89x-0.94x of ``off`` beside
+        rows whose drafts paid (docs/results.md), under a floor of 0.97x."""
+        return max(1.0, self._excess.get(payoff_bucket(num_rows), 1.0))
 
     def factor(self, num_rows: int) -> float:
         """The share of a drafted step's promise that such steps deliver at ``num_rows`` rows

@@ -496,6 +496,33 @@ def test_no_row_is_slowed_below_its_pace_by_the_others_drafts():
     assert plan_batch_drafts(rows, step_time).lengths == [4] * 4 + [0] * 4
 
 
+def test_the_pace_floor_is_kept_in_the_clocks_units():
+    """Drafted steps whose excess over a plain step ran twice the estimate's on the clock double
+    the excess the pace check prices: the plan the floor allows at the estimate's cost (credit
+    for ~one 1.8x step) gives way to a smaller one within the floor on the clock, and a credit that
+    covers the clock's cost allows it again.
+    Steps whose estimate adds next to nothing, or rows of another bucket, do not move it."""
+    payoff = DraftPayoff()
+    for _ in range(300):
+        payoff.record_excess(8, 1.8, 2.6)  # excess 0.8 estimated, 1.6 on the clock
+        payoff.record_excess(8, 1.01, 1.5)  # the clock's noise over a near-plain estimate
+    assert payoff.excess_scale(8) == pytest.approx(2.0, rel=0.01)
+    assert payoff.excess_scale(1) == payoff.excess_scale(32) == 1.0
+    rows, step_time = paced_rows(credit=0.8)
+    at_estimate = plan_batch_drafts(rows, step_time)
+    assert at_estimate.lengths == [4] * 4 + [0] * 4
+    on_clock = plan_batch_drafts(rows, step_time, excess_scale=payoff.excess_scale(8))
+    assert sum(on_clock.lengths) < sum(at_estimate.lengths)
+    assert 1 + (on_clock.cost_ratio - 1) * 2.0 <= 0.8 + 1 / MIN_ROW_PACE
+    rows, step_time = paced_rows(credit=1.6)
+    assert plan_batch_drafts(rows, step_time, excess_scale=2.0).lengths == [4] * 4 + [0] * 4
+    # A clock that reads drafted steps cheaper than estimated never loosens the floor.
+    cheap = DraftPayoff()
+    for _ in range(300):
+        cheap.record_excess(8, 1.8, 1.2)
+    assert cheap.excess_scale(8) == 1.0
+
+
 def test_a_row_pays_for_dear_steps_with_its_own_drafts():
     """A row expecting its own accepted drafts keeps pace in a dearer step: its credit is not
     needed where its own tokens cover the cost."""
