@@ -37,6 +37,7 @@ from nasd_core.speculation.policy import (
     DraftPlan,
     RowDraft,
     StepTimeModel,
+    clock_ratio,
     draft_position_cap,
     plan_batch_drafts,
     prefill_floor,
@@ -163,7 +164,7 @@ class Speculator:
         costs = row_costs(cost_ratio, lookup_share, proposal.looked_up, plan.lengths)
         # The pace is charged the estimate scaled as drafted steps have run over theirs, in the
         # units the plan kept the floor in (the clock's own readings are too noisy a step each).
-        pace_ratio = 1 + (plan.cost_ratio - 1) * self.payoff.excess_scale(len(rows))
+        pace_ratio = clock_ratio(plan.cost_ratio, self.payoff.excess_scale(len(rows)))
         if not step.chunks and self.runner.graph_widths is None:
             self.payoff.record_excess(len(rows), plan.cost_ratio, cost_ratio)
         for request, emitted, looked, length, cost in zip(

@@ -114,6 +114,12 @@ def prefill_floor(credits: Iterable[float]) -> float:
     return min(credits, default=math.inf) + 1 / MIN_ROW_PACE
 
 
+def clock_ratio(estimated_ratio, excess_scale: float):
+    """A step's cost in plain steps on the clock, from its estimate (a float or an array): its
+    excess over a plain step times ``excess_scale`` (``DraftPayoff.excess_scale``)."""
+    return 1 + (estimated_ratio - 1) * excess_scale
+
+
 def keeps_pace(
     credits: np.ndarray, own_tokens: np.ndarray, cost_ratios: np.ndarray, floor: float = math.inf
 ) -> np.ndarray:
@@ -622,8 +628,9 @@ def plan_batch_drafts(
     # What each row waits for: this step, chunks and all, over the same step without drafts.
     cost_ratios = 1 + (added + drafting_seconds) / base_seconds
     unpaced = tokens_per_s
-    clock_ratios = 1 + (cost_ratios - 1) * excess_scale
-    paced = _paced_totals(rows, own_base, row_of, gain_values, clock_ratios, chunk_floor)
+    paced = _paced_totals(
+        rows, own_base, row_of, gain_values, clock_ratio(cost_ratios, excess_scale), chunk_floor
+    )
     tokens_per_s = np.where(paced, tokens_per_s, -np.inf)
     best = _explored(tokens_per_s, num_rows, base_positions, step_time)
     if best and not beats_plain(tokens_per_s[best], tokens_per_s[0], payoff, num_rows):
