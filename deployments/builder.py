@@ -22,6 +22,11 @@ from ray.serve.config import RequestRouterConfig
 from deployments.auth import AuthSettings, KeyLimits
 from deployments.ingress import OpenAIIngress
 from deployments.replica import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, NASDReplica, ReplicaConfig
+from deployments.response_store import (
+    DEFAULT_RESPONSE_STORE_MAX_ITEMS,
+    DEFAULT_RESPONSE_TTL_S,
+    ResponseStoreSettings,
+)
 from deployments.router import ROUTER_CLASS
 from deployments.shutdown import DEFAULT_DRAIN_TIMEOUT_S, drain_on_sigterm, is_serve_run
 from deployments.tools import ToolCallParser
@@ -96,6 +101,8 @@ ENV_VARS = {
     "tool_call_parser": "NASD_TOOL_CALL_PARSER",
     "autoscaling": "NASD_AUTOSCALING",
     "drain_timeout_s": "NASD_DRAIN_TIMEOUT_S",
+    "response_store_ttl_s": "NASD_RESPONSE_STORE_TTL_S",
+    "response_store_max_items": "NASD_RESPONSE_STORE_MAX_ITEMS",
 }
 
 
@@ -252,6 +259,18 @@ class AppArgs(BaseModel):
         description="On SIGTERM, seconds `serve run IMPORT_PATH` and nasd-serve give requests in flight "
         "to finish (new ones get 503) before they stop. A Serve config file or RayService builds the app "
         "in Serve's controller, where this does not apply.",
+    )
+
+    response_store_ttl_s: float = Field(
+        DEFAULT_RESPONSE_TTL_S,
+        gt=0,
+        description="Seconds the Responses API keeps a stored response (store, previous_response_id); "
+        "in Redis with redis_url, so every ingress reads it, else in the ingress's memory.",
+    )
+    response_store_max_items: int = Field(
+        DEFAULT_RESPONSE_STORE_MAX_ITEMS,
+        ge=1,
+        description="Stored responses kept at most; beyond it the oldest go first.",
     )
 
     @field_validator("*", mode="before")
@@ -447,6 +466,12 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                 api_key=args.api_key.get_secret_value() if args.api_key is not None else None,
                 keys_file=args.api_keys_file,
                 limits=KeyLimits(args.key_max_in_flight, args.key_tokens_per_minute),
+            ),
+            ResponseStoreSettings(
+                redis_url=args.redis_url,
+                namespace=args.pool_namespace or served_model_name,
+                ttl_s=args.response_store_ttl_s,
+                max_items=args.response_store_max_items,
             ),
         )
     )

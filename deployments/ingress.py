@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException
@@ -29,6 +29,13 @@ from starlette.requests import Request
 
 from deployments.auth import Admission, ApiKey, AuthSettings, Gate, Rejection, install_gate, installed_gate
 from deployments.metrics import TenantMetrics
+from deployments.response_store import (
+    ResponseStoreSettings,
+    StoredResponse,
+    StoreUnavailable,
+    open_response_store,
+)
+from deployments.responses import RESPONSE_ID, ResponseAnswer, ResponsesRequest, chat_request
 from deployments.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -107,6 +114,40 @@ def _shutting_down() -> JSONResponse:
     response = error_response(503, info)
     response.headers["Retry-After"] = str(DRAINING_RETRY_AFTER_S)
     return response
+
+
+def _store_unavailable(exc: StoreUnavailable) -> JSONResponse:
+    info = ErrorInfo(
+        message=f"{exc}; retry the request.", type="service_unavailable", code="store_unavailable"
+    )
+    response = error_response(503, info)
+    response.headers["Retry-After"] = str(exc.retry_after_s)
+    return response
+
+
+def _response_not_found(response_id: str, param: str | None = None) -> JSONResponse:
+    """An unknown, expired, deleted or another tenant's response id: one answer for all four."""
+    message = f"no response with id {response_id!r} (unknown, expired or deleted)"
+    return error_response(
+        404, ErrorInfo(message=message, type="invalid_request_error", param=param, code="response_not_found")
+    )
+
+
+def _malformed_response_id(response_id: str) -> JSONResponse:
+    message = f"{response_id!r} is not a response id (resp_ and 32 hex digits)"
+    return error_response(
+        400, ErrorInfo(message=message, type="invalid_request_error", code="invalid_response_id")
+    )
+
+
+def _invalid_text(exc: ValueError) -> str:
+    """A validation failure as one line: pydantic's errors with their fields, or the message."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or 'body'}: {error['msg']}"
+            for error in exc.errors()
+        )
+    return str(exc)
 
 
 def _route_path(request: Request) -> str:
@@ -317,6 +358,7 @@ class OpenAIIngress:
         pool_partitions: the replicas' ``PoolConfig.partitions``; with partitions each request
             carries its tenant and partition as its session id, for the replicas' router.
         auth: API keys and their limits (``deployments/auth.py``); None: an open server.
+        response_store: where the Responses API keeps its responses; None: this process's memory.
     """
 
     def __init__(
@@ -326,7 +368,9 @@ class OpenAIIngress:
         aliases: Sequence[str] = (),
         pool_partitions: int = 0,
         auth: AuthSettings | None = None,
+        response_store: ResponseStoreSettings | None = None,
     ) -> None:
+        self.response_store = open_response_store(response_store or ResponseStoreSettings())
         self.gate = Gate(auth or AuthSettings(), lambda: TenantMetrics(served_model_name))
         install_gate(self.gate)
         self.replica = replica
@@ -376,13 +420,9 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         request_id = new_id("cmpl")
         tenant = self._tenant(raw, body.user)
-        return await self._answer(
-            raw.state.api_key,
-            body.model,
-            [GenerateRequest.from_completion(body, prompt, tenant) for prompt in body.prompts],
-            body.stream,
-            lambda chunks: self._completion_events(request_id, body, chunks),
-            lambda choices, last: CompletionResponse(
+
+        async def whole(choices: list[GenerateChunk], last: GenerateChunk) -> dict[str, Any]:
+            return CompletionResponse(
                 id=request_id,
                 model=self.served_model_name,
                 choices=[
@@ -398,19 +438,23 @@ class OpenAIIngress:
                 ],
                 usage=last.usage,
                 nasd=last.nasd,
-            ),
+            ).model_dump()
+
+        return await self._answer(
+            raw.state.api_key,
+            body.model,
+            [GenerateRequest.from_completion(body, prompt, tenant) for prompt in body.prompts],
+            body.stream,
+            lambda chunks: self._completion_events(request_id, body, chunks),
+            whole,
         )
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
         request_id = new_id("chatcmpl")
-        return await self._answer(
-            raw.state.api_key,
-            body.model,
-            [GenerateRequest.from_chat(body, self._tenant(raw, body.user))],
-            body.stream,
-            lambda chunks: self._chat_events(request_id, body, chunks),
-            lambda choices, last: ChatCompletionResponse(
+
+        async def whole(choices: list[GenerateChunk], last: GenerateChunk) -> dict[str, Any]:
+            return ChatCompletionResponse(
                 id=request_id,
                 model=self.served_model_name,
                 choices=[
@@ -429,8 +473,98 @@ class OpenAIIngress:
                 ],
                 usage=last.usage,
                 nasd=last.nasd,
-            ),
+            ).model_dump()
+
+        return await self._answer(
+            raw.state.api_key,
+            body.model,
+            [GenerateRequest.from_chat(body, self._tenant(raw, body.user))],
+            body.stream,
+            lambda chunks: self._chat_events(request_id, body, chunks),
+            whole,
         )
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(self, body: ResponsesRequest, raw: Request) -> Response:
+        """OpenAI's Responses API on the chat path (``deployments/responses.py``): a stored
+        conversation continued by ``previous_response_id``, function tools, ``text.format``."""
+        tenant = self._store_tenant(raw)
+        try:
+            history: list[dict[str, Any]] = []
+            if body.previous_response_id is not None:
+                previous = await self.response_store.get(tenant, body.previous_response_id)
+                if previous is None:
+                    return _response_not_found(body.previous_response_id, "previous_response_id")
+                history = previous.messages
+            elif body.store:
+                await self.response_store.check()
+            items = body.input_items()
+            chat, conversation = chat_request(body, items, history)
+        except StoreUnavailable as exc:
+            return _store_unavailable(exc)
+        except ValueError as exc:  # pydantic's ValidationError included
+            return error_response(400, ErrorInfo(message=_invalid_text(exc), type="invalid_request_error"))
+
+        async def save(stored: StoredResponse) -> None:
+            await self.response_store.put(tenant, answer.id, stored)
+
+        answer = ResponseAnswer(
+            body, self.served_model_name, items, conversation, save if body.store else None
+        )
+        try:
+            return await self._answer(
+                raw.state.api_key,
+                body.model,
+                [GenerateRequest.from_chat(chat, self._tenant(raw, body.user))],
+                body.stream,
+                answer.events,
+                answer.whole,
+            )
+        except StoreUnavailable as exc:  # answered, but not stored: the client is told to retry
+            return _store_unavailable(exc)
+
+    @app.get("/v1/responses/{response_id}", response_model=None)
+    async def stored_response(self, response_id: str, raw: Request) -> Response:
+        stored = await self._stored(response_id, raw)
+        return stored if isinstance(stored, Response) else JSONResponse(stored.response)
+
+    @app.get("/v1/responses/{response_id}/input_items", response_model=None)
+    async def response_input_items(
+        self, response_id: str, raw: Request, order: str = "desc", limit: int = 20, after: str | None = None
+    ) -> Response:
+        """The stored response's own input items (OpenAI's list shape: newest first by default)."""
+        if order not in ("asc", "desc") or not 1 <= limit <= 100:
+            message = "order is 'asc' or 'desc', and limit in [1, 100]"
+            return error_response(400, ErrorInfo(message=message, type="invalid_request_error"))
+        stored = await self._stored(response_id, raw)
+        if isinstance(stored, Response):
+            return stored
+        items = stored.input_items if order == "asc" else stored.input_items[::-1]
+        ids = [item["id"] for item in items]
+        if after is not None:
+            items = items[ids.index(after) + 1 :] if after in ids else []
+        page = items[:limit]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit,
+            }
+        )
+
+    @app.delete("/v1/responses/{response_id}", response_model=None)
+    async def delete_response(self, response_id: str, raw: Request) -> Response:
+        if not RESPONSE_ID.match(response_id):
+            return _malformed_response_id(response_id)
+        try:
+            deleted = await self.response_store.delete(self._store_tenant(raw), response_id)
+        except StoreUnavailable as exc:
+            return _store_unavailable(exc)
+        if not deleted:
+            return _response_not_found(response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     @app.post("/tokenize", response_model=None)
     async def tokenize(self, body: TokenizeRequest) -> Response:
@@ -482,6 +616,22 @@ class OpenAIIngress:
         return stats
 
     # ----------------------------------------------------------------- helpers
+    def _store_tenant(self, raw: Request) -> str | None:
+        """Whose stored responses a request reads: its API key's tenant (None without keys: the
+        ``user`` label is any caller's to write, so it scopes nothing here)."""
+        key: ApiKey | None = raw.state.api_key
+        return key.tenant if key is not None else None
+
+    async def _stored(self, response_id: str, raw: Request) -> StoredResponse | Response:
+        """The stored response of ``response_id`` for the request's tenant, or the error answer."""
+        if not RESPONSE_ID.match(response_id):
+            return _malformed_response_id(response_id)
+        try:
+            stored = await self.response_store.get(self._store_tenant(raw), response_id)
+        except StoreUnavailable as exc:
+            return _store_unavailable(exc)
+        return stored if stored is not None else _response_not_found(response_id)
+
     def _tenant(self, raw: Request, user: str | None) -> str | None:
         """A request's tenant: its key's where keys are configured, else its ``user`` label
         (which any caller may write: not isolation)."""
@@ -495,7 +645,7 @@ class OpenAIIngress:
         requests: list[GenerateRequest],
         stream: bool,
         events: Callable[[AsyncIterator[GenerateChunk]], AsyncIterator[str]],
-        whole: Callable[[list[GenerateChunk], GenerateChunk], BaseModel],
+        whole: Callable[[list[GenerateChunk], GenerateChunk], Awaitable[dict[str, Any]]],
     ) -> Response:
         """One generation route: check the model, start the requests (one per prompt) on
         replicas, then answer with ``events`` (SSE) or, once they are done, the ``whole``
@@ -550,7 +700,7 @@ class OpenAIIngress:
                 release()
         if last.error is not None:
             return error_response(last.status_code, last.error)
-        return JSONResponse(whole(choices, last).model_dump())
+        return JSONResponse(await whole(choices, last))
 
     async def _reserve(self, requests: list[GenerateRequest]) -> int:
         """Tokens a request reserves against its key's minute: each row's ``max_tokens``, or the
