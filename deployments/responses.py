@@ -178,7 +178,9 @@ class ResponsesRequest(_Request):
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, tools: Any) -> Any:
-        for index, tool in enumerate(tools or []):
+        if not isinstance(tools, list):
+            return tools  # the field's type says what is wrong
+        for index, tool in enumerate(tools):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind != "function":
                 raise ValueError(

@@ -1005,14 +1005,76 @@ MESSAGES = st.one_of(
 )
 
 
+RESPONSES_PATH = "/v1/responses"
+RESPONSES_TOOLS = [{"type": "function", **tool["function"]} for tool in WEATHER_TOOLS]
+INPUT_ITEMS = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "assistant", "system", "tool"]), "content": PROMPT_VALUES}
+        ),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function_call"),
+                "call_id": st.sampled_from(["call_1", "call_2"]),
+                "name": st.sampled_from(["get_weather", "nope"]),
+                "arguments": st.one_of(st.just('{"city": "Rome"}'), ODD),
+            }
+        ),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function_call_output"),
+                "call_id": st.sampled_from(["call_1", "x"]),
+                "output": ODD,
+            }
+        ),
+        st.fixed_dictionaries({"type": st.sampled_from(["reasoning", "item_reference", "web_search_call"])}),
+        ODD,
+    ),
+    max_size=4,
+)
+# The Responses route's own fields (temperature, top_p, seed, user, stream... are FIELDS').
+RESPONSES_FIELDS = {
+    "input": st.one_of(PROMPT_VALUES, INPUT_ITEMS),
+    "instructions": st.one_of(st.text(max_size=12), ODD),
+    "max_output_tokens": LENGTH,
+    "previous_response_id": st.one_of(st.sampled_from([f"resp_{'0' * 32}", "resp_x", ""]), ODD),
+    "store": st.one_of(st.booleans(), ODD),
+    "tools": st.one_of(st.just([]), st.just([{"type": "web_search"}]), st.just(RESPONSES_TOOLS), ODD),
+    "tool_choice": st.one_of(
+        st.sampled_from(["none", "auto", "required", {"type": "function", "name": "get_weather"}]), ODD
+    ),
+    "text": st.one_of(
+        st.sampled_from(
+            [
+                {"format": {"type": "json_object"}},
+                {"format": {"type": "json_schema", "name": "n", "schema": {"type": "integer"}}},
+                {"format": {"type": "json_schema"}},
+            ]
+        ),
+        ODD,
+    ),
+    "metadata": st.one_of(st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2), ODD),
+    "background": st.one_of(st.booleans(), ODD),
+    "include": st.one_of(st.just([]), st.just(["reasoning.encrypted_content"]), ODD),
+    "truncation": st.one_of(st.sampled_from(["auto", "disabled"]), ODD),
+    "reasoning": st.one_of(st.sampled_from([{}, {"effort": "low"}]), ODD),
+}
+SHARED_FIELDS = ["model", "temperature", "top_p", "seed", "user", "stream", "speculation", "num_draft_tokens"]
+
+
 @st.composite
 def fuzzed_requests(draw) -> tuple[str, dict]:
     """A valid request with some of its fields (every one the routes know) replaced."""
-    path = draw(st.sampled_from([COMPLETIONS_PATH, CHAT_PATH]))
-    body = {"max_tokens": 4, "temperature": 0}
-    body |= {"prompt": draw(PROMPT_VALUES)} if path == COMPLETIONS_PATH else {"messages": draw(MESSAGES)}
-    names = draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=6, unique=True))
-    body |= {name: draw(FIELDS[name]) for name in names}
+    path = draw(st.sampled_from([COMPLETIONS_PATH, CHAT_PATH, RESPONSES_PATH]))
+    if path == RESPONSES_PATH:
+        body = {"input": "hi", "max_output_tokens": 4, "temperature": 0}
+        fields = {**{name: FIELDS[name] for name in SHARED_FIELDS}, **RESPONSES_FIELDS}
+    else:
+        body = {"max_tokens": 4, "temperature": 0}
+        body |= {"prompt": draw(PROMPT_VALUES)} if path == COMPLETIONS_PATH else {"messages": draw(MESSAGES)}
+        fields = FIELDS
+    names = draw(st.lists(st.sampled_from(sorted(fields)), max_size=6, unique=True))
+    body |= {name: draw(fields[name]) for name in names}
     return path, body
 
 
@@ -1031,6 +1093,9 @@ def test_fuzzed_requests_get_an_answer_or_an_openai_error_never_a_500(app, reque
     if response.status >= 400:
         error = response.body["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    elif body.get("stream") is True and path == RESPONSES_PATH:
+        last_event = response.body.rstrip().rsplit("event: ", 1)[-1]
+        assert last_event.startswith(("response.completed", "response.incomplete")), response.body[-500:]
     elif body.get("stream") is True:
         assert response.body.rstrip().endswith("data: [DONE]") and "server_error" not in response.body
 
