@@ -484,3 +484,28 @@ def test_no_log_holds_a_key(keyed):
         text = path.read_bytes()
         leaked = [key for key in sent if key.encode() in text]
         assert not leaked, f"{path} holds a key"
+
+
+def test_a_stored_response_is_its_tenants_alone(keyed):
+    """Another tenant's response id answers exactly as an unknown one: 404, whatever it asks."""
+    served, _ = keyed
+    alice, bob = served.client(KEYS["alice"]), served.client(KEYS["bob"])
+    made = alice.responses.create(
+        model=EMBEDDED_MODEL, input="Say hello.", temperature=0, max_output_tokens=4
+    )
+    assert alice.responses.retrieve(made.id).id == made.id
+    unknown = f"resp_{'0' * 32}"
+    for response_id in (made.id, unknown):
+        for call in (
+            lambda rid: bob.responses.retrieve(rid),
+            lambda rid: bob.responses.input_items.list(rid),
+            lambda rid: bob.responses.delete(rid),
+            lambda rid: bob.responses.create(
+                model=EMBEDDED_MODEL, previous_response_id=rid, input="Hi", max_output_tokens=2
+            ),
+        ):
+            with pytest.raises(openai.NotFoundError) as missing:
+                call(response_id)
+            assert missing.value.body["code"] == "response_not_found"
+            assert response_id in missing.value.body["message"]
+    assert alice.responses.retrieve(made.id).output_text == made.output_text  # bob's delete did nothing

@@ -8,11 +8,13 @@ import threading
 import openai
 import pytest
 import ray
+import redis
 from ray import serve
 
 from deployments.builder import REPLICA_DEPLOYMENT
 from nasd_core.config import EMBEDDED_MODEL
 from tests.deployments.conftest import ServedApp, wait_for
+from tests.redis_server import MACHINE_REDIS_URL
 
 TURN_1 = [
     {"role": "user", "content": "Write a Python function that returns the sum of the squares of a list."}
@@ -116,3 +118,22 @@ def test_a_killed_replicas_unanswered_requests_are_retried_and_it_is_replaced_wa
     assert new["replica_id"] != old_id
     # The newcomer replayed the pool at start: it begins warm with what the others finished.
     assert new["pool"]["namespaces"][0]["index_entries"] > 0
+
+
+def test_a_response_stored_through_one_app_is_continued_through_the_other(apps, pool_apps):
+    """The apps share their Redis namespace, so their ingresses share the Responses store: an id
+    made through A is read and continued through B (its own ingress and replica)."""
+    a, b = apps["a"], apps["b"]
+    settings = {"model": EMBEDDED_MODEL, "temperature": 0, "max_output_tokens": TURN_TOKENS}
+    first = a.client().responses.create(input=TURN_1[0]["content"], **settings)
+    follow_up = "Now write its docstring."
+    second = b.client().responses.create(previous_response_id=first.id, input=follow_up, **settings)
+    history = [
+        *TURN_1,
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": follow_up},
+    ]
+    assert second.output_text == chat(b, history)["choices"][0]["message"]["content"]
+    assert b.client().responses.retrieve(first.id).output_text == first.output_text
+    keys = redis.Redis.from_url(MACHINE_REDIS_URL).keys(f"nasd:{{{pool_apps.shared_namespace}}}:responses:*")
+    assert len(keys) >= 3  # the two responses and the index
