@@ -101,6 +101,7 @@ ENV_VARS = {
     "tool_call_parser": "NASD_TOOL_CALL_PARSER",
     "autoscaling": "NASD_AUTOSCALING",
     "drain_timeout_s": "NASD_DRAIN_TIMEOUT_S",
+    "conversation_affinity": "NASD_CONVERSATION_AFFINITY",
     "response_store_ttl_s": "NASD_RESPONSE_STORE_TTL_S",
     "response_store_max_items": "NASD_RESPONSE_STORE_MAX_ITEMS",
 }
@@ -261,6 +262,12 @@ class AppArgs(BaseModel):
         "in Serve's controller, where this does not apply.",
     )
 
+    conversation_affinity: bool | None = Field(
+        None,
+        description="Send every turn of a conversation (its opening: the messages up to the first user "
+        "turn) to the replica that served the earlier ones, whose prefix cache holds them, unless that "
+        "replica carries over 1.25x the mean load. None: on with more than one replica.",
+    )
     response_store_ttl_s: float = Field(
         DEFAULT_RESPONSE_TTL_S,
         gt=0,
@@ -431,10 +438,12 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
     scaling = (
         {"autoscaling_config": args.autoscaling} if args.autoscaling else {"num_replicas": args.num_replicas}
     )
-    # Partitions pay only if a partition's requests meet on the replicas that follow it.
+    # Partitions pay only if a partition's requests meet on the replicas that follow it, and a
+    # conversation's later turns only if they meet its earlier ones' prefix cache.
+    affinity = conversation_affinity(args)
     routing = (
         {"request_router_config": RequestRouterConfig(request_router_class=ROUTER_CLASS)}
-        if args.pool_partitions
+        if args.pool_partitions or affinity
         else {}
     )
     replica = (
@@ -473,5 +482,13 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                 ttl_s=args.response_store_ttl_s,
                 max_items=args.response_store_max_items,
             ),
+            affinity,
         )
     )
+
+
+def conversation_affinity(args: AppArgs) -> bool:
+    """Whether requests are routed by conversation: as set, else with more than one replica."""
+    if args.conversation_affinity is not None:
+        return args.conversation_affinity
+    return args.num_replicas > 1 or args.autoscaling is not None

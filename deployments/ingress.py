@@ -359,6 +359,8 @@ class OpenAIIngress:
             carries its tenant and partition as its session id, for the replicas' router.
         auth: API keys and their limits (``deployments/auth.py``); None: an open server.
         response_store: where the Responses API keeps its responses; None: this process's memory.
+        conversation_affinity: route each request by its conversation (``routing_key``), so later
+            turns find their prefix in a replica's cache (the replicas' router bounds the load).
     """
 
     def __init__(
@@ -369,12 +371,14 @@ class OpenAIIngress:
         pool_partitions: int = 0,
         auth: AuthSettings | None = None,
         response_store: ResponseStoreSettings | None = None,
+        conversation_affinity: bool = False,
     ) -> None:
         self.response_store = open_response_store(response_store or ResponseStoreSettings())
         self.gate = Gate(auth or AuthSettings(), lambda: TenantMetrics(served_model_name))
         install_gate(self.gate)
         self.replica = replica
         self.pool_partitions = pool_partitions
+        self.conversation_affinity = conversation_affinity
         self.served_model_name = served_model_name
         self.model_names = [served_model_name, *aliases]
         self.created = int(time.time())
@@ -751,7 +755,7 @@ class OpenAIIngress:
         so the HTTP status is known before any byte of the answer is sent. A call that fails
         before its first chunk (the replica died) is sent again, once: nothing of it reached the
         client (a whole answer's first chunk is its last), and Serve routes it to a live replica."""
-        session_id = request.routing_key(self.pool_partitions)
+        session_id = request.routing_key(self.pool_partitions, self.conversation_affinity)
         handle = self.replica.options(stream=True, **({"session_id": session_id} if session_id else {}))
         for attempt in range(1 + REPLICA_RETRIES):
             chunks = handle.generate.remote(request.model_dump())

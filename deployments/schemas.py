@@ -490,16 +490,11 @@ class GenerateRequest(SamplingFields):
         """The names of the functions the request declares (its answer may call only these)."""
         return frozenset(tool["function"]["name"] for tool in self.tools or ())
 
-    def pool_partition(self, partitions: int) -> int:
-        """Which of its tenant's ``partitions`` pool partitions this request reads and feeds.
-
-        A hash of the conversation's opening: the messages up to the first user turn (every
-        later turn of the chat, and every repeat of the question, keeps it), or a completion
-        prompt's first ``PARTITION_PREFIX_CHARS`` characters (ids: ``PARTITION_PREFIX_IDS``).
-        The ingress routes by the same key, so a partition's requests meet on a few replicas.
-        """
-        if partitions <= 1:  # none, or one per tenant
-            return 0
+    def conversation_hash(self) -> int:
+        """A 64-bit hash of the tenant and the conversation's opening: the messages up to the
+        first user turn (every later turn of the chat, a Responses continuation of it, and every
+        repeat of the question keep it), or a completion prompt's first
+        ``PARTITION_PREFIX_CHARS`` characters (ids: ``PARTITION_PREFIX_IDS``)."""
         if self.messages is not None:
             first_user = next((i for i, m in enumerate(self.messages) if m.get("role") == "user"), 0)
             opening = json.dumps([m.get("content") for m in self.messages[: first_user + 1]])
@@ -510,14 +505,26 @@ class GenerateRequest(SamplingFields):
         # surrogatepass: a lone surrogate (valid JSON, not UTF-8) is a 400 from the replica's
         # prompt check, never a crash here.
         digest = hashlib.sha256(f"{self.tenant or ''}\0{opening}".encode("utf-8", "surrogatepass")).digest()
-        return int.from_bytes(digest[:8], "big") % partitions
+        return int.from_bytes(digest[:8], "big")
 
-    def routing_key(self, partitions: int) -> str | None:
-        """The session id the ingress routes this request by: its tenant and pool partition (None
-        without partitions, 0: requests then go to the less loaded of two replicas)."""
-        if not partitions:
-            return None
-        return f"{self.tenant or ''}\0{self.pool_partition(partitions)}"
+    def pool_partition(self, partitions: int) -> int:
+        """Which of its tenant's ``partitions`` pool partitions this request reads and feeds: by
+        ``conversation_hash``. The ingress routes by the same key, so a partition's requests
+        meet on a few replicas."""
+        if partitions <= 1:  # none, or one per tenant
+            return 0
+        return self.conversation_hash() % partitions
+
+    def routing_key(self, partitions: int, conversation_affinity: bool = False) -> str | None:
+        """The session id the ingress routes this request by: with pool partitions, its tenant
+        and partition; else with conversation affinity, its conversation (every turn then goes
+        to the replica whose prefix cache holds the earlier ones, while that replica is not
+        overloaded); else None (the less loaded of two replicas)."""
+        if partitions:
+            return f"{self.tenant or ''}\0{self.pool_partition(partitions)}"
+        if conversation_affinity:
+            return f"conversation\0{self.conversation_hash():016x}"
+        return None
 
 
 _SAMPLING_FIELDS = set(SamplingFields.model_fields)

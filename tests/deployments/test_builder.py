@@ -143,6 +143,24 @@ def test_pool_partitions_route_requests_by_partition():
 
 
 @pytest.mark.parametrize(
+    ("args", "affinity"),
+    [
+        ({}, False),  # one replica: nowhere else to go
+        ({"num_replicas": "2"}, True),
+        ({"autoscaling": '{"min_replicas": 1, "max_replicas": 4}'}, True),
+        ({"num_replicas": "4", "conversation_affinity": "false"}, False),
+        ({"conversation_affinity": "true"}, True),
+    ],
+)
+def test_several_replicas_route_by_conversation_unless_told_not_to(args, affinity):
+    app = build_app(args)
+    replica, _ = replica_of(app)
+    router = replica._deployment_config.request_router_config.request_router_class
+    assert (router == ROUTER_CLASS) == affinity
+    assert app._bound_deployment.init_args[6] is affinity  # the ingress sends each request's key
+
+
+@pytest.mark.parametrize(
     "args",
     [
         {"num_replica": "2"},

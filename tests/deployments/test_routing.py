@@ -56,6 +56,22 @@ def test_without_partitions_nothing_is_routed_and_one_partition_routes_by_tenant
     assert keys == {"a\x000", "b\x000"}
 
 
+def test_with_affinity_every_turn_of_a_conversation_has_one_key_and_conversations_differ():
+    turns = [
+        chat("Fix the bug in parse()."),
+        chat("Fix the bug in parse().", "Here is a fix.", "Now add a test."),
+        chat("Fix the bug in parse().", "Here is a fix.", "Now add a test.", "Done.", "Thanks!"),
+    ]
+    keys = {turn.routing_key(0, conversation_affinity=True) for turn in turns}
+    assert len(keys) == 1 and None not in keys
+    others = {chat(f"Question {i}").routing_key(0, conversation_affinity=True) for i in range(50)}
+    assert len(others) == 50
+    # Pool partitions route by partition (a conversation's partition is drawn from the same opening).
+    assert turns[0].routing_key(8, conversation_affinity=True) == turns[0].routing_key(8)
+    # A tenant's conversation is its own, whatever the text.
+    assert chat("Hi", tenant="a").routing_key(0, True) != chat("Hi", tenant="b").routing_key(0, True)
+
+
 def order(ring: list[str], load: dict[str, int]) -> list[str]:
     """The bounded order of the whole ``ring`` at the router's default bound."""
     return bounded_load_order(ring, load.get, load_capacity(sum(load.values()), len(ring), 1.25))
