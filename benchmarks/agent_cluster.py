@@ -124,7 +124,8 @@ async def run_conversations(base_url: str, conversations: int, turns: int, concu
         async with slots:
             return await conversation(client, index, turns)
 
-    return await asyncio.gather(*(one(index) for index in range(conversations)))
+    async with client:  # closed on this loop (asyncio.run closes it after)
+        return await asyncio.gather(*(one(index) for index in range(conversations)))
 
 
 def per_turn(runs: list[list[dict]], turns: int) -> list[dict]:
@@ -178,9 +179,9 @@ def run_cluster(num_replicas: int, routing: str, conversations: int, turns: int,
 def markdown_table(payload: dict) -> str:
     meta = payload["meta"]
     lines = [
-        f"{meta['processor']} ({meta['isa']}), commit {meta['commit']}: {payload['conversations']} "
-        f"conversations of {payload['turns']} turns, {payload['concurrency']} at a time, "
-        f"{MAX_TOKENS} tokens a turn, greedy.",
+        f"{payload['conversations']} conversations of {payload['turns']} turns, {payload['concurrency']} "
+        f"at a time, {MAX_TOKENS} tokens a turn, greedy; {meta['isa']}; settings changed: "
+        f"{', '.join(payload['changed_settings'])}.",
         "",
         "| replicas | routing | turn | prompt tokens | computed | cached share | history reused | "
         "p50 s | p95 s | tokens/step |",

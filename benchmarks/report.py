@@ -52,6 +52,7 @@ TABLE_BLOCKS = {
     "gguf_step": ("gguf_step", "gguf_step", "markdown_table"),
     "http_categories": ("http_categories_gguf", "http_categories", "markdown_table"),
     "lockstep": ("lockstep_gguf", "lockstep", "markdown_table"),
+    "agent_cluster": ("agent_cluster_gguf", "agent_cluster", "markdown_table"),
 }
 # Runs on a lent GPU (benchmarks/gpu_session.sh): README block -> (result file stem, suite, table).
 GPU_BLOCKS = {

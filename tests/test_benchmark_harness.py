@@ -387,3 +387,27 @@ def test_spec_ceiling_prices_drafts_by_the_measured_steps():
     assert run_ceiling(1.0, 0.55) == 1.0
     assert run_ceiling(2.0, 0.0) == 2.0
     assert round(run_ceiling(2.0, 0.55), 3) == 1.290
+
+
+def test_agent_cluster_reads_each_turns_reuse_against_the_history_before_it():
+    from benchmarks.agent_cluster import per_turn
+
+    def record(turn: int, prompt: int, cached: int, seconds: float) -> dict:
+        return {
+            "turn": turn,
+            "seconds": seconds,
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "completion_tokens": 10,
+            "tokens_per_step": 2.0,
+        }
+
+    runs = [
+        [record(0, 100, 0, 1.0), record(1, 200, 110, 2.0)],
+        [record(0, 50, 16, 3.0), record(1, 150, 30, 4.0)],
+    ]
+    first, second = per_turn(runs, 2)
+    assert first["history_reused"] is None and first["cached_share"] == round(16 / 150, 3)
+    assert second["computed_prompt_tokens"] == 350 - 140
+    assert second["history_reused"] == round(140 / (110 + 60), 3)  # the previous prompts and answers
+    assert (second["latency_p50_s"], second["tokens_per_step"]) == (3.0, 2.0)
