@@ -1,4 +1,5 @@
-"""Routing by pool partition: consistent hashing with bounded loads over Ray Serve's own ring.
+"""Routing by pool partition (consistent hashing with bounded loads over Ray Serve's own ring),
+and by conversation (each conversation placed on a replica, ``ConversationRouter``).
 
 With pool partitions (``PoolConfig.partitions`` >= 1) the ingress sends each request with its
 tenant and partition as the session id. Ray's ``ConsistentHashRouter`` sends a session to the replica
@@ -15,6 +16,7 @@ part with ``bounded_load_order`` itself, over every replica's ring position rath
 from __future__ import annotations
 
 import math
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -30,7 +32,11 @@ DEFAULT_LOAD_BOUND = 1.25
 # the ingress a pass over the ring per request (51,200 virtual nodes at 512 replicas), while a
 # partition sized by the rule in docs/api.md spills over two or three replicas.
 DEFAULT_FALLBACK_REPLICAS = 8
-ROUTER_CLASS = f"{__name__}.BoundedLoadHashRouter"
+ROUTER_CLASS = f"{__name__}.ConversationRouter"
+# A conversation's routing key (``GenerateRequest.routing_key`` with conversation affinity).
+CONVERSATION_KEY_PREFIX = "conversation\0"
+# Conversations whose replica a router remembers (least recently used forgotten first).
+MAX_PLACED_CONVERSATIONS = 65_536
 
 Replica = TypeVar("Replica")
 
@@ -50,6 +56,22 @@ def bounded_load_order(
     loads = [load(replica) for replica in ring_order]
     under = [replica for replica, num in zip(ring_order, loads) if num < capacity]
     return under + [replica for replica, num in zip(ring_order, loads) if num >= capacity]
+
+
+def conversation_order(
+    replicas: Sequence[Replica],
+    owner: Replica | None,
+    load: Callable[[Replica], int],
+    owned: Callable[[Replica], int],
+    capacity: int,
+) -> list[Replica]:
+    """The order to try ``replicas`` in for a conversation's request. One it was placed on
+    (``owner``, still serving) comes first unless it is at ``capacity``; a new one goes to the
+    least loaded replica, ties to the one that holds the fewest conversations (``owned``), then
+    in the given order."""
+    if owner is not None:
+        return bounded_load_order([owner, *(r for r in replicas if r != owner)], load, capacity)
+    return sorted(replicas, key=lambda replica: (load(replica) >= capacity, load(replica), owned(replica)))
 
 
 class BoundedLoadHashRouter(ConsistentHashRouter):
@@ -75,3 +97,52 @@ class BoundedLoadHashRouter(ConsistentHashRouter):
         total = sum(cache.get(replica_id) or 0 for replica_id in self._replicas)
         capacity = load_capacity(total, len(self._replicas), self._load_bound)
         return bounded_load_order(ranks, lambda rank: cache.get(rank[0].replica_id) or 0, capacity)
+
+
+class ConversationRouter(BoundedLoadHashRouter):
+    """``BoundedLoadHashRouter`` for partition keys; conversations (``CONVERSATION_KEY_PREFIX``)
+    are placed instead. A conversation's first request goes to the least loaded replica (ties to
+    the one holding the fewest conversations), and its later ones to that replica while it is
+    under the load bound (``conversation_order``). On a hash ring, 16 conversations on 4 replicas
+    put 6 on one of them (``benchmarks/agent_cluster.py``). The placements live in this router,
+    one per ingress replica: a conversation another ingress placed is placed again here."""
+
+    def initialize_state(self, **kwargs) -> None:
+        self._owners: OrderedDict[str, object] = OrderedDict()  # key -> ReplicaID
+        self._owned: Counter = Counter()  # ReplicaID -> conversations placed on it
+        super().initialize_state(**kwargs)
+
+    def _place(self, key: str, replica_id) -> None:
+        previous = self._owners.pop(key, None)
+        if previous is not None:
+            self._owned[previous] -= 1
+        self._owners[key] = replica_id
+        self._owned[replica_id] += 1
+        while len(self._owners) > MAX_PLACED_CONVERSATIONS:
+            _, forgotten = self._owners.popitem(last=False)
+            self._owned[forgotten] -= 1
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        key = self._routing_key(pending_request)
+        if not candidate_replicas or key is None or not key.startswith(CONVERSATION_KEY_PREFIX):
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        pending_request.routing_context.should_backoff = True
+        cache = self.replica_queue_len_cache
+        loads = {replica.replica_id: cache.get(replica.replica_id) or 0 for replica in candidate_replicas}
+        capacity = load_capacity(sum(loads.values()), len(candidate_replicas), self._load_bound)
+        owner_id = self._owners.get(key)
+        owner = next((r for r in candidate_replicas if r.replica_id == owner_id), None)
+        order = conversation_order(
+            candidate_replicas,
+            owner,
+            lambda replica: loads[replica.replica_id],
+            lambda replica: self._owned[replica.replica_id],
+            capacity,
+        )
+        if owner is None:
+            self._place(key, order[0].replica_id)
+        else:
+            self._owners.move_to_end(key)
+        return [[replica] for replica in order]

@@ -522,7 +522,7 @@ class GenerateRequest(SamplingFields):
         overloaded); else None (the less loaded of two replicas)."""
         if partitions:
             return f"{self.tenant or ''}\0{self.pool_partition(partitions)}"
-        if conversation_affinity:
+        if conversation_affinity:  # deployments.router's CONVERSATION_KEY_PREFIX
             return f"conversation\0{self.conversation_hash():016x}"
         return None
 

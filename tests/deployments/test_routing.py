@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import collections
 
-from deployments.router import bounded_load_order, load_capacity
+from deployments.router import CONVERSATION_KEY_PREFIX, bounded_load_order, conversation_order, load_capacity
 from deployments.schemas import PARTITION_PREFIX_CHARS, GenerateRequest
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -70,6 +70,34 @@ def test_with_affinity_every_turn_of_a_conversation_has_one_key_and_conversation
     assert turns[0].routing_key(8, conversation_affinity=True) == turns[0].routing_key(8)
     # A tenant's conversation is its own, whatever the text.
     assert chat("Hi", tenant="a").routing_key(0, True) != chat("Hi", tenant="b").routing_key(0, True)
+
+
+def test_a_conversations_key_is_the_one_the_router_places():
+    assert chat("Hi").routing_key(0, conversation_affinity=True).startswith(CONVERSATION_KEY_PREFIX)
+    assert not chat("Hi", tenant="t").routing_key(8).startswith(CONVERSATION_KEY_PREFIX)
+
+
+def test_new_conversations_spread_and_each_stays_on_its_replica_under_the_bound():
+    replicas = ["r0", "r1", "r2", "r3"]
+    load = dict.fromkeys(replicas, 0)
+    owned: collections.Counter = collections.Counter()
+    owners = {}
+    # 16 conversations arriving 4 at a time (as benchmarks.agent_cluster runs them): each goes
+    # to an idle replica, the one with the fewest conversations first.
+    for wave in range(4):
+        for index in range(4):
+            conversation = 4 * wave + index
+            first = conversation_order(
+                replicas, None, load.get, owned.get, load_capacity(sum(load.values()), 4, 1.25)
+            )[0]
+            owners[conversation], load[first] = first, load[first] + 1
+            owned[first] += 1
+        load = dict.fromkeys(replicas, 0)  # the wave's turns end
+    assert sorted(owned.values()) == [4, 4, 4, 4]
+    # A later turn goes to its owner, unless the owner is at the bound.
+    assert conversation_order(replicas, "r2", load.get, lambda r: owned[r], 2)[0] == "r2"
+    busy = {**load, "r2": 2}
+    assert conversation_order(replicas, "r2", busy.get, lambda r: owned[r], 2)[0] != "r2"
 
 
 def order(ring: list[str], load: dict[str, int]) -> list[str]:
