@@ -88,7 +88,7 @@ def test_new_conversations_spread_and_each_stays_on_its_replica_under_the_bound(
         for index in range(4):
             conversation = 4 * wave + index
             first = conversation_order(
-                replicas, None, load.get, owned.get, load_capacity(sum(load.values()), 4, 1.25)
+                replicas, None, load.get, lambda r: owned[r], load_capacity(sum(load.values()), 4, 1.25)
             )[0]
             owners[conversation], load[first] = first, load[first] + 1
             owned[first] += 1
