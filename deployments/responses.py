@@ -474,9 +474,9 @@ class ResponseAnswer:
             ),
         ]
 
-    def _close_message(self, index: int) -> list[str]:
+    def _close_message(self, index: int, status: str = "completed") -> list[str]:
         item = self.output[index]
-        item["status"] = "completed"
+        item["status"] = status
         part = item["content"][0]
         place = {"item_id": item["id"], "output_index": index}
         return [
@@ -542,8 +542,10 @@ class ResponseAnswer:
             message = 0
             for event in self._open_message():
                 yield event
-        if message is not None:
-            for event in self._close_message(message):
+        if message is not None:  # the answer's last item: cut at the length limit, or whole
+            for event in self._close_message(
+                message, "incomplete" if finish_reason == "length" else "completed"
+            ):
                 yield event
         try:
             response = await self.finish(last, finish_reason)
