@@ -52,8 +52,14 @@ class StoredResponse:
         return json.dumps(asdict(self))
 
     @classmethod
-    def loads(cls, text: str | bytes) -> StoredResponse:
-        return cls(**json.loads(text))
+    def loads(cls, text: str | bytes) -> StoredResponse | None:
+        """The record of ``text``; None for one this version cannot read (a shared Redis may
+        hold another version's records)."""
+        try:
+            fields = json.loads(text)
+            return cls(fields["response"], fields.get("input_items", []), fields.get("messages", []))
+        except (ValueError, TypeError, KeyError):
+            return None
 
 
 @dataclass(frozen=True)

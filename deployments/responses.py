@@ -62,6 +62,8 @@ class TextFormat(_Request):
     def _schema_with_its_type(self) -> TextFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("text.format of type json_schema needs a schema")
+        if self.type == "json_schema" and self.name is None:
+            self.name = "response"  # OpenAI's answers always name the schema
         return self
 
 
@@ -221,8 +223,10 @@ class ResponsesRequest(_Request):
             kind = item.get("type", "message")
             listed.append({**item, "type": kind, "id": item.get("id") or new_item_id(prefixes[kind])})
             if kind == "message" and isinstance(item.get("content"), str):  # listed as its text part
-                part = "output_text" if item.get("role") == "assistant" else "input_text"
-                listed[-1]["content"] = [{"type": part, "text": item["content"]}]
+                part = {"type": "input_text", "text": item["content"]}
+                if item.get("role") == "assistant":
+                    part = {"type": "output_text", "text": item["content"], "annotations": []}
+                listed[-1]["content"] = [part]
                 listed[-1].setdefault("status", "completed")
         return listed
 
@@ -436,8 +440,8 @@ class ResponseAnswer:
         """The done Response, stored when the request asked for it (``StoreUnavailable`` if the
         store cannot be reached)."""
         status = "incomplete" if finish_reason == "length" else "completed"
-        for item in self.output:
-            item["status"] = status if item["type"] == "message" else item["status"]
+        if self.output and self.output[-1]["type"] == "message":  # the item the limit cut
+            self.output[-1]["status"] = status
         response = self.response(status, last.usage, last.nasd)
         if self.save is not None:
             messages = self.conversation + conversation_output(self.output)
@@ -463,8 +467,8 @@ class ResponseAnswer:
         index, item = len(self.output), message_item(new_item_id("msg"), "", "in_progress")
         self.output.append(item)
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [
-            self._event("response.output_item.added", output_index=index, item=item),
+        return [  # the item added without its part, which content_part.added adds (as OpenAI's)
+            self._event("response.output_item.added", output_index=index, item={**item, "content": []}),
             self._event(
                 "response.content_part.added",
                 item_id=item["id"],

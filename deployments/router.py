@@ -69,8 +69,9 @@ def conversation_order(
     (``owner``, still serving) comes first unless it is at ``capacity``; a new one goes to the
     least loaded replica, ties to the one that holds the fewest conversations (``owned``), then
     in the given order."""
-    if owner is not None:
-        return bounded_load_order([owner, *(r for r in replicas if r != owner)], load, capacity)
+    if owner is not None:  # the others least loaded first: a spilled turn goes where it waits least
+        others = sorted((r for r in replicas if r != owner), key=load)
+        return bounded_load_order([owner, *others], load, capacity)
     return sorted(replicas, key=lambda replica: (load(replica) >= capacity, load(replica), owned(replica)))
 
 
@@ -110,6 +111,7 @@ class ConversationRouter(BoundedLoadHashRouter):
     def initialize_state(self, **kwargs) -> None:
         self._owners: OrderedDict[str, object] = OrderedDict()  # key -> ReplicaID
         self._owned: Counter = Counter()  # ReplicaID -> conversations placed on it
+        self._unconfirmed: set[str] = set()  # first requests not yet accepted by their replica
         super().initialize_state(**kwargs)
 
     def _place(self, key: str, replica_id) -> None:
@@ -143,6 +145,16 @@ class ConversationRouter(BoundedLoadHashRouter):
         )
         if owner is None:
             self._place(key, order[0].replica_id)
+            self._unconfirmed.add(key)
         else:
             self._owners.move_to_end(key)
         return [[replica] for replica in order]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """A conversation's first request lives where a replica accepted it (Ray calls this when
+        it probes replicas' queues; where it does not, the first choice stands)."""
+        key = self._routing_key(pending_request)
+        if key in self._unconfirmed:
+            self._unconfirmed.discard(key)
+            if self._owners.get(key) != replica_id:
+                self._place(key, replica_id)

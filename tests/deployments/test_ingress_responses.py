@@ -86,6 +86,8 @@ def test_the_sdks_stream_helper_reads_the_events_and_ends_with_the_whole_answer(
         assert kinds.index("response.output_item.added") < kinds.index("response.content_part.added")
         assert kinds.index("response.output_text.done") < kinds.index("response.output_item.done")
         assert final.usage.output_tokens == whole.usage.output_tokens
+        [added] = [event.item for event in events if event.type == "response.output_item.added"]
+        assert added.content == []  # its part comes in content_part.added, once (as OpenAI sends it)
         [done] = [event.item for event in events if event.type == "response.output_item.done"]
         assert done.status == whole.output[0].status == ("incomplete" if limit == 8 else "completed")
         if whole.status == "completed":  # the helper's final response is a completed one's

@@ -124,7 +124,12 @@ def test_a_response_stored_through_one_app_is_continued_through_the_other(apps, 
     """The apps share their Redis namespace, so their ingresses share the Responses store: an id
     made through A is read and continued through B (its own ingress and replica)."""
     a, b = apps["a"], apps["b"]
-    settings = {"model": EMBEDDED_MODEL, "temperature": 0, "max_output_tokens": TURN_TOKENS}
+    settings = {
+        "model": EMBEDDED_MODEL,
+        "temperature": 0,
+        "max_output_tokens": TURN_TOKENS,
+        "extra_body": {"speculation": "on"},  # as chat() sends
+    }
     first = a.client().responses.create(input=TURN_1[0]["content"], **settings)
     follow_up = "Now write its docstring."
     second = b.client().responses.create(previous_response_id=first.id, input=follow_up, **settings)

@@ -106,3 +106,10 @@ def test_a_redis_that_cannot_be_reached_is_store_unavailable():
         run_async(run())
     finally:
         server.stop()
+
+
+def test_a_record_this_version_cannot_read_is_not_found_rather_than_an_error():
+    assert StoredResponse.loads(stored(1).dumps()) == stored(1)
+    for text in ("not json", '{"other": 1}', "[1, 2]", '{"response": {}, "unknown": 1}'):
+        loaded = StoredResponse.loads(text)
+        assert loaded is None or loaded == StoredResponse({}), text
