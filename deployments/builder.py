@@ -477,7 +477,7 @@ def build_app(args: dict[str, Any] | AppArgs) -> Application:
                 limits=KeyLimits(args.key_max_in_flight, args.key_tokens_per_minute),
             ),
             ResponseStoreSettings(
-                redis_url=args.redis_url,
+                pool=config.pool,
                 namespace=args.pool_namespace or served_model_name,
                 ttl_s=args.response_store_ttl_s,
                 max_items=args.response_store_max_items,

@@ -19,12 +19,14 @@ from typing import Any
 
 import redis.asyncio as redis
 
+from pool_service import PoolConfig
+from pool_service.redis_pool import open_client
+
 # OpenAI keeps a stored response for 30 days; a server's memory is smaller, so a day by default.
 DEFAULT_RESPONSE_TTL_S = 86_400
 DEFAULT_RESPONSE_STORE_MAX_ITEMS = 4096
 # What a request that needs the store is told while Redis cannot be reached.
 STORE_RETRY_AFTER_S = 5
-STORE_TIMEOUT_S = 2.0
 
 
 class StoreUnavailable(Exception):
@@ -64,9 +66,10 @@ class StoredResponse:
 
 @dataclass(frozen=True)
 class ResponseStoreSettings:
-    """The application's store: Redis at ``redis_url`` (None: the ingress's memory)."""
+    """The application's store: in the Redis of ``pool`` (its URL, password variable and socket
+    timeout, as the replicas' pool reaches it), or the ingress's memory where it has no URL."""
 
-    redis_url: str | None = None
+    pool: PoolConfig = field(default_factory=PoolConfig)
     namespace: str = "default"
     ttl_s: float = DEFAULT_RESPONSE_TTL_S
     max_items: int = DEFAULT_RESPONSE_STORE_MAX_ITEMS
@@ -106,10 +109,8 @@ class MemoryResponseStore:
             self._items.popitem(last=False)
 
     async def delete(self, tenant: str | None, response_id: str) -> bool:
-        if await self.get(tenant, response_id) is None:  # unknown, or expired (and dropped)
-            return False
-        del self._items[(_tenant_key(tenant), response_id)]
-        return True
+        found = self._items.pop((_tenant_key(tenant), response_id), None)
+        return found is not None and found[0] > time.monotonic()  # an expired one is gone already
 
     async def close(self) -> None:
         self._items.clear()
@@ -121,11 +122,10 @@ class RedisResponseStore:
 
     def __init__(self, settings: ResponseStoreSettings) -> None:
         self.settings = settings
-        self.client = redis.Redis.from_url(
-            settings.redis_url, socket_timeout=STORE_TIMEOUT_S, socket_connect_timeout=STORE_TIMEOUT_S
-        )
+        self.client = open_client(settings.pool.redis_url, settings.pool)
         # One hash slot for the namespace's keys (a Redis Cluster runs the trim's MULTI on one node).
         self.prefix = f"nasd:{{{settings.namespace}}}:responses"
+        self.index = f"{self.prefix}:index"  # the keys by time written
 
     def _key(self, tenant: str | None, response_id: str) -> str:
         return f"{self.prefix}:{_tenant_key(tenant)}:{response_id}"
@@ -144,7 +144,7 @@ class RedisResponseStore:
         return None if text is None else StoredResponse.loads(text)
 
     async def put(self, tenant: str | None, response_id: str, stored: StoredResponse) -> None:
-        key, index, now = self._key(tenant, response_id), f"{self.prefix}:index", time.time()
+        key, index, now = self._key(tenant, response_id), self.index, time.time()
         ttl_ms = max(1, int(self.settings.ttl_s * 1000))
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.set(key, stored.dumps(), px=ttl_ms)
@@ -161,7 +161,7 @@ class RedisResponseStore:
         key = self._key(tenant, response_id)
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.delete(key)
-            pipe.zrem(f"{self.prefix}:index", key)
+            pipe.zrem(self.index, key)
             deleted, _ = await self._call(pipe.execute())
         return bool(deleted)
 
@@ -174,4 +174,4 @@ ResponseStore = MemoryResponseStore | RedisResponseStore
 
 def open_response_store(settings: ResponseStoreSettings) -> ResponseStore:
     """The store of ``settings``: Redis where it has a URL, else memory."""
-    return RedisResponseStore(settings) if settings.redis_url else MemoryResponseStore(settings)
+    return RedisResponseStore(settings) if settings.pool.redis_url else MemoryResponseStore(settings)

@@ -132,7 +132,7 @@ class RedisPool:
         if self._client is None or self._reader is None:
             self._client = self._shared_client or command_client(self.url, self.config)
             # A blocking read legitimately waits read_block_ms: its socket must wait longer.
-            self._reader = _client(self.url, self.config, self.config.read_block_ms / 1000)
+            self._reader = open_client(self.url, self.config, self.config.read_block_ms / 1000)
             self._publish = self._client.register_script(_PUBLISH_SCRIPT)
         return self._client, self._reader
 
@@ -236,7 +236,9 @@ def _password(config: PoolConfig) -> str | None:
     return os.environ.get(env) or None if env else None
 
 
-def _client(url: str, config: PoolConfig, extra_timeout_s: float = 0.0) -> redis.Redis:
+def open_client(url: str, config: PoolConfig, extra_timeout_s: float = 0.0) -> redis.Redis:
+    """A client of the Redis at ``url`` with ``config``'s password variable and socket timeout
+    (``extra_timeout_s`` more for blocking reads)."""
     timeout_s = config.socket_timeout_s
     # A password in the URL wins (redis-py lets URL options override keyword arguments).
     return redis.Redis.from_url(
@@ -247,4 +249,4 @@ def _client(url: str, config: PoolConfig, extra_timeout_s: float = 0.0) -> redis
     )
 
 
-__all__ = ["START_CURSOR", "RedisPool", "command_client", "pool_keys"]
+__all__ = ["START_CURSOR", "RedisPool", "command_client", "open_client", "pool_keys"]

@@ -19,6 +19,7 @@ from deployments.response_store import (
     StoreUnavailable,
     open_response_store,
 )
+from pool_service import PoolConfig
 from tests.redis_server import MACHINE_REDIS_URL, is_up, own_redis_server, require, run_async
 
 
@@ -37,7 +38,7 @@ def settings(request) -> Iterator[ResponseStoreSettings]:
         return
     require(is_up(MACHINE_REDIS_URL), f"no Redis at {MACHINE_REDIS_URL}")
     namespace = f"test-responses-{time.time_ns()}"
-    yield ResponseStoreSettings(redis_url=MACHINE_REDIS_URL, namespace=namespace)
+    yield ResponseStoreSettings(PoolConfig(redis_url=MACHINE_REDIS_URL), namespace=namespace)
     client = redis.Redis.from_url(MACHINE_REDIS_URL)
     for key in client.scan_iter(match=f"nasd:{{{namespace}}}*"):
         client.delete(key)
@@ -46,7 +47,7 @@ def settings(request) -> Iterator[ResponseStoreSettings]:
 def test_a_response_is_read_back_by_its_tenant_only_and_deleted_once(settings):
     async def run() -> None:
         store = open_response_store(settings)
-        assert isinstance(store, RedisResponseStore if settings.redis_url else MemoryResponseStore)
+        assert isinstance(store, RedisResponseStore if settings.pool.redis_url else MemoryResponseStore)
         try:
             await store.check()
             response_id = f"resp_{1:032x}"
@@ -66,7 +67,7 @@ def test_a_response_is_read_back_by_its_tenant_only_and_deleted_once(settings):
 
 def test_responses_expire_after_the_ttl_and_the_oldest_go_beyond_the_bound(settings):
     async def run() -> None:
-        store = open_response_store(ResponseStoreSettings(settings.redis_url, settings.namespace, 60, 3))
+        store = open_response_store(ResponseStoreSettings(settings.pool, settings.namespace, 60, 3))
         try:
             for index in range(5):
                 await store.put(None, f"resp_{index:032x}", stored(index))
@@ -74,7 +75,7 @@ def test_responses_expire_after_the_ttl_and_the_oldest_go_beyond_the_bound(setti
             assert kept == [None, None, stored(2), stored(3), stored(4)]
         finally:
             await store.close()
-        store = open_response_store(ResponseStoreSettings(settings.redis_url, settings.namespace, 0.2, 3))
+        store = open_response_store(ResponseStoreSettings(settings.pool, settings.namespace, 0.2, 3))
         try:
             await store.put(None, f"resp_{9:032x}", stored(9))
             await asyncio.sleep(0.5)  # well past the TTL: expiry is not a race
@@ -87,7 +88,7 @@ def test_responses_expire_after_the_ttl_and_the_oldest_go_beyond_the_bound(setti
 
 def test_a_redis_that_cannot_be_reached_is_store_unavailable():
     server = own_redis_server()
-    store = RedisResponseStore(ResponseStoreSettings(redis_url=server.url, namespace="outage"))
+    store = RedisResponseStore(ResponseStoreSettings(PoolConfig(redis_url=server.url), namespace="outage"))
 
     async def run() -> None:
         await store.put(None, f"resp_{1:032x}", stored(1))
@@ -113,3 +114,21 @@ def test_a_record_this_version_cannot_read_is_not_found_rather_than_an_error():
     for text in ("not json", '{"other": 1}', "[1, 2]", '{"response": {}, "unknown": 1}'):
         loaded = StoredResponse.loads(text)
         assert loaded is None or loaded == StoredResponse({}), text
+
+
+def test_the_store_reaches_a_password_protected_redis_as_the_pool_does(monkeypatch):
+    """The password comes from the pool's variable (a Kubernetes Secret), not the URL."""
+    server = own_redis_server("--requirepass", "s3cret")
+    monkeypatch.setenv("NASD_REDIS_PASSWORD", "s3cret")
+    store = open_response_store(ResponseStoreSettings(PoolConfig(redis_url=server.url), namespace="auth"))
+
+    async def run() -> None:
+        await store.check()
+        await store.put(None, f"resp_{1:032x}", stored(1))
+        assert await store.get(None, f"resp_{1:032x}") == stored(1)
+        await store.close()
+
+    try:
+        run_async(run())
+    finally:
+        server.stop()
