@@ -89,10 +89,15 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
         return error_response(400, ErrorInfo(message=message, type="invalid_request_error"))
     # loc is ("body", field, ...): the top-level field is the param (as OpenAI names it), the
     # full path goes in the message.
-    path = [str(part) for part in first["loc"][1:]]
-    param = path[0] if path else None
-    message = f"{'.'.join(path) or 'body'}: {first['msg']}"
+    path = first["loc"][1:]
+    param = str(path[0]) if path else None
+    message = _located(path, first["msg"])
     return error_response(400, ErrorInfo(message=message, type="invalid_request_error", param=param))
+
+
+def _located(path: Sequence[Any], message: str) -> str:
+    """A validation message after the dotted path of the field it is about."""
+    return f"{'.'.join(str(part) for part in path) or 'body'}: {message}"
 
 
 @app.exception_handler(HTTPException)
@@ -143,10 +148,7 @@ def _malformed_response_id(response_id: str) -> JSONResponse:
 def _invalid_text(exc: ValueError) -> str:
     """A validation failure as one line: pydantic's errors with their fields, or the message."""
     if isinstance(exc, ValidationError):
-        return "; ".join(
-            f"{'.'.join(str(part) for part in error['loc']) or 'body'}: {error['msg']}"
-            for error in exc.errors()
-        )
+        return "; ".join(_located(error["loc"], error["msg"]) for error in exc.errors())
     return str(exc)
 
 

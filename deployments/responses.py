@@ -26,6 +26,7 @@ from deployments.response_store import StoredResponse, StoreUnavailable
 from deployments.schemas import (
     ChatCompletionRequest,
     ErrorInfo,
+    FunctionDefinition,
     GenerateChunk,
     SpeculationMode,
     ToolCall,
@@ -71,12 +72,10 @@ class TextConfig(_Request):
     format: TextFormat | None = Field(None, description="The answer's format (default: text).")
 
 
-class FunctionTool(_Request):
+class FunctionTool(FunctionDefinition):
+    """A Responses function tool: chat's function definition, with its type beside its fields."""
+
     type: Literal["function"] = Field(description="Only function tools are served.")
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="The function's name.")
-    description: str | None = Field(None, description="What it does, for the model.")
-    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of its arguments.")
-    strict: bool | None = Field(None, description="Forced calls always follow the schema here.")
 
 
 class FunctionToolChoice(_Request):

@@ -94,10 +94,13 @@ class BoundedLoadHashRouter(ConsistentHashRouter):
         ranks = await super().choose_replicas(candidate_replicas, pending_request)
         if len(ranks) <= 1 or any(len(rank) != 1 for rank in ranks):  # no key: Ray's own fallback
             return ranks
-        cache = self.replica_queue_len_cache
-        total = sum(cache.get(replica_id) or 0 for replica_id in self._replicas)
+        total = sum(self._load(replica_id) for replica_id in self._replicas)
         capacity = load_capacity(total, len(self._replicas), self._load_bound)
-        return bounded_load_order(ranks, lambda rank: cache.get(rank[0].replica_id) or 0, capacity)
+        return bounded_load_order(ranks, lambda rank: self._load(rank[0].replica_id), capacity)
+
+    def _load(self, replica_id) -> int:
+        """The requests Ray last counted ongoing at ``replica_id`` (0 when it has no count)."""
+        return self.replica_queue_len_cache.get(replica_id) or 0
 
 
 class ConversationRouter(BoundedLoadHashRouter):
@@ -111,7 +114,9 @@ class ConversationRouter(BoundedLoadHashRouter):
     def initialize_state(self, **kwargs) -> None:
         self._owners: OrderedDict[str, object] = OrderedDict()  # key -> ReplicaID
         self._owned: Counter = Counter()  # ReplicaID -> conversations placed on it
-        self._unconfirmed: set[str] = set()  # first requests not yet accepted by their replica
+        # First requests not yet accepted by their replica: a subset of the placed keys (where Ray
+        # never calls on_request_routed, a key leaves with its placement or its next turn).
+        self._unconfirmed: set[str] = set()
         super().initialize_state(**kwargs)
 
     def _place(self, key: str, replica_id) -> None:
@@ -121,8 +126,9 @@ class ConversationRouter(BoundedLoadHashRouter):
         self._owners[key] = replica_id
         self._owned[replica_id] += 1
         while len(self._owners) > MAX_PLACED_CONVERSATIONS:
-            _, forgotten = self._owners.popitem(last=False)
+            forgotten_key, forgotten = self._owners.popitem(last=False)
             self._owned[forgotten] -= 1
+            self._unconfirmed.discard(forgotten_key)
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -131,8 +137,7 @@ class ConversationRouter(BoundedLoadHashRouter):
         if not candidate_replicas or key is None or not key.startswith(CONVERSATION_KEY_PREFIX):
             return await super().choose_replicas(candidate_replicas, pending_request)
         pending_request.routing_context.should_backoff = True
-        cache = self.replica_queue_len_cache
-        loads = {replica.replica_id: cache.get(replica.replica_id) or 0 for replica in candidate_replicas}
+        loads = {replica.replica_id: self._load(replica.replica_id) for replica in candidate_replicas}
         capacity = load_capacity(sum(loads.values()), len(candidate_replicas), self._load_bound)
         owner_id = self._owners.get(key)
         owner = next((r for r in candidate_replicas if r.replica_id == owner_id), None)
@@ -146,8 +151,9 @@ class ConversationRouter(BoundedLoadHashRouter):
         if owner is None:
             self._place(key, order[0].replica_id)
             self._unconfirmed.add(key)
-        else:
+        else:  # a later turn: the first was placed, confirmed or not
             self._owners.move_to_end(key)
+            self._unconfirmed.discard(key)
         return [[replica] for replica in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
