@@ -21,6 +21,7 @@ from ray.serve.config import RequestRouterConfig
 
 from deployments.auth import AuthSettings, KeyLimits
 from deployments.ingress import OpenAIIngress
+from deployments.reasoning import ReasoningParser
 from deployments.replica import DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S, NASDReplica, ReplicaConfig
 from deployments.response_store import (
     DEFAULT_RESPONSE_STORE_MAX_ITEMS,
@@ -99,6 +100,7 @@ ENV_VARS = {
     "kv_cache_dtype": "NASD_KV_CACHE_DTYPE",
     "prefill_threads": "NASD_PREFILL_THREADS",
     "tool_call_parser": "NASD_TOOL_CALL_PARSER",
+    "reasoning_parser": "NASD_REASONING_PARSER",
     "autoscaling": "NASD_AUTOSCALING",
     "drain_timeout_s": "NASD_DRAIN_TIMEOUT_S",
     "conversation_affinity": "NASD_CONVERSATION_AFFINITY",
@@ -136,6 +138,12 @@ class AppArgs(BaseModel):
         "auto",
         description="How the model writes tool calls (vLLM's --tool-call-parser): hermes (Hermes, Qwen) or "
         "llama3_json (Llama 3.x); auto reads it from the chat template, else hermes.",
+    )
+    reasoning_parser: ReasoningParser = Field(
+        "auto",
+        description="How the model marks its reasoning (vLLM's --reasoning-parser), returned as "
+        "`reasoning` apart from the answer: qwen3, deepseek_r1 or none; auto: qwen3 for a chat "
+        "template that writes </think>, else none.",
     )
     tenant_isolation: bool | None = Field(
         None,
@@ -404,6 +412,7 @@ def replica_config(args: AppArgs) -> ReplicaConfig:
         pool_namespace=args.pool_namespace,
         probe_max_rows=args.probe_max_rows,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

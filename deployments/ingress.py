@@ -304,6 +304,8 @@ async def _collect(chunks: AsyncIterator[GenerateChunk]) -> tuple[GenerateChunk,
         last = chunk
         choice = choices.setdefault(chunk.index, GenerateChunk(index=chunk.index))
         choice.text += chunk.text
+        if chunk.reasoning:
+            choice.reasoning = (choice.reasoning or "") + chunk.reasoning
         if chunk.tool_calls:
             choice.tool_calls = (choice.tool_calls or []) + chunk.tool_calls
         if chunk.logprobs is not None:
@@ -468,6 +470,8 @@ class OpenAIIngress:
                         index=choice.index,
                         message=AssistantMessage(
                             content=choice.text if choice.text or not choice.tool_calls else None,
+                            reasoning=choice.reasoning,
+                            reasoning_content=choice.reasoning,
                             tool_calls=choice.tool_calls,
                         ),
                         finish_reason=choice.finish_reason,
@@ -852,6 +856,9 @@ class OpenAIIngress:
             if chunk.error is not None:
                 yield _sse(ErrorResponse(error=chunk.error))
                 break
+            if chunk.reasoning:
+                delta = Delta(reasoning=chunk.reasoning, reasoning_content=chunk.reasoning)
+                yield event([ChatChunkChoice(index=chunk.index, delta=delta)])
             if chunk.text or chunk.logprobs:
                 logprobs = ChatLogprobs(content=chunk.logprobs) if chunk.logprobs is not None else None
                 delta = Delta(content=chunk.text)

@@ -17,7 +17,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from deployments.metrics import EXPORT_INTERVAL_S, ReplicaMetrics
+from deployments.reasoning import ReasoningParser, ReasoningStream, reasoning_format
 from deployments.schemas import (
     DetokenizeRequest,
     ErrorInfo,
@@ -71,6 +72,8 @@ logger = logging.getLogger(__name__)
 # Serve waits this long for __del__ (flushing the pool) before it kills the replica.
 DEFAULT_GRACEFUL_SHUTDOWN_TIMEOUT_S = 20.0
 ENGINE_SHUTDOWN_TIMEOUT_S = 10.0
+# A prompt's last tokens, read for where it leaves a reasoning model (``ReasoningFormat.first_state``).
+PROMPT_TAIL_TOKENS = 16
 
 
 class ReplicaConfig(BaseModel):
@@ -98,6 +101,11 @@ class ReplicaConfig(BaseModel):
     )
     tool_call_parser: ToolCallParser = Field(
         "auto", description="How the model writes tool calls (auto: as its chat template shows, else hermes)."
+    )
+    reasoning_parser: ReasoningParser = Field(
+        "auto",
+        description="How the model marks its reasoning, returned apart from the answer (auto: qwen3 "
+        "for a chat template that writes </think>, else none).",
     )
 
 
@@ -235,6 +243,7 @@ class NASDServer:
         # cores, and every request ran ~5x slower (8.1 s vs 1.5 s for 16 tokens on 2 cores).
         self.model, self.tokenizer = load_model(None, config.model)
         self.tool_format = tool_format(self.tokenizer.chat_template, config.tool_call_parser)
+        self.reasoning_format = reasoning_format(self.tokenizer.chat_template, config.reasoning_parser)
         self.template_renders_tools = renders_tools(self.tokenizer.chat_template)
         batch_engine = Engine(self.model, self.tokenizer, config.engine)
         if config.probe_max_rows:
@@ -298,11 +307,13 @@ class NASDServer:
         try:
             parsed = GenerateRequest.model_validate(request)
             prompt_ids = self._prompt_ids(parsed)
-            params, spec = self._params(parsed, len(prompt_ids))
+            reasoning = self._reasoning_state(parsed, prompt_ids)
+            params, spec = self._params(parsed, len(prompt_ids), reasoning)
             echo = self._echo_text(parsed, prompt_ids) if parsed.echo else ""
             tools = ToolParsing(self.tool_format, parsed.tool_names()) if parsed.parse_tool_calls else None
             choices = [
-                ChoiceOutput(self.tokenizer, params, echo, tools, len(prompt_ids)) for _ in range(parsed.n)
+                ChoiceOutput(self.tokenizer, params, echo, tools, len(prompt_ids), reasoning)
+                for _ in range(parsed.n)
             ]
             stats = SpecStats()
             partition = parsed.pool_partition(self.config.pool.partitions)
@@ -460,7 +471,17 @@ class NASDServer:
     def _echo_text(self, request: GenerateRequest, prompt_ids: list[int]) -> str:
         return request.prompt if isinstance(request.prompt, str) else self.tokenizer.decode(prompt_ids)
 
-    def _params(self, request: GenerateRequest, num_prompt_tokens: int) -> tuple[SamplingParams, SpecConfig]:
+    def _reasoning_state(self, request: GenerateRequest, prompt_ids: list[int]) -> ReasoningStream | None:
+        """A chat answer's reasoning split, started where its prompt leaves it (None: the model
+        marks no reasoning, or a completion, whose prompt the client wrote)."""
+        if self.reasoning_format is None or request.messages is None:
+            return None
+        prompt_tail = self.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:])
+        return ReasoningStream(self.reasoning_format, self.reasoning_format.first_state(prompt_tail))
+
+    def _params(
+        self, request: GenerateRequest, num_prompt_tokens: int, reasoning: ReasoningStream | None = None
+    ) -> tuple[SamplingParams, SpecConfig]:
         max_tokens = request.max_tokens
         if max_tokens is None:  # chat without a limit: up to the end of the context, as vLLM does
             limit = getattr(self.model.config, "max_position_embeddings", None) or 2 * num_prompt_tokens
@@ -491,6 +512,8 @@ class NASDServer:
             grammar = {"kind": "lark", "source": source, "param": "tool_choice"}
         if grammar is not None:
             sampling["grammar"] = build(GrammarSpec, **grammar)
+            if reasoning is not None:  # the grammar constrains the answer after the reasoning
+                sampling["reasoning"] = reasoning.fmt.grammar_spec(self.tokenizer, reasoning.state)
         spec = self.config.engine.spec
         overrides = {
             name: value
@@ -540,25 +563,32 @@ class ChoiceOutput:
         echo: str,
         tools: ToolParsing | None = None,
         num_prompt_tokens: int = 0,
+        reasoning: ReasoningStream | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.num_prompt_tokens = num_prompt_tokens
         self.pending_tokens = 0  # generated since the last chunk
         self.text = TextStream(tokenizer, params.stop)
         self.tools = ToolStream(tools.format, tools.names) if tools is not None else None
+        # Each choice splits its own answer (a copy of the request's split, at its start).
+        self.reasoning = replace(reasoning) if reasoning is not None else None
         self.pending = echo  # echo: the prompt leads the answer
+        self.pending_reasoning = ""
         self.pending_calls: list[ToolCall] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
 
     @property
     def has_pending(self) -> bool:
-        return bool(self.pending or self.pending_calls or self.logprobs)
+        return bool(self.pending or self.pending_reasoning or self.pending_calls or self.logprobs)
 
     def add(self, step: StreamChunk, echoed_prompt: list[int] | None) -> None:
         finished = step.finish_reason is not None
         self.pending_tokens += len(step.token_ids)
         text = self.text.push(step.token_ids, finished)
+        if self.reasoning is not None:  # tool calls are read from the answer after the reasoning
+            reasoning, text = self.reasoning.push(text, finished)
+            self.pending_reasoning += reasoning
         if self.tools is not None:
             text, calls = self.tools.push(text, finished)
             self.pending_calls += calls
@@ -577,13 +607,14 @@ class ChoiceOutput:
         chunk = GenerateChunk(
             index=index,
             text=self.pending,
+            reasoning=self.pending_reasoning or None,
             tool_calls=self.pending_calls or None,
             logprobs=self.logprobs,
             finish_reason=finish_reason,
             prompt_tokens=self.num_prompt_tokens,
             tokens=self.pending_tokens,
         )
-        self.pending, self.pending_calls, self.pending_tokens = "", [], 0
+        self.pending, self.pending_reasoning, self.pending_calls, self.pending_tokens = "", "", [], 0
         self.logprobs = [] if self.logprobs is not None else None
         self.finish_reason = finish_reason
         return chunk

@@ -37,6 +37,8 @@ RESPONSE_ID = re.compile(r"^resp_[0-9a-f]{32}$")
 # Input item types this server reads; a reasoning item (sent back by a client that got one) is
 # not rendered into the prompt, as chat templates drop earlier turns' reasoning.
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+# Output items written as text; the last one is the item a length limit cuts.
+TEXT_ITEM_TYPES = ("message", "reasoning")
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 
@@ -334,6 +336,17 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     }
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thinking, whole (``summary`` is for models that summarise theirs)."""
+    return {
+        "type": "reasoning",
+        "id": item_id,
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+    }
+
+
 def function_call_item(item_id: str, call: ToolCall, status: str = "completed") -> dict[str, Any]:
     return {
         "type": "function_call",
@@ -439,7 +452,7 @@ class ResponseAnswer:
         """The done Response, stored when the request asked for it (``StoreUnavailable`` if the
         store cannot be reached)."""
         status = "incomplete" if finish_reason == "length" else "completed"
-        if self.output and self.output[-1]["type"] == "message":  # the item the limit cut
+        if self.output and self.output[-1]["type"] in TEXT_ITEM_TYPES:  # the item the limit cut
             self.output[-1]["status"] = status
         response = self.response(status, last.usage, last.nasd)
         if self.save is not None:
@@ -450,7 +463,9 @@ class ResponseAnswer:
     async def whole(self, choices: list[GenerateChunk], last: GenerateChunk) -> dict[str, Any]:
         """The Response of a request answered whole."""
         choice = choices[0] if choices else GenerateChunk()
-        if choice.text or not choice.tool_calls:
+        if choice.reasoning:
+            self.output.append(reasoning_item(new_item_id("rs"), choice.reasoning, "completed"))
+        if choice.text or not (choice.tool_calls or choice.reasoning):
             self.output.append(message_item(new_item_id("msg"), choice.text, "completed"))
         for call in choice.tool_calls or []:
             self.output.append(function_call_item(new_item_id("fc"), call))
@@ -460,6 +475,24 @@ class ResponseAnswer:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
         return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
+
+    def _open_reasoning(self) -> list[str]:
+        """A new reasoning item at the end of the output, and its event."""
+        index, item = len(self.output), reasoning_item(new_item_id("rs"), "", "in_progress")
+        self.output.append(item)
+        return [self._event("response.output_item.added", output_index=index, item={**item, "content": []})]
+
+    def _close(self, index: int, status: str = "completed") -> list[str]:
+        """The events that end the text item at ``index`` (a message or a reasoning item)."""
+        if self.output[index]["type"] == "message":
+            return self._close_message(index, status)
+        item = self.output[index]
+        item["status"] = status
+        place = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        return [
+            self._event("response.reasoning_text.done", **place, text=item["content"][0]["text"]),
+            self._event("response.output_item.done", output_index=index, item=item),
+        ]
 
     def _open_message(self) -> list[str]:
         """A new message item at the end of the output, and its events."""
@@ -495,32 +528,35 @@ class ResponseAnswer:
         (incomplete at the length limit, failed on an error)."""
         yield self._event("response.created", response=self.response("in_progress"))
         yield self._event("response.in_progress", response=self.response("in_progress"))
-        message: int | None = None  # the open message item's output index
+        open_item: int | None = None  # the output index of the text item being written
         last, finish_reason = GenerateChunk(), None
         async for chunk in chunks:
             if chunk.error is not None:
                 yield self._event("response.failed", response=self.response("failed", error=chunk.error))
                 return
-            if chunk.text:
-                if message is None:
-                    message = len(self.output)
-                    for event in self._open_message():
+            for kind, text in (("reasoning", chunk.reasoning), ("message", chunk.text)):
+                if not text:
+                    continue
+                if open_item is not None and self.output[open_item]["type"] != kind:
+                    for event in self._close(open_item):
                         yield event
-                item = self.output[message]
-                item["content"][0]["text"] += chunk.text
-                yield self._event(
-                    "response.output_text.delta",
-                    item_id=item["id"],
-                    output_index=message,
-                    content_index=0,
-                    delta=chunk.text,
-                    logprobs=[],
-                )
+                    open_item = None
+                if open_item is None:
+                    open_item = len(self.output)
+                    for event in self._open_message() if kind == "message" else self._open_reasoning():
+                        yield event
+                item = self.output[open_item]
+                item["content"][0]["text"] += text
+                place = {"item_id": item["id"], "output_index": open_item, "content_index": 0}
+                if kind == "message":
+                    yield self._event("response.output_text.delta", **place, delta=text, logprobs=[])
+                else:
+                    yield self._event("response.reasoning_text.delta", **place, delta=text)
             for call in chunk.tool_calls or []:
-                if message is not None:
-                    for event in self._close_message(message):
+                if open_item is not None:
+                    for event in self._close(open_item):
                         yield event
-                    message = None
+                    open_item = None
                 index = len(self.output)
                 item = function_call_item(new_item_id("fc"), call, "in_progress")
                 self.output.append(item)
@@ -542,13 +578,11 @@ class ResponseAnswer:
             finish_reason = chunk.finish_reason or finish_reason
             last = chunk
         if not self.output:  # an empty answer is still a message, as a whole response's is
-            message = 0
+            open_item = 0
             for event in self._open_message():
                 yield event
-        if message is not None:  # the answer's last item: cut at the length limit, or whole
-            for event in self._close_message(
-                message, "incomplete" if finish_reason == "length" else "completed"
-            ):
+        if open_item is not None:  # the answer's last item: cut at the length limit, or whole
+            for event in self._close(open_item, "incomplete" if finish_reason == "length" else "completed"):
                 yield event
         try:
             response = await self.finish(last, finish_reason)

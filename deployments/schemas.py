@@ -592,6 +592,7 @@ class GenerateChunk(BaseModel):
 
     index: int = Field(0, description="The choice this chunk belongs to.")
     text: str = Field("", description="New text since the previous chunk.")
+    reasoning: str | None = Field(None, description="New reasoning text since the previous chunk.")
     tool_calls: list[ToolCall] | None = Field(
         None, description="Tool calls completed since the previous chunk."
     )
@@ -624,6 +625,9 @@ class CompletionChoice(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # A reasoning model's thinking (vLLM's name since 0.11), and under the name older clients read.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -637,6 +641,8 @@ class ChatChoice(BaseModel):
 class Delta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

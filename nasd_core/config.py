@@ -68,6 +68,19 @@ class GrammarSpec(_Config):
     param: str = Field("grammar", description="The request field it came from, named in errors.")
 
 
+class ReasoningSpec(_Config):
+    """Where a reasoning model's thinking lies in its answer: the request's grammar constrains
+    only what follows it (the answer proper), as vLLM's structured output does."""
+
+    end_ids: list[int] = Field(min_length=1, description="The tokens that close the reasoning.")
+    start_id: int | None = Field(
+        None,
+        description="The token that opens reasoning when it is the answer's first (None: the answer "
+        "cannot open it).",
+    )
+    open: bool = Field(False, description="Reasoning is open from the answer's first token.")
+
+
 class SamplingParams(_Config):
     """How one request is decoded. ``temperature == 0`` means greedy."""
 
@@ -111,6 +124,9 @@ class SamplingParams(_Config):
     )
     grammar: GrammarSpec | None = Field(
         None, description="Constrain the output to a grammar (JSON schema, regex, choice, Lark)."
+    )
+    reasoning: ReasoningSpec | None = Field(
+        None, description="With a grammar: the reasoning it lets through before constraining the rest."
     )
 
     @field_validator("stop", mode="before")

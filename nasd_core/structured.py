@@ -37,7 +37,7 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from nasd_core.config import GrammarSpec
+from nasd_core.config import GrammarSpec, ReasoningSpec
 from nasd_core.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -160,14 +160,14 @@ class Grammars:
     def cached_chars(self) -> int:
         return self._cached_chars
 
-    def matcher(self, spec: GrammarSpec) -> RequestGrammar:
-        """A new request's matcher for ``spec``."""
+    def matcher(self, spec: GrammarSpec, reasoning: ReasoningSpec | None = None) -> RequestGrammar:
+        """A new request's matcher for ``spec``, constraining what follows ``reasoning``."""
         matcher = llguidance.LLMatcher(
             self.tokenizer, self.compile(spec), log_level=0, limits=parser_limits()
         )
         if matcher.is_error():
             raise InvalidRequestError(f"{spec.param}: {matcher.get_error().splitlines()[0]}", spec.param)
-        return RequestGrammar(matcher, self.vocab_size, self.eos_ids, self.executor)
+        return RequestGrammar(matcher, self.vocab_size, self.eos_ids, self.executor, reasoning)
 
 
 def grammar_masks(
@@ -176,21 +176,34 @@ def grammar_masks(
     """The token bitmasks of a step's ``num_positions`` verified positions. For each row
     ``(grammar, first position, draft)``, position ``first + j`` gets the mask of the grammar's
     state after the kept tokens and ``draft[:j]``; all rows are filled in one call, in parallel.
-    Other positions allow every token."""
+    Other positions allow every token, as do those inside a row's reasoning (``ReasoningSpec``)."""
     grammar = rows[0][0]
     bitmask = llguidance.torch.allocate_token_bitmask(num_positions, grammar.vocab_size)
-    jobs = [(row_grammar.matcher, first, row_grammar.maskable(draft)) for row_grammar, first, draft in rows]
-    with_drafts = [job for job in jobs if job[2]]
+    jobs = []
+    for row_grammar, first, draft in rows:
+        answer = row_grammar.answer_start(draft)
+        if answer is not None:
+            jobs.append((row_grammar, first + answer, draft[answer:]))
+        elif row_grammar.phase == MAYBE_REASONING:  # a draft that opens reasoning: its first position
+            jobs.append((row_grammar, first, []))
+    matcher_jobs = [
+        (row_grammar.matcher, first, row_grammar.maskable(draft)) for row_grammar, first, draft in jobs
+    ]
+    with_drafts = [job for job in matcher_jobs if job[2]]
     if with_drafts:
         llguidance.torch.fill_next_token_bitmask_par_with_draft_tokens(grammar.executor, with_drafts, bitmask)
-    if len(with_drafts) < len(jobs):  # llguidance takes rows without drafts apart
-        plain = [(matcher, first) for matcher, first, draft in jobs if not draft]
+    if len(with_drafts) < len(matcher_jobs):  # llguidance takes rows without drafts apart
+        plain = [(matcher, first) for matcher, first, draft in matcher_jobs if not draft]
         llguidance.torch.fill_next_token_bitmask_par(grammar.executor, plain, bitmask)
-    for (row_grammar, first, draft), (_, _, maskable) in zip(rows, jobs, strict=True):
+    for (row_grammar, first, draft), (_, _, maskable) in zip(jobs, matcher_jobs, strict=True):
         if len(maskable) < len(draft):
             # After a drafted end of sequence the grammar is done and allows only the end again
             # (what ignore_eos keeps): masked so, or such a row could emit what it forbids.
             bitmask[first + len(maskable) + 1 : first + len(draft) + 1] = row_grammar.end_only_mask()
+    for row_grammar, first, _ in rows:
+        if row_grammar.phase == MAYBE_REASONING:  # the answer's first token may open reasoning
+            start = row_grammar.reasoning.start_id
+            bitmask[first, start // 32] |= int(np.uint32(1 << (start % 32)).view(np.int32))
     return bitmask
 
 
@@ -214,8 +227,17 @@ def apply_masks(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logits[..., :width].masked_fill_(allowed[..., :width] == 0, float("-inf"))
 
 
+# A request grammar's phases with a ``ReasoningSpec``: the answer's first token may open reasoning;
+# reasoning (no constraint) until its end tokens; the answer, which the grammar constrains.
+MAYBE_REASONING, REASONING, ANSWER = "maybe_reasoning", "reasoning", "answer"
+
+
 class RequestGrammar:
-    """One request's grammar state: it follows the kept tokens and masks verification logits."""
+    """One request's grammar state: it follows the kept tokens and masks verification logits.
+
+    With ``reasoning``, the grammar constrains only the answer after the reasoning: until its end
+    tokens are kept, every token is allowed (and where the answer's first token may open
+    reasoning, that token is allowed beside the grammar's)."""
 
     def __init__(
         self,
@@ -223,15 +245,47 @@ class RequestGrammar:
         vocab_size: int,
         eos_ids: frozenset[int],
         executor: llguidance.LLExecutor,
+        reasoning: ReasoningSpec | None = None,
     ) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
         self.executor = executor
+        self.reasoning = reasoning
+        if reasoning is None:
+            self.phase = ANSWER
+        elif reasoning.open:
+            self.phase = REASONING
+        else:
+            self.phase = MAYBE_REASONING if reasoning.start_id is not None else ANSWER
+        self._kept_tail: list[int] = []  # the last kept tokens, as long as a partial end marker
+
+    def answer_start(self, draft: Sequence[int]) -> int | None:
+        """Where in ``draft`` the answer the grammar constrains starts (None: not in it). A draft
+        that opens reasoning ends there (``valid_prefix``), so reasoning is never opened and
+        closed within one draft."""
+        if self.phase == ANSWER:
+            return 0
+        if self.phase == MAYBE_REASONING:
+            return None if draft and draft[0] == self.reasoning.start_id else 0
+        end = self.reasoning.end_ids
+        tokens = self._kept_tail + list(draft)
+        for index in range(len(tokens) - len(end) + 1):
+            if tokens[index : index + len(end)] == end:
+                return index + len(end) - len(self._kept_tail)
+        return None
 
     def valid_prefix(self, draft: Sequence[int]) -> int:
         """How many of ``draft``'s first tokens the grammar allows after the kept tokens."""
-        return self.matcher.validate_tokens(list(draft)) if draft else 0
+        if not draft:
+            return 0
+        if self.phase == MAYBE_REASONING and draft[0] == self.reasoning.start_id:
+            return 1
+        answer = self.answer_start(draft)
+        if answer is None:
+            return len(draft)
+        rest = list(draft[answer:])
+        return answer + (self.matcher.validate_tokens(rest) if rest else 0)
 
     def end_only_mask(self) -> torch.Tensor:
         """The bitmask row (llguidance's: bit t of 32-bit word t // 32) that allows only the
@@ -256,17 +310,35 @@ class RequestGrammar:
 
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar allows as the only continuation from here (a schema's keys and
-        punctuation): drafts that are always accepted."""
-        return self.matcher.compute_ff_tokens()
+        punctuation): drafts that are always accepted. None before the answer."""
+        return self.matcher.compute_ff_tokens() if self.phase == ANSWER else []
 
     def observe(self, tokens: Sequence[int]) -> None:
         """The request kept ``tokens`` (past the grammar's end, end-of-sequence tokens that
         ``ignore_eos`` keeps are all it can allow, and it takes no more). A matcher that failed
         (a parser limit) allows only the end of sequence: the request ends there, its error
         logged, and the other requests of the step go on."""
+        tokens = list(tokens)
+        if tokens and self.phase != ANSWER:
+            tokens = self._past_reasoning(tokens)
         if not tokens or self.matcher.is_stopped() or self.matcher.is_error():
             return
-        if not self.matcher.consume_tokens(list(tokens)):
+        if not self.matcher.consume_tokens(tokens):
             logger.warning(
                 "a request's grammar failed and ended it: %s", self.matcher.get_error().splitlines()[0]
             )
+
+    def _past_reasoning(self, tokens: list[int]) -> list[int]:
+        """Move through the reasoning with the kept ``tokens``; those of the answer after it."""
+        if self.phase == MAYBE_REASONING:
+            if tokens[0] != self.reasoning.start_id:
+                self.phase = ANSWER
+                return tokens
+            self.phase, tokens = REASONING, tokens[1:]
+        answer = self.answer_start(tokens)
+        if answer is None:
+            keep = len(self.reasoning.end_ids) - 1
+            self._kept_tail = (self._kept_tail + tokens)[-keep:] if keep else []
+            return []
+        self.phase, self._kept_tail = ANSWER, []
+        return tokens[answer:]

@@ -231,7 +231,9 @@ class Engine:
                 f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
                 param="logit_bias",
             )
-        grammar = self.grammars.matcher(params.grammar) if params.grammar is not None else None
+        grammar = (
+            self.grammars.matcher(params.grammar, params.reasoning) if params.grammar is not None else None
+        )
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")

@@ -15,7 +15,7 @@ import llguidance.torch
 import pytest
 import torch
 
-from nasd_core.config import GrammarSpec, SamplingParams, SpecConfig
+from nasd_core.config import GrammarSpec, ReasoningSpec, SamplingParams, SpecConfig
 from nasd_core.engine.async_engine import AsyncEngine
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import InvalidRequestError
@@ -55,9 +55,10 @@ def run(engine: Engine, spec: GrammarSpec, mode: str, temperature: float = 0.0, 
     return engine.generate(PROMPTS, params, SpecConfig(mode=mode, num_draft_tokens=8))
 
 
-def oracle(engine: Engine, prompt: str, spec: GrammarSpec, max_tokens: int) -> list[int]:
+def oracle(engine: Engine, prompt: str, spec: GrammarSpec, max_tokens: int, free: int = 0) -> list[int]:
     """Plain constrained greedy decoding, step by step over the whole sequence with transformers'
-    own forward: the grammar's mask on the last position's logits, then the argmax."""
+    own forward: the grammar's mask on the last position's logits, then the argmax (the first
+    ``free`` tokens unconstrained: a reasoning model's thinking)."""
     ids = engine.tokenizer(prompt).input_ids
     matcher = llguidance.LLMatcher(engine.grammars.tokenizer, engine.grammars.compile(spec))
     bitmask = llguidance.torch.allocate_token_bitmask(1, engine.vocab_size)
@@ -65,13 +66,15 @@ def oracle(engine: Engine, prompt: str, spec: GrammarSpec, max_tokens: int) -> l
     with torch.inference_mode():
         while len(output) < max_tokens:
             logits = engine.model(torch.tensor([ids + output])).logits[0, -1:].float()
-            llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
-            llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
+            constrained = len(output) >= free
+            if constrained:
+                llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+                llguidance.torch.apply_token_bitmask_inplace(logits, bitmask)
             token = int(logits.argmax())
             output.append(token)
             if token in engine.eos_token_ids:
                 break
-            assert matcher.consume_token(token)
+            assert not constrained or matcher.consume_token(token)
     return output
 
 
@@ -356,3 +359,72 @@ def test_the_grammar_cache_is_bounded_in_characters(engine, monkeypatch):
         grammars.compile(GrammarSpec(kind="json_schema", source=schema))
         assert grammars.cached_chars <= 4000
     assert 0 < len(grammars._grammars) < 20
+
+
+# ------------------------------------------------------------ a grammar after the reasoning
+THINKING = 5  # tokens of "reasoning" in the tests below: the model's own first tokens
+
+
+@pytest.fixture(scope="module")
+def free_start(engine) -> list[int]:
+    """The first tokens the model writes for PROMPTS[0] without a grammar: the tests' stand-in for
+    a reasoning model's thinking, the last two of them its end marker (two tokens: a marker may
+    span steps and drafts)."""
+    tokens = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=THINKING))[0].token_ids
+    marker = tokens[THINKING - 2 :]
+    assert all(tokens[index : index + 2] != marker for index in range(THINKING - 2)), "the marker is unique"
+    return tokens
+
+
+def run_reasoning(engine: Engine, reasoning: ReasoningSpec, mode: str) -> list[int]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, grammar=JSON_SPEC, reasoning=reasoning)
+    return engine.generate([PROMPTS[0]], params, SpecConfig(mode=mode, num_draft_tokens=8))[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def reasoning_oracle(engine, free_start) -> list[int]:
+    """``oracle``'s output for PROMPTS[0] under JSON_SPEC after THINKING free tokens."""
+    expected = oracle(engine, PROMPTS[0], JSON_SPEC, MAX_TOKENS, free=THINKING)
+    assert expected[:THINKING] == free_start
+    return expected
+
+
+@pytest.mark.parametrize("mode", ["off", "on", "auto"])
+def test_a_grammar_constrains_only_the_answer_after_the_reasoning(engine, free_start, reasoning_oracle, mode):
+    expected = reasoning_oracle
+    end_ids = free_start[THINKING - 2 :]
+    opened_by_prompt = ReasoningSpec(end_ids=end_ids, open=True)
+    assert run_reasoning(engine, opened_by_prompt, mode) == expected
+    # An answer whose first token opens the reasoning (Qwen3's "<think>"): the same tokens.
+    opened_by_answer = ReasoningSpec(end_ids=end_ids, start_id=free_start[0])
+    assert run_reasoning(engine, opened_by_answer, mode) == expected
+
+
+@pytest.mark.parametrize("mode", ["off", "on", "auto"])
+def test_an_answer_that_does_not_open_reasoning_is_constrained_from_its_first_token(
+    engine, json_oracle, free_start, mode
+):
+    # The opening token is one the grammar forbids and the model would not pick: not opened.
+    start = engine.tokenizer.convert_tokens_to_ids("Ġzebra")
+    assert start not in free_start
+    reasoning = ReasoningSpec(end_ids=free_start[THINKING - 2 :], start_id=start)
+    assert run_reasoning(engine, reasoning, mode) == json_oracle[0]
+
+
+def test_drafts_are_cut_where_the_grammar_would_refuse_them_after_the_reasoning(engine, free_start):
+    end_ids = free_start[THINKING - 2 :]
+    grammar = engine.grammars.matcher(JSON_SPEC, ReasoningSpec(end_ids=end_ids, open=True))
+    words = engine.tokenizer.encode(" the cat sat", add_special_tokens=False)
+    assert grammar.valid_prefix(words) == len(words)  # reasoning: anything goes
+    assert grammar.forced_tokens() == []
+    brace = engine.tokenizer.encode('{"', add_special_tokens=False)
+    assert grammar.valid_prefix(words + end_ids + brace + words) == len(words + end_ids + brace)
+    grammar.observe(words + end_ids[:1])  # the marker's first token in one step...
+    assert grammar.valid_prefix(end_ids[1:] + words) == 1
+    grammar.observe(end_ids[1:])  # ...and its second in the next: the answer starts
+    assert grammar.valid_prefix(words) == 0
+    assert grammar.forced_tokens(), "a JSON object's opening is forced"
+    opening = ReasoningSpec(end_ids=end_ids, start_id=words[0])
+    grammar = engine.grammars.matcher(JSON_SPEC, opening)
+    assert grammar.valid_prefix(words) == 1, "a draft that opens the reasoning ends there"
+    assert grammar.valid_prefix(brace + words) == len(brace)
