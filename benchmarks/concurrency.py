@@ -34,9 +34,9 @@ from benchmarks.common import (
 from benchmarks.workloads import long_chats, make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine, warm_up
+from nasd_core.loader import load_model
 from nasd_core.metrics import SpecStats
-from nasd_core.model.model_runner import ModelRunner
-from nasd_core.models import load_model
+from nasd_core.runner.model_runner import ModelRunner
 from nasd_core.speculation.calibration import Calibration, calibrate
 
 MIXES = {

@@ -35,9 +35,10 @@ from benchmarks.common import fastest_interleaved_ms, run_metadata, write_result
 from benchmarks.gguf_step import repeated_step, use_variant
 from benchmarks.quant_kinds import build
 from benchmarks.quant_matmul import model_shapes
+from nasd_core import native
 from nasd_core.config import ModelConfig
-from nasd_core.model import attention, native
-from nasd_core.models import load_model
+from nasd_core.layers import attention
+from nasd_core.loader import load_model
 from nasd_core.speculation.calibration import filled_runner
 
 VNNI16, AMX = 3, 4

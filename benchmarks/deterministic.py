@@ -19,7 +19,7 @@ import time
 from benchmarks.common import run_metadata, write_result
 from benchmarks.workloads import WORKLOADS, chat_ids, long_chat_messages, make_workload
 from nasd_core import Engine, EngineConfig, ModelConfig, SamplingParams, SpecConfig
-from nasd_core.models import load_model, load_tokenizer
+from nasd_core.loader import load_model, load_tokenizer
 
 BATCH_ROWS = 4
 ENGINES = {"default": False, "deterministic": True}

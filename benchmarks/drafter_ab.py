@@ -27,7 +27,7 @@ from benchmarks.concurrency import SWEEP_MIXES, mix_prompts
 from benchmarks.replay import TRACES
 from nasd_core.config import EngineConfig, IndexConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 from nasd_core.speculation.calibration import Calibration, calibrate
 from nasd_core.speculation.drafter import new_shared_index
 

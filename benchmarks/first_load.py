@@ -26,7 +26,7 @@ DTYPES = ("gguf", "float32")
 CHILD = """
 import json, os, sys, time
 from nasd_core.config import ModelConfig
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 model_name, dtype, cache_dir = sys.argv[1:4]
 started = time.perf_counter()
 load_model(None if model_name == "embedded" else model_name, ModelConfig(dtype=dtype, cache_dir=cache_dir))

@@ -34,9 +34,9 @@ import torch
 
 from benchmarks.common import fastest_interleaved_ms, run_metadata, write_result
 from nasd_core.config import ModelConfig
-from nasd_core.model import lean_decoder, quantized
-from nasd_core.model.model_runner import StepRow
-from nasd_core.models import load_model
+from nasd_core.layers import lean_decoder, quantized
+from nasd_core.loader import load_model
+from nasd_core.runner.model_runner import StepRow
 from nasd_core.speculation.calibration import filled_runner, probe_row
 
 CONTEXT = 256

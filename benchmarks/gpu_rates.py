@@ -49,9 +49,9 @@ import torch
 from benchmarks.common import RESULTS_DIR, percentile, run_metadata, write_result
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
-from nasd_core.model.kv_cache import PagedKVCache
-from nasd_core.model.model_runner import GPU_PREFILL_CHUNK_TOKENS, StepRow
-from nasd_core.model.step_graphs import (
+from nasd_core.layers.kv_cache import PagedKVCache
+from nasd_core.runner.model_runner import GPU_PREFILL_CHUNK_TOKENS, StepRow
+from nasd_core.runner.step_graphs import (
     POSITION_BUCKETS,
     ROW_BUCKETS,
     WARMUP_RUNS,
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     levels = args.levels or ((1, 16) if args.quick else LEVELS)
     mixes = args.mixes or (("repetitive",) if args.quick else tuple(MIXES))
-    from nasd_core.models import load_tokenizer
+    from nasd_core.loader import load_tokenizer
 
     # The engine's host work is one thread; the stand-in's tensors are tiny. With a pool of
     # threads, each op after a simulated wait woke it (~1 ms a step at 64 rows, the argmax

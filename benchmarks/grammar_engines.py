@@ -29,7 +29,7 @@ import torch
 
 from benchmarks.common import run_metadata, write_result
 from benchmarks.structured import SCHEMA
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 from nasd_core.structured import JSON_OPTIONS, parser_limits
 
 RECORD = {"customer": "Lena", "city": "Bergen", "item": "kettle", "quantity": 12}

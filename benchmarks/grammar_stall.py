@@ -31,7 +31,7 @@ from benchmarks.common import run_metadata, write_result
 from nasd_core import Engine, EngineConfig
 from nasd_core.config import GrammarSpec, SamplingParams, SpecConfig
 from nasd_core.engine.async_engine import AsyncEngine
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 
 NUM_ROWS = 4
 SCHEMA_CHARS = 50_000

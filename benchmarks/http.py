@@ -43,7 +43,7 @@ from benchmarks.concurrency import MIXES, MODES, add_ratios_to_off, sweep_ratios
 from benchmarks.workloads import Messages, Sampled, distinct_prompts
 from deployments import build_app
 from nasd_core.config import EMBEDDED_MODEL
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 from pool_service.local_redis import free_port
 
 # Warm-up requests, unlike any benchmark prompt.

@@ -33,7 +33,7 @@ from benchmarks.http import (
     speculation_of,
 )
 from benchmarks.workloads import distinct_prompts
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 
 MODES = ("off", "auto", "off:control")
 CELLS = {"non_repetitive": (16, 32)}

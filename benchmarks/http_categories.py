@@ -52,7 +52,7 @@ from benchmarks.http import (
 from benchmarks.workloads import REPETITIVE, WORKLOADS, distinct_prompts, hot_sampled, long_chat_messages
 from deployments.builder import RAY_RESERVED_CPUS, visible_cpus
 from nasd_core.config import ModelConfig
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 
 # ``off:control``: a second ``off`` server; its tokens/s over the first's is the noise floor of a
 # cell (two servers doing the same work), which a ratio of auto over off must be read against.

@@ -20,8 +20,8 @@ from benchmarks.common import run_metadata, write_result
 from benchmarks.workloads import WORKLOADS, make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
-from nasd_core.model.model_runner import ModelRunner
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
+from nasd_core.runner.model_runner import ModelRunner
 from nasd_core.speculation.calibration import fill_rows, time_step
 
 CONTEXTS = (64, 512, 1536)

@@ -38,7 +38,7 @@ from benchmarks.workloads import HOT_TEMPERATURE, chat_ids, distinct_prompts, ho
 from deployments.builder import AppArgs, replica_config
 from nasd_core.config import SamplingParams
 from nasd_core.engine.engine import Engine
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 from nasd_core.speculation.drafter import SharedIndex, new_shared_index
 from pool_service.shared import POOL_SOURCE, REPLICA_SOURCE
 

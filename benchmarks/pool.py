@@ -31,8 +31,8 @@ from benchmarks.workloads import Messages, make_workload, paraphrase
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams
 from nasd_core.engine.async_engine import AsyncEngine
 from nasd_core.engine.engine import Engine
+from nasd_core.loader import load_model
 from nasd_core.metrics import SpecStats
-from nasd_core.models import load_model
 from nasd_core.speculation.calibration import Calibration, calibrate
 from pool_service import PoolConfig, SharedPools, namespace_for
 from pool_service.local_redis import LocalRedis

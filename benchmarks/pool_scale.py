@@ -65,9 +65,9 @@ from nasd_core.config import SpecConfig
 from nasd_core.speculation.drafter import RequestDrafter
 from nasd_core.speculation.ngram import NGramIndex
 from pool_service import PoolConfig, SharedPools
+from pool_service.backends import open_store
 from pool_service.codec import TOKEN_BYTES
 from pool_service.local_redis import LocalRedis
-from pool_service.store import open_store
 from pool_service.sync import PoolSync
 
 REPLICA_COUNTS = (8, 64, 512)
@@ -109,7 +109,7 @@ RING_VNODES = 100  # as Ray's ConsistentHashRouter
 # ---------------------------------------------------------------------------- recording
 def record_paraphrases(num_prompts: int = 16, max_tokens: int = 128) -> dict:
     """Greedy answers to the replay traces' questions reworded (``workloads.paraphrase``)."""
-    from nasd_core.models import load_model
+    from nasd_core.loader import load_model
 
     model, tokenizer = load_model()
     prompts = {

@@ -25,7 +25,7 @@ from benchmarks.common import grouped_bars, new_figure, percentile, publish_run,
 from benchmarks.workloads import WORKLOADS, Messages, chat_ids, long_chat_messages, make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 from nasd_core.speculation.calibration import Calibration, calibrate
 
 SYSTEMS = {"no_cache": 0, "prefix_cache": None}  # prefix_cache_tokens (None: the engine's default)

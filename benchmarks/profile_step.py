@@ -18,8 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import run_metadata, write_result
 from benchmarks.step_cost import ARCHITECTURES, random_model
-from nasd_core.model.compiled_layers import compile_layers
-from nasd_core.model.model_runner import StepRow
+from nasd_core.layers.compiled_layers import compile_layers
+from nasd_core.runner.model_runner import StepRow
 from nasd_core.speculation.calibration import filled_runner, probe_row
 
 CONTEXT = 256

@@ -22,7 +22,8 @@ import torch
 
 from benchmarks.common import fastest_interleaved_ms, run_metadata, write_result
 from benchmarks.quant_matmul import model_shapes
-from nasd_core.model.quantized import BLOCK_FORMATS, FILE_BLOCKS, quant_kernel_available, repack
+from nasd_core.layers.quantized import BLOCK_FORMATS, FILE_BLOCKS, quant_kernel_available
+from nasd_core.loader.gguf import repack
 
 ROWS = (1, 8, 24)
 

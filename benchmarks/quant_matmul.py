@@ -12,7 +12,7 @@ verification widths), for each way torch can multiply on a CPU:
 - ``int4_group32``: ``_weight_int4pack_mm_for_cpu``, 4-bit weights in groups of 32 with a scale
   and an offset each: Q4_1's own layout, so the GGUF's blocks map onto it exactly;
 - ``nasd_q4_1``: the Q4_1 blocks as the GGUF holds them, through NASD's own kernel
-  (``nasd_core/model/csrc/quant_linear.cpp``), the one ``ModelConfig(dtype="gguf")`` uses;
+  (``nasd_core/native/csrc/quant_linear.cpp``), the one ``ModelConfig(dtype="gguf")`` uses;
 - ``nasd_q4_1_q8``: the same blocks through ``quant_linear_q8``, which quantizes each input row
   to int8 per block of 32 and multiplies with integer dot products (``quantized.INT8_ACTIVATIONS``).
 
@@ -36,7 +36,7 @@ import torch
 from torch.nn import functional
 
 from benchmarks.common import fastest_interleaved_ms, run_metadata, write_result
-from nasd_core.model.quantized import QuantLinear
+from nasd_core.layers.quantized import QuantLinear
 
 # SmolLM2-135M's widths (the embedded model): hidden 576, MLP 1536, 9 query and 3 key/value
 # heads of 64, 30 layers, 49152 tokens.

@@ -19,7 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from nasd_core.models import embedded_gguf_path
+from nasd_core.loader import embedded_gguf_path
 
 Q = gguf.GGMLQuantizationType
 

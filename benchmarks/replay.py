@@ -36,10 +36,9 @@ from typing import Protocol
 from benchmarks.common import publish_run, run_metadata
 from benchmarks.workloads import WORKLOADS, long_chats, make_workload
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
-from nasd_core.model import native
 from nasd_core.speculation.drafter import RequestDrafter, longest_matches, new_shared_index, propose_rows
 from nasd_core.speculation.ngram import prompt_lookup
-from nasd_core.speculation.suffix import MAX_SPEC_FACTOR, SEPARATOR, SuffixIndex, best_draft
+from nasd_core.speculation.suffix import MAX_SPEC_FACTOR, SEPARATOR, SuffixIndex, best_draft, compiled_module
 from pool_service.config import pool_index
 
 TRACES = Path(__file__).resolve().parent / "traces" / "greedy_float32.json"
@@ -62,7 +61,7 @@ FRONTIER_DRAFTERS = ("ngram", "suffix", "suffix_tree", "suffix_decoding")
 # ----------------------------------------------------------------------------- recording
 def record(num_prompts: int, max_tokens: int) -> dict:
     """Greedy continuations of every workload's prompts (speculation off, batched)."""
-    from nasd_core.models import load_model
+    from nasd_core.loader import load_model
 
     model, tokenizer = load_model()
     prompts = {
@@ -730,7 +729,7 @@ def main() -> None:
     if "suffix_decoding" in drafters and (why := SuffixDecoding.available()) is not None:
         print(f"skipping suffix_decoding: {why}")
         drafters.remove("suffix_decoding")
-    native.drafter()  # build or load the compiled store now, not inside the first timed cell
+    compiled_module()  # build or load the compiled store now, not inside the first timed cell
     recorded = json.loads(TRACES.read_text())
     traces = {name: workload[:4] if args.quick else workload for name, workload in recorded["traces"].items()}
     payload = {

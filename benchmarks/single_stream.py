@@ -3,7 +3,7 @@
 Systems: transformers greedy (``hf_greedy``), transformers prompt lookup
 (``hf_prompt_lookup``, ``prompt_lookup_num_tokens=10``), the seeds' NASD as published
 (``seed_nasd``), and this library with speculation off / on / auto, all on one model as
-``load_model`` gives it (on CPU, with the fast path of ``nasd_core/model/cpu_kernels.py``); plus
+``load_model`` gives it (on CPU, with the fast path of ``nasd_core/layers/cpu_kernels.py``); plus
 ``hf_greedy_stock`` and ``hf_prompt_lookup_stock``: transformers greedy and prompt lookup on
 a second copy of the model with transformers' stock CPU kernels, i.e. what a transformers
 user runs today. All greedy, so every system must emit exactly ``hf_greedy``'s tokens; the
@@ -39,8 +39,8 @@ from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
 from nasd_core.config import ModelConfig, SamplingParams, SpecConfig
 from nasd_core.generate import generate
 from nasd_core.inputs import eos_ids
+from nasd_core.loader import load_model
 from nasd_core.metrics import SpecStats
-from nasd_core.models import load_model
 from nasd_core.speculation.calibration import Calibration, calibrate
 
 SYSTEMS = (

@@ -27,9 +27,9 @@ import torch
 
 from benchmarks.common import fastest_interleaved_ms, run_metadata, write_result
 from benchmarks.gguf_step import repeated_step
+from nasd_core import native
 from nasd_core.config import ModelConfig
-from nasd_core.model import native
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 from nasd_core.speculation.calibration import filled_runner
 
 ROWS = (1, 8)

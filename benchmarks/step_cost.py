@@ -2,7 +2,7 @@
 
 This is the surface the ``auto`` policy weighs drafts against. float32 is timed twice, with
 transformers' stock CPU kernels and with the CPU fast path ``load_model`` applies by default
-(``nasd_core/model/cpu_kernels.py``), in the same run.
+(``nasd_core/layers/cpu_kernels.py``), in the same run.
 
 On another device (a GPU) or for a larger architecture with random weights, one model is
 timed and the run also checks the policy's cost model and the attention layout:
@@ -12,7 +12,7 @@ timed and the run also checks the policy's cost model and the attention layout:
 - decode and 5-position steps with every row attended by its own SDPA call and with the rows
   padded into one call per layer (``ModelRunner.batch_attention``), at two context lengths;
 - with ``--step-graphs``, the probe's surface again on fixed-shape steps, replayed from CUDA
-  graphs on a GPU (``nasd_core/model/step_graphs.py``), for each ``--graph-attention`` layout
+  graphs on a GPU (``nasd_core/runner/step_graphs.py``), for each ``--graph-attention`` layout
   (paged through the block tables, the default; gathered per context bucket);
 - beside them, transformers' own decode step (a static cache, one position per row) captured
   as one CUDA graph, and the time to read the weights once at the device's copy bandwidth:
@@ -31,10 +31,10 @@ import torch
 
 from benchmarks.common import run_metadata, write_result
 from nasd_core.config import ModelConfig
-from nasd_core.model.compiled_layers import compile_layers
-from nasd_core.model.model_runner import ModelRunner, StepRow
-from nasd_core.model.step_graphs import POSITION_BUCKETS, bucket
-from nasd_core.models import load_model
+from nasd_core.layers.compiled_layers import compile_layers
+from nasd_core.loader import load_model
+from nasd_core.runner.model_runner import ModelRunner, StepRow
+from nasd_core.runner.step_graphs import POSITION_BUCKETS, bucket
 from nasd_core.speculation.calibration import (
     PROBE_POSITIONS,
     filled_runner,

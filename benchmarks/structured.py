@@ -33,7 +33,7 @@ from benchmarks.workloads import _CITIES, _ITEMS, _NAMES, chat_ids
 from deployments.tools import HERMES, ToolStream, chat_template_inputs
 from nasd_core.config import EngineConfig, GrammarSpec, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 from nasd_core.speculation.calibration import Calibration, measure_step_times
 from nasd_core.structured import apply_masks, grammar_masks
 

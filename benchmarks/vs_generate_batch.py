@@ -49,7 +49,7 @@ def prompts(tokenizer, mix: str, count: int, seed: int = 3) -> list[list[int]]:
 def run_system(system: str, mix: str, num_rows: int) -> dict:
     """One system on one cell, in this process: outputs and seconds of the timed batch."""
     from nasd_core.config import EngineConfig, SamplingParams, SpecConfig
-    from nasd_core.models import load_model
+    from nasd_core.loader import load_model
 
     model, tokenizer = load_model()
     batch = prompts(tokenizer, mix, num_rows)
@@ -128,7 +128,7 @@ def main() -> None:
                 }
             cells.setdefault(mix, {})[num_rows] = row
             print(mix, num_rows, json.dumps(row), flush=True)
-    from nasd_core.models import load_model
+    from nasd_core.loader import load_model
 
     model, _ = load_model()
     payload = {

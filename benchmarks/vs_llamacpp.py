@@ -2,7 +2,7 @@
 
 llama.cpp (through llama-cpp-python, built for this CPU by ``make bench-peers``) decodes the
 embedded SmolLM2-135M Q4_1 GGUF; the engine loads the same file (``dtype="gguf"``: its blocks
-kept, ``nasd_core/model/quantized.py``) and, for reference, its float32 conversion. Every system
+kept, ``nasd_core/layers/quantized.py``) and, for reference, its float32 conversion. Every system
 gets the same chat prompts as token ids, the same threads and the same token budget, greedy.
 
 Systems, one request at a time (tokens/s = generated tokens / wall time, prompt included):
@@ -47,7 +47,7 @@ from benchmarks.workloads import REPETITIVE, WORKLOADS, chat_ids, long_chats, ma
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.generate import generate
-from nasd_core.models import embedded_gguf_path, load_model
+from nasd_core.loader import embedded_gguf_path, load_model
 from nasd_core.speculation.calibration import calibrate
 
 CONCURRENT = 8
@@ -59,7 +59,7 @@ COMPARED_PREFIX = 32
 FOOTPRINT_SCRIPT = """
 from nasd_core.config import ModelConfig, SamplingParams
 from nasd_core.generate import generate
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 model, tokenizer = load_model(config=ModelConfig(dtype={dtype!r}))
 generate(model, tokenizer, "Hello there", SamplingParams(max_tokens=8))
 status = dict(line.split(":", 1) for line in open("/proc/self/status"))

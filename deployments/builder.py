@@ -41,7 +41,7 @@ from nasd_core.config import (
     ModelConfig,
     SpecConfig,
 )
-from nasd_core.models import is_gguf
+from nasd_core.loader import is_gguf
 from pool_service import PoolConfig
 from pool_service.config import pool_index
 

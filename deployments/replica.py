@@ -62,8 +62,8 @@ from nasd_core.engine.engine import Engine
 from nasd_core.engine.stopping import first_stop_at
 from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidRequestError
 from nasd_core.inputs import encode_prompt
+from nasd_core.loader import load_model
 from nasd_core.metrics import SpecStats
-from nasd_core.models import load_model
 from nasd_core.speculation.calibration import calibrate
 from pool_service import PoolConfig, SharedPools, namespace_for
 

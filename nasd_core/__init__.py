@@ -29,7 +29,7 @@ _EXPORTS = {
     "SpecConfig": "nasd_core.config",
     "SpecStats": "nasd_core.metrics",
     "generate": "nasd_core.generate",
-    "load_model": "nasd_core.models",
+    "load_model": "nasd_core.loader",
     "prompt_lookup": "nasd_core.speculation.ngram",
 }
 __all__ = [
@@ -57,8 +57,8 @@ if TYPE_CHECKING:
     from nasd_core.engine.sequence import GenerationResult
     from nasd_core.errors import ContextLengthError, InvalidRequestError, ModelLoadError, NASDError
     from nasd_core.generate import generate
+    from nasd_core.loader import load_model
     from nasd_core.metrics import SpecStats
-    from nasd_core.models import load_model
     from nasd_core.speculation.ngram import NGramIndex, prompt_lookup
 
 

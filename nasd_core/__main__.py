@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from nasd_core.generate import generate
-    from nasd_core.models import load_model
+    from nasd_core.loader import load_model
 
     try:
         params = build(

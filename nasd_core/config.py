@@ -254,7 +254,7 @@ class EngineConfig(_Config):
         gt=0.0,
         le=1.0,
         description="Share of a GPU's total memory the engine plans for (weights, activations, step graphs, "
-        "KV-cache: nasd_core/model/memory_plan.py), as vLLM's setting of that name; settings that cannot "
+        "KV-cache: nasd_core/runner/memory_plan.py), as vLLM's setting of that name; settings that cannot "
         "fit are refused at start.",
     )
     kv_block_size: int = Field(32, ge=1, le=4096, description="Positions per KV-cache block.")
@@ -284,7 +284,7 @@ class EngineConfig(_Config):
     step_graphs: bool | None = Field(
         None,
         description="Run decode and verification steps in fixed shapes, replayed from CUDA graphs on a "
-        "GPU (nasd_core/model/step_graphs.py; Llama, Mistral and Qwen2/3 models). None: on wherever "
+        "GPU (nasd_core/runner/step_graphs.py; Llama, Mistral and Qwen2/3 models). None: on wherever "
         "the model is on CUDA and of such a type.",
     )
     graph_attention: Literal["paged", "gathered"] | None = Field(
@@ -297,7 +297,7 @@ class EngineConfig(_Config):
     compiled_layers: bool | None = Field(
         None,
         description="Merge each decoder layer's q, k, v and gate, up projections and compile the layers with "
-        "torch.compile, once for every step shape (nasd_core/model/compiled_layers.py; Llama, Mistral and "
+        "torch.compile, once for every step shape (nasd_core/layers/compiled_layers.py; Llama, Mistral and "
         "Qwen2/3 models); None: on wherever the model is on CUDA and of such a type.",
     )
     deterministic: bool = Field(
@@ -332,14 +332,14 @@ class ModelConfig(_Config):
         description="Weights dtype; 'gguf' keeps a GGUF file's blocks (the embedded model's or a *.gguf "
         "name's) on a CPU where a kernel multiplies them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, "
         "Q6_K; other types are float32, and files of other architectures than llama, Qwen2 and Qwen3 "
-        "load as float32; nasd_core/model/quantized.py).",
+        "load as float32; nasd_core/loader/gguf.py).",
     )
     device: str = Field("cpu", description="torch device string.")
     cache_dir: str | None = Field(None, description="Where converted GGUF files' weights are cached.")
     cpu_fast_path: bool = Field(
         True,
         description="On CPU in float32: pack Linear weights for oneDNN and share key/value heads in "
-        "attention instead of copying them (nasd_core/model/cpu_kernels.py); outputs equal up to float "
+        "attention instead of copying them (nasd_core/layers/cpu_kernels.py); outputs equal up to float "
         "rounding.",
     )
     cpu_dense_max_rows: int | None = Field(

@@ -14,7 +14,7 @@ from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
 from nasd_core.engine.engine import Engine
 from nasd_core.engine.sequence import GenerationResult
 from nasd_core.inputs import check_context, encode_prompt
-from nasd_core.model.model_runner import ModelRunner
+from nasd_core.runner.model_runner import ModelRunner
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import SharedIndex
 from nasd_core.speculation.ngram import NGramIndex

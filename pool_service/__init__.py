@@ -25,7 +25,7 @@ _EXPORTS = {
     "PoolUnavailableError": "pool_service.store",
     "SharedPools": "pool_service.shared",
     "namespace_for": "pool_service.shared",
-    "open_store": "pool_service.store",
+    "open_store": "pool_service.backends",
     "tenant_namespace": "pool_service.shared",
 }
 __all__ = [
@@ -44,10 +44,11 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from pool_service.backends import open_store
     from pool_service.codec import PoolEntry
     from pool_service.config import PoolConfig
     from pool_service.shared import POOL_SOURCE, REPLICA_SOURCE, SharedPools, namespace_for, tenant_namespace
-    from pool_service.store import InMemoryPool, PoolStore, PoolUnavailableError, open_store
+    from pool_service.store import InMemoryPool, PoolStore, PoolUnavailableError
     from pool_service.sync import PoolSync
 
 

@@ -33,8 +33,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from nasd_core.speculation.drafter import SharedIndex, new_shared_index
+from pool_service.backends import open_store
 from pool_service.config import PoolConfig
-from pool_service.store import open_store
 from pool_service.sync import Apply, PoolSync, apply_now
 
 logger = logging.getLogger(__name__)

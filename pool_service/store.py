@@ -176,18 +176,6 @@ class InMemoryPool:
         log.entries.append((next(log.ids), fields))
 
 
-def open_store(
-    config: PoolConfig, namespace: str, vocab_size: int | None = None, client: object | None = None
-) -> PoolStore:
-    """The store the config names: Redis when ``redis_url`` is set, else the in-process pool.
-    ``client``: a Redis command client to share (``redis_pool.command_client``)."""
-    if config.redis_url:
-        from pool_service.redis_pool import RedisPool
-
-        return RedisPool(config.redis_url, namespace, config, vocab_size, client)
-    return InMemoryPool(namespace, config, vocab_size)
-
-
 __all__ = [
     "SCHEMA_VERSION",
     "START_CURSOR",
@@ -196,5 +184,4 @@ __all__ = [
     "PoolUnavailableError",
     "ReadBatch",
     "decode_batch",
-    "open_store",
 ]

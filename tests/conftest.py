@@ -14,13 +14,13 @@ import logging
 import pytest
 import torch
 
-from nasd_core.model import quantized
+from nasd_core.layers import quantized
 
 
 def pytest_configure(config) -> None:
     """Inductor's compiled kernels in the NASD cache for the whole run, this process and the
     replicas it starts: set before anything compiles, so that the next run loads them."""
-    from nasd_core.models import keep_compiled_kernels
+    from nasd_core.native.cache import keep_compiled_kernels
 
     keep_compiled_kernels()
 
@@ -50,7 +50,7 @@ def no_transformers_deprecations():
 
 @pytest.fixture(scope="session")
 def model_and_tokenizer():
-    from nasd_core.models import load_model
+    from nasd_core.loader import load_model
 
     torch.manual_seed(0)
     return load_model()
@@ -65,7 +65,7 @@ def model(model_and_tokenizer):
 def stock_model():
     """The embedded model with transformers' stock CPU kernels (plain ``nn.Linear`` layers)."""
     from nasd_core.config import ModelConfig
-    from nasd_core.models import load_model
+    from nasd_core.loader import load_model
 
     model, _ = load_model(config=ModelConfig(cpu_fast_path=False))
     return model
@@ -75,7 +75,7 @@ def stock_model():
 def gguf_model():
     """The embedded model on its GGUF blocks (``dtype="gguf"``, the server's CPU default)."""
     from nasd_core.config import ModelConfig
-    from nasd_core.models import load_model
+    from nasd_core.loader import load_model
 
     return load_model(config=ModelConfig(dtype="gguf"))[0]
 

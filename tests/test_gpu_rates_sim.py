@@ -15,8 +15,8 @@ from benchmarks.gpu_rates import (
     new_setup,
     run_once,
 )
-from nasd_core.model.step_graphs import POSITION_BUCKETS
-from nasd_core.models import load_tokenizer
+from nasd_core.loader import load_tokenizer
+from nasd_core.runner.step_graphs import POSITION_BUCKETS
 
 
 @pytest.fixture(scope="module")

@@ -1,3 +1,3 @@
 """The engine and its parts: a step is schedule (``scheduler``), draft (``speculator``), run (the
-model runner, ``nasd_core.model``) and commit (``engine``); ``sequence`` is one request's state,
+model runner, ``nasd_core.runner``) and commit (``engine``); ``sequence`` is one request's state,
 ``stopping`` its stop conditions, ``async_engine`` the engine on a thread of its own."""

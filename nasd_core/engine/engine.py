@@ -42,14 +42,14 @@ from nasd_core.errors import ContextLengthError, EngineOverloadedError, InvalidR
 from nasd_core.inputs import check_context, encode_prompt, eos_ids
 from nasd_core.logprobs import token_logprobs
 from nasd_core.metrics import SpecStats
-from nasd_core.model import native
-from nasd_core.model.model_runner import ModelRunner, StepRow, max_context
 from nasd_core.processors import LogitsProcessors, needs_processing
+from nasd_core.runner.model_runner import ModelRunner, StepRow, max_context
 from nasd_core.sampling import TokenDraws
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import Draft, RequestDrafter, SharedIndex
 from nasd_core.speculation.ngram import NGramIndex
 from nasd_core.speculation.policy import AcceptanceEstimator, DraftPayoff, DraftPlan, StepTimeModel
+from nasd_core.speculation.suffix import compiled_module
 from nasd_core.speculation.verify import verify_rows
 from nasd_core.structured import Grammars
 
@@ -104,7 +104,7 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = eos_ids(model, tokenizer)
         # Built (or loaded) now, never inside a request: a first build takes seconds.
-        native.drafter()
+        compiled_module()
         if runner is None:
             runner = ModelRunner(
                 model,

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nasd_core.engine.sequence import Request, RequestStatus
-from nasd_core.model.kv_cache import PagedKVCache
-from nasd_core.model.model_runner import StepRow
+from nasd_core.layers.kv_cache import PagedKVCache
+from nasd_core.runner.model_runner import StepRow
 
 
 @dataclass

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from nasd_core.engine.scheduler import ScheduledStep
 from nasd_core.engine.sequence import Request
-from nasd_core.model.model_runner import ModelRunner, StepRow
-from nasd_core.model.step_graphs import StepShape
+from nasd_core.runner.model_runner import ModelRunner, StepRow
+from nasd_core.runner.step_graphs import StepShape
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import EMPTY_DRAFT, Draft, cut_draft, longest_matches, propose_rows
 from nasd_core.speculation.gate import row_costs

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nasd_core.model.model_runner import ModelRunner, StepRow
+from nasd_core.runner.model_runner import ModelRunner, StepRow
 from nasd_core.speculation.gate import GateHistory
 from nasd_core.speculation.graph_plan import GraphStepTimes
 from nasd_core.speculation.policy import (

@@ -1,4 +1,4 @@
-"""Draft lengths for a fixed-shape step (``nasd_core/model/step_graphs.py``), priced by its width.
+"""Draft lengths for a fixed-shape step (``nasd_core/runner/step_graphs.py``), priced by its width.
 
 A fixed-shape step runs every row at the step's width (positions per row, one of the graph
 buckets), so its cost depends on that width and the row count, not on how many positions the
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from nasd_core.model.step_graphs import ROW_BUCKETS, bucket
+from nasd_core.runner.step_graphs import ROW_BUCKETS, bucket
 from nasd_core.speculation.policy import (
     EWMA_WEIGHT,
     MAX_SAMPLE_RATIO,

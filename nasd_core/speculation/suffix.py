@@ -17,18 +17,21 @@ recent), its probability the product of those frequencies; the draft stops below
 fresh text proposes at most a token or two while a 30-token copy proposes a long draft.
 
 Two implementations of one definition: ``ReferenceSuffixIndex`` here in Python, and the same
-store compiled (``nasd_core/model/csrc/suffix_index.cpp``, built by ``nasd_core.model.native``), which
-``SuffixIndex`` uses wherever it builds; the tests hold the two equal draft for draft.
+store compiled (``csrc/suffix_index.cpp``, built on this machine by ``nasd_core.native``:
+``compiled_module``), which ``SuffixIndex`` uses wherever it builds; the tests hold the two equal
+draft for draft.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from nasd_core.model import native
+from nasd_core import native
 
 ANCHOR_LENGTHS = (1, 2, 4, 8, 16)
 MAX_MATCH = 64
@@ -38,6 +41,15 @@ MAX_CANDIDATES = 32
 MAX_SPEC_FACTOR = 1.0
 MIN_TOKEN_PROB = 0.1
 SEPARATOR = -1
+# The compiled store: a Python module (a class with state), no OpenMP.
+SOURCES = [Path(__file__).parent / "csrc" / "suffix_index.cpp"]
+CFLAGS = ["-O3", "-march=native"]
+
+
+@functools.cache
+def compiled_module():
+    """The compiled store's module (``SuffixIndex``), or None where it cannot be built."""
+    return native.build("nasd_suffix", SOURCES, CFLAGS, python_module=True, what="suffix drafter")
 
 
 @dataclass(frozen=True)
@@ -212,7 +224,7 @@ class SuffixIndex:
     """
 
     def __init__(self, max_tokens: int | None = None, compiled: bool = True) -> None:
-        module = native.drafter() if compiled else None
+        module = compiled_module() if compiled else None
         self.compiled = module is not None
         self._store = (
             module.SuffixIndex(-1 if max_tokens is None else max_tokens, MAX_MATCH, MAX_CANDIDATES)
@@ -280,7 +292,7 @@ def draft_rows(
     tokens, whose last position is the context's own end."""
     every_store = [store for stores, _, _ in queries for store in stores]
     if every_store and all(store.compiled for store in every_store):
-        answers = native.drafter().draft_rows(
+        answers = compiled_module().draft_rows(
             [[store._store for store in stores] for stores, _, _ in queries],
             [list(context[-MAX_MATCH:]) for _, context, _ in queries],
             [max_tokens for _, _, max_tokens in queries],

@@ -14,18 +14,16 @@ import pytest
 import torch
 from torch.nn import functional
 
-from nasd_core.model import native
-from nasd_core.model.attention import causal_mask, keys_per_unit
-from nasd_core.model.model_runner import ModelRunner, StepRow
+from nasd_core import native
+from nasd_core.layers.attention import causal_mask, keys_per_unit
+from nasd_core.runner.model_runner import ModelRunner, StepRow
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
     if not native.load():
         if os.environ.get("CI"):
-            pytest.fail(
-                "the C++ kernels did not build in CI (see the warning logged by nasd_core.model.native)"
-            )
+            pytest.fail("the C++ kernels did not build in CI (see the warning logged by nasd_core.native)")
         pytest.skip("LOUD SKIP: the C++ kernels could not be built here (no C++ compiler?)")
 
 

@@ -1,4 +1,4 @@
-"""Compiled decoder layers (``nasd_core/model/compiled_layers.py``) on this CPU.
+"""Compiled decoder layers (``nasd_core/layers/compiled_layers.py``) on this CPU.
 
 On a GPU the runner's graphs capture these compiled layers (``benchmarks/gpu_session.sh`` times
 them); here they run as inductor's CPU code, which holds them to the packed path's logits: merged
@@ -17,9 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from nasd_core.model.compiled_layers import compile_layers, merge_projections
-from nasd_core.model.model_runner import ModelRunner, StepRow
-from nasd_core.models import INDUCTOR_CACHE_ENV
+from nasd_core.layers.compiled_layers import compile_layers, merge_projections
+from nasd_core.native.cache import INDUCTOR_CACHE_ENV
+from nasd_core.runner.model_runner import ModelRunner, StepRow
 from tests.nasd_core.test_step_graphs import fixed_and_packed_logits, packed_logits
 
 

@@ -7,10 +7,10 @@ from torch import nn
 from torch.nn import functional
 
 from nasd_core.config import ModelConfig
-from nasd_core.model import cpu_kernels
-from nasd_core.model.attention import FALLBACK_ATTRIBUTE
-from nasd_core.model.cpu_kernels import GQA_SDPA, PackedLinear, measure_dense_max_rows, pack_linear_layers
-from nasd_core.models import load_model
+from nasd_core.layers import cpu_kernels
+from nasd_core.layers.attention import FALLBACK_ATTRIBUTE
+from nasd_core.layers.cpu_kernels import GQA_SDPA, PackedLinear, measure_dense_max_rows, pack_linear_layers
+from nasd_core.loader import load_model
 
 PROMPTS = [
     "def area(width, height):\n    return width * height\n\ndef perimeter(width, height):",

@@ -16,8 +16,8 @@ import torch
 
 from nasd_core.config import EngineConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
-from nasd_core.model.cpu_kernels import invariant_threads
-from nasd_core.model.model_runner import ModelRunner, StepRow
+from nasd_core.layers.cpu_kernels import invariant_threads
+from nasd_core.runner.model_runner import ModelRunner, StepRow
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, FixedStepTimes, run_staggered
 from tests.nasd_core.test_quantized import with_threads
 

@@ -16,7 +16,7 @@ from nasd_core.engine.async_engine import AsyncEngine
 from nasd_core.engine.engine import Engine
 from nasd_core.engine.scheduler import ScheduledStep
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
-from nasd_core.model.model_runner import StepRow
+from nasd_core.runner.model_runner import StepRow
 from nasd_core.speculation import gate, graph_plan, policy
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import LOCAL_SOURCE, RequestDrafter

@@ -28,12 +28,12 @@ from nasd_core import SamplingParams, SpecConfig
 from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import ModelLoadError
-from nasd_core.model import quantized
-from nasd_core.model.cpu_kernels import invariant_threads
-from nasd_core.model.gguf_index import read_tensors
-from nasd_core.model.model_runner import ModelRunner, StepRow
-from nasd_core.model.quantized import QuantLinear, QuantLinears, dequantize
-from nasd_core.models import load_model, resolve_model_dir
+from nasd_core.layers import quantized
+from nasd_core.layers.cpu_kernels import invariant_threads
+from nasd_core.layers.quantized import QuantLinear, QuantLinears, dequantize
+from nasd_core.loader import load_model, resolve_model_dir
+from nasd_core.loader.gguf_index import read_tensors
+from nasd_core.runner.model_runner import ModelRunner, StepRow
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, FixedStepTimes, run_staggered
 from tests.nasd_core.test_quantized import INT8_RELATIVE_ERROR, relative_error
 
@@ -215,7 +215,7 @@ def file_models(gguf_files, cache_dir) -> dict[str, tuple]:
         records: list[logging.LogRecord] = []
         handler = logging.Handler(logging.INFO)
         handler.emit = records.append
-        logger = logging.getLogger("nasd_core.model.quantized")
+        logger = logging.getLogger("nasd_core.loader.gguf")
         level = logger.level
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

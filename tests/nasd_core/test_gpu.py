@@ -23,7 +23,7 @@ from nasd_core import SamplingParams, SpecConfig, generate
 from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine import engine as engine_module
 from nasd_core.engine.engine import Engine
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
 from nasd_core.sampling import sample_tokens
 from tests.nasd_core import test_engine, test_kv_cache, test_processors, test_step_graphs, test_verify
 

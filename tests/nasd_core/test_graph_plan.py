@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nasd_core.model.step_graphs import POSITION_BUCKETS
+from nasd_core.runner.step_graphs import POSITION_BUCKETS
 from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
 from nasd_core.speculation.policy import AcceptanceEstimator, RowDraft
 

@@ -11,8 +11,8 @@ from nasd_core import SamplingParams, SpecConfig
 from nasd_core.config import EngineConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import ContextLengthError
-from nasd_core.model.kv_cache import BlockAllocator, PagedKVCache
-from nasd_core.model.model_runner import ModelRunner, StepRow
+from nasd_core.layers.kv_cache import BlockAllocator, PagedKVCache
+from nasd_core.runner.model_runner import ModelRunner, StepRow
 
 
 def small_cache(num_blocks: int = 8, block_size: int = 4) -> PagedKVCache:

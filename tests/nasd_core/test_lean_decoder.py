@@ -13,9 +13,9 @@ import torch
 from torch.nn import functional
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from nasd_core.model import native
-from nasd_core.model.lean_decoder import lean_decoder_fits, use_lean_decoder
-from nasd_core.model.model_runner import ModelRunner, StepRow
+from nasd_core import native
+from nasd_core.layers.lean_decoder import lean_decoder_fits, use_lean_decoder
+from nasd_core.runner.model_runner import ModelRunner, StepRow
 from tests.nasd_core.test_quantized import relative_error, with_threads
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -136,7 +136,7 @@ def test_lean_steps_give_the_logits_of_transformers_forward(gguf_model, int8_act
 def test_the_fused_layer_loop_is_the_python_loop_bit_for_bit(gguf_model, monkeypatch):
     """A decode/verification step (every row in the attention kernel) runs all layers in one C++
     call; the same step from Python gives the same bits, and both write the same cache."""
-    from nasd_core.model import lean_decoder
+    from nasd_core.layers import lean_decoder
 
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (30, 51, 9)]
@@ -168,7 +168,7 @@ def test_prompt_chunks_run_on_the_prefill_threads_with_the_same_bits(gguf_model,
     ``prefill_threads`` (a lone server replica's every core); a verification step as wide stays on
     the caller's threads, which are set back after; the GGUF path's logits are the same bits
     either way."""
-    from nasd_core.model import model_runner
+    from nasd_core.runner import model_runner
 
     width = model_runner.PREFILL_THREADS_MIN_TOKENS
     tokens = torch.randint(0, 49152, (2 * width + 2,), generator=torch.Generator().manual_seed(5)).tolist()

@@ -1,4 +1,4 @@
-"""Device memory planned at start (``nasd_core/model/memory_plan.py``), and the GPU failure
+"""Device memory planned at start (``nasd_core/runner/memory_plan.py``), and the GPU failure
 classes the first H200 start met, each held here on the CPU:
 - the KV pool took 0.6 of free memory before any graph existed, and 191 graph shapes each
   allocated their own buffers until capture ran out of memory: every device x model x rows cell
@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from benchmarks.step_cost import ARCHITECTURES
+from nasd_core import native
 from nasd_core.config import DEFAULT_NUM_DRAFT_TOKENS, EngineConfig
 from nasd_core.engine.engine import Engine
-from nasd_core.model import native
-from nasd_core.model.attention import BATCH_MAX_KEYS, flex_kernel_options
-from nasd_core.model.memory_plan import (
+from nasd_core.layers.attention import BATCH_MAX_KEYS, flex_kernel_options
+from nasd_core.runner.memory_plan import (
     GIB,
     MIN_DEFAULT_PREFILL_CHUNK,
     MemoryPlanError,
@@ -32,8 +32,8 @@ from nasd_core.model.memory_plan import (
     plan_memory,
     plan_shrinking_chunk,
 )
-from nasd_core.model.model_runner import GPU_PREFILL_CHUNK_TOKENS, ModelRunner, StepRow
-from nasd_core.model.step_graphs import (
+from nasd_core.runner.model_runner import GPU_PREFILL_CHUNK_TOKENS, ModelRunner, StepRow
+from nasd_core.runner.step_graphs import (
     FLEX_QUERY_BLOCK,
     GATHERED_MAX_KEYS,
     POSITION_BUCKETS,
@@ -254,7 +254,7 @@ def test_a_paged_step_that_fails_falls_back_loudly_and_says_so_in_the_report(cap
     def broken(*args, **kwargs):  # a kernel that does not compile, as on the first H200 run
         raise RuntimeError("no kernel for this tile")
 
-    monkeypatch.setattr("nasd_core.model.step_graphs.PagedRows", broken)
+    monkeypatch.setattr("nasd_core.runner.step_graphs.PagedRows", broken)
     with caplog.at_level(logging.WARNING):
         assert runner.graphs.build(StepShape(1, 1, 0)) is None
     assert "paged attention is off" in caplog.text and "no kernel for this tile" in caplog.text

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nasd_core.errors import ModelLoadError
-from nasd_core.models import load_model, resolve_model_dir
+from nasd_core.loader import load_model, resolve_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import torch
 from nasd_core import SamplingParams, SpecConfig
 from nasd_core.config import EngineConfig
 from nasd_core.engine.engine import Engine
-from nasd_core.model.kv_cache import PagedKVCache
+from nasd_core.layers.kv_cache import PagedKVCache
 
 BLOCK = 4
 

@@ -22,18 +22,18 @@ from nasd_core import SamplingParams, SpecConfig
 from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import ModelLoadError
-from nasd_core.model import quantized
-from nasd_core.model.cpu_kernels import invariant_threads
-from nasd_core.model.quantized import (
+from nasd_core.layers import quantized
+from nasd_core.layers.cpu_kernels import invariant_threads
+from nasd_core.layers.quantized import (
     BLOCK_FORMATS,
     FILE_BLOCKS,
     QuantEmbedding,
     QuantLinear,
     dequantize,
     layout,
-    repack,
 )
-from nasd_core.models import load_model
+from nasd_core.loader import load_model
+from nasd_core.loader.gguf import repack
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, FixedStepTimes, run_staggered
 from tests.nasd_core.test_generate import assert_sampling_matches_transformers
 
@@ -329,9 +329,9 @@ def test_the_quantized_model_holds_the_converted_weights_bit_for_bit(gguf_model,
 
 
 def test_without_the_kernel_gguf_loads_the_float32_weights(monkeypatch, caplog):
-    import nasd_core.models
+    import nasd_core.loader
 
-    monkeypatch.setattr(nasd_core.models, "quant_kernel_available", lambda: False)
+    monkeypatch.setattr(nasd_core.loader, "quant_kernel_available", lambda: False)
     model = load_model(config=ModelConfig(dtype="gguf"))[0]
     assert not any(isinstance(module, (QuantLinear, QuantEmbedding)) for module in model.modules())
     assert "using float32" in caplog.text

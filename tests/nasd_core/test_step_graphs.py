@@ -1,4 +1,4 @@
-"""Fixed-shape steps (``nasd_core/model/step_graphs.py``) against the packed path, on this CPU.
+"""Fixed-shape steps (``nasd_core/runner/step_graphs.py``) against the packed path, on this CPU.
 
 On a GPU these steps are replayed from CUDA graphs (``test_gpu.py`` checks that); here they
 run eagerly, which holds their layout to the packed path's logits: rows padded to a bucket
@@ -14,8 +14,8 @@ import torch
 
 from nasd_core.config import EngineConfig, SpecConfig
 from nasd_core.engine.engine import Engine
-from nasd_core.model.model_runner import ModelRunner, StepRow
-from nasd_core.model.step_graphs import POSITION_BUCKETS, FixedStep, StepShape, bucket, key_bucket
+from nasd_core.runner.model_runner import ModelRunner, StepRow
+from nasd_core.runner.step_graphs import POSITION_BUCKETS, FixedStep, StepShape, bucket, key_bucket
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, FixedStepTimes, run_staggered
 
 

@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nasd_core.config import SpecConfig
-from nasd_core.model import native
 from nasd_core.speculation import suffix
 from nasd_core.speculation.drafter import RequestDrafter, longest_matches, propose_rows
 from nasd_core.speculation.suffix import (
@@ -20,6 +19,7 @@ from nasd_core.speculation.suffix import (
     SharedSuffixIndex,
     SuffixIndex,
     best_draft,
+    compiled_module,
     draft_best,
     draft_rows,
 )
@@ -32,12 +32,10 @@ def make_index(request):
     """Builds indexes of one implementation (the compiled one must build, except where
     NASD_NATIVE=0 turns it off on purpose)."""
     compiled = request.param == "compiled"
-    if compiled and native.drafter() is None:
+    if compiled and compiled_module() is None:
         if os.environ.get("NASD_NATIVE") == "0":
             pytest.skip("NASD_NATIVE=0: the compiled suffix store is turned off")
-        pytest.fail(
-            "the compiled suffix store did not build (see the warning logged by nasd_core.model.native)"
-        )
+        pytest.fail("the compiled suffix store did not build (see the warning logged by nasd_core.native)")
 
     def make(max_tokens: int | None = None) -> SuffixIndex:
         index = SuffixIndex(max_tokens, compiled=compiled)
@@ -90,7 +88,7 @@ def test_the_match_is_the_longest_stored_suffix(sequences, context):
     budget=st.sampled_from([None, 40, 100]),
 )
 def test_the_compiled_store_drafts_what_the_reference_drafts(sequences, contexts, max_tokens, factor, budget):
-    if native.drafter() is None:
+    if compiled_module() is None:
         pytest.skip("no compiled suffix store here (test_make_index_builds_the_compiled_store says why)")
     compiled, reference = SuffixIndex(budget), SuffixIndex(budget, compiled=False)
     for index in (compiled, reference):
@@ -207,7 +205,7 @@ def test_one_call_over_several_stores_drafts_from_the_longest_match(own, others,
     """``draft_best``: the store holding the longest match drafts (a tie: the earlier); the
     compiled call equals the reference, and the reference equals asking each store alone."""
     results = []
-    for compiled in (True, False) if native.drafter() is not None else (False,):
+    for compiled in (True, False) if compiled_module() is not None else (False,):
         stores = [SuffixIndex(compiled=compiled) for _ in range(1 + len(others))]
         stores[0].start_sequence()
         stores[0].extend(own)
@@ -236,7 +234,7 @@ def test_one_call_for_every_row_equals_each_row_asked_alone(rows, shared):
     """``draft_rows``: a step's rows in one call (each its own tokens, all the same shared
     stores) give what each row gets asked alone, compiled and reference alike."""
     results = []
-    for compiled in (True, False) if native.drafter() is not None else (False,):
+    for compiled in (True, False) if compiled_module() is not None else (False,):
         shared_stores = [SuffixIndex(compiled=compiled) for _ in shared]
         for store, sequence in zip(shared_stores, shared):
             store.add_sequence(sequence)

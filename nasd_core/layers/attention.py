@@ -9,7 +9,7 @@ blocks are contiguous (no copy), causal within the row's new positions.
 
 Two ways to attend, chosen per row when the step is planned (``plan_step``):
 - on a CPU in float32, rows of a few positions (decode and verification, the bulk of the
-  reading) go to one C++ call per layer (``nasd_core/model/csrc/paged_attention.cpp``) that reads
+  reading) go to one C++ call per layer (``nasd_core/native/csrc/paged_attention.cpp``) that reads
   every row's blocks in place and splits the work by row, head and run of keys over the
   cores: a decode step of 32 rows x 1536 cached tokens took 198 ms where one SDPA call per
   row and layer took 294 (`python -m benchmarks.kv_steps`, a 2-core Xeon);
@@ -18,7 +18,7 @@ Two ways to attend, chosen per row when the step is planned (``plan_step``):
   row. A call per row and layer there is a kernel launch per row and layer (32 rows x 30
   layers is ~1000 launches a step), which costs more than the attention itself; one padded
   call reads some extra keys instead, which a GPU's memory bandwidth makes cheap;
-- steps laid out in fixed shapes for CUDA graphs (``nasd_core/model/step_graphs.py``) read
+- steps laid out in fixed shapes for CUDA graphs (``nasd_core/runner/step_graphs.py``) read
   the pool through each row's block table with FlexAttention (``PagedRows``), so nothing in a
   graph's shape depends on context length; or, where that is off, gather a padded batch as above;
 - prompt chunks (matrix-shaped work SDPA does well), CPU dtypes other than float32, and
@@ -45,8 +45,8 @@ from torch import nn
 from torch.nn import functional
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from nasd_core.model import native
-from nasd_core.model.kv_cache import PagedKVCache
+from nasd_core import native
+from nasd_core.layers.kv_cache import PagedKVCache
 
 PAGED_ATTENTION = "nasd_paged"
 
@@ -126,7 +126,7 @@ class BatchedRows:
     num_keys: int
     # For rows packed without padding: the packed position of each padded query, the indices
     # of the real ones among them and their packed positions. None: the step itself is laid
-    # out rows x num_positions (``nasd_core/model/step_graphs.py``), so all three are the identity.
+    # out rows x num_positions (``nasd_core/runner/step_graphs.py``), so all three are the identity.
     query_index: torch.Tensor | None = None
     real_index: torch.Tensor | None = None
     out_index: torch.Tensor | None = None

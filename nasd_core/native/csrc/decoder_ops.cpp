@@ -1,4 +1,4 @@
-// The pointwise parts of a llama-type decoder layer, one call each (model/lean_decoder.py):
+// The pointwise parts of a llama-type decoder layer, one call each (nasd_core/layers/lean_decoder.py):
 // RMSNorm with the residual add before it, rotary embedding with the split of the fused q/k/v
 // projection, SiLU(gate) * up.
 //

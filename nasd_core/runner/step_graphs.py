@@ -61,7 +61,7 @@ import torch
 from torch.nn import functional
 from torch.nn.attention.flex_attention import BlockMask
 
-from nasd_core.model.attention import (
+from nasd_core.layers.attention import (
     BatchedRows,
     PagedRows,
     StepLayout,
@@ -71,7 +71,7 @@ from nasd_core.model.attention import (
     padded_queries,
     row_mask,
 )
-from nasd_core.model.kv_cache import PagedKVCache
+from nasd_core.layers.kv_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ import types
 import torch
 from torch import nn
 
-from nasd_core.model.quantized import QuantLinear, QuantLinears
+from nasd_core.layers.quantized import QuantLinear, QuantLinears
+from nasd_core.native.cache import keep_compiled_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -148,12 +149,10 @@ def compile_layers(model) -> str | None:
     """Merge ``model``'s projections and compile its decoder layers for all of them at once (the
     number of tokens is a dynamic dimension; dynamo compiles one token apart), checked on
     forwards of both. Idempotent. Compiled kernels are kept on disk for the next start
-    (``models.keep_compiled_kernels``).
+    (``native.cache.keep_compiled_kernels``).
 
     Returns None, or why the layers run uncompiled (their projections stay merged)."""
     if not hasattr(model, "nasd_compile_failure"):
-        from nasd_core.models import keep_compiled_kernels
-
         merge_projections(model)
         keep_compiled_kernels()
         layers = model.get_decoder().layers

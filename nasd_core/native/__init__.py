@@ -1,5 +1,6 @@
-"""The project's C++ code (``nasd_core/model/csrc``: the CPU attention, quantized-matmul
-and decoder-layer kernels, the suffix-match draft source), compiled on this machine on first use.
+"""The project's C++ code, compiled on this machine on first use: the CPU attention,
+quantized-matmul and decoder-layer kernels (``csrc/`` here, ``load``), and any other extension a
+package builds through ``build`` (speculation's suffix store, ``speculation/csrc``).
 
 Why compiled here and not shipped: the kernels are built with ``-march=native`` (their loops
 are vectorised for the CPU that runs them), so a build is only valid on the machine, torch
@@ -7,9 +8,9 @@ and source it was made for; the cache directory's name carries all three. ``make
 builds them once (about 10 s); a process that finds no build makes it (torch's build lock
 keeps concurrent replicas from racing).
 
-Where no compiler is available, or ``NASD_NATIVE=0``, ``load()`` returns False and
-``drafter()`` None, and callers use their pure-torch / pure-Python path, which computes the
-same thing (the tests compare the two).
+Where no compiler is available, or ``NASD_NATIVE=0``, ``load()`` returns False and ``build``
+None, and callers use their pure-torch / pure-Python path, which computes the same thing (the
+tests compare the two).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from nasd_core.native.cache import default_cache_dir
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -30,9 +33,6 @@ SOURCES = [CSRC / "paged_attention.cpp", CSRC / "quant_linear.cpp", CSRC / "deco
 # Included by the sources (their build must change when these do).
 HEADERS = [CSRC / "kernels.h", CSRC / "simd.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
-# The suffix-match draft source: a Python module (a class with state), no OpenMP.
-DRAFTER_SOURCES = [CSRC / "suffix_index.cpp"]
-DRAFTER_CFLAGS = ["-O3", "-march=native"]
 
 
 def _cpu_flags() -> str:
@@ -47,8 +47,6 @@ def _cpu_flags() -> str:
 
 def build_directory(sources: list[Path] = SOURCES, cflags: list[str] = CFLAGS) -> Path:
     """Where this machine's build of ``sources`` for this torch lives."""
-    from nasd_core.models import default_cache_dir
-
     digest = hashlib.sha256()
     for source in [*sources, *HEADERS]:
         digest.update(source.read_bytes())
@@ -62,8 +60,11 @@ def _enabled() -> bool:
     return os.environ.get("NASD_NATIVE", "1") != "0"
 
 
-def _build(name: str, sources: list[Path], cflags: list[str], python_module: bool, what: str):
-    """Build (if needed) and load one extension; None (after a warning) if that fails."""
+def build(name: str, sources: list[Path], cflags: list[str], python_module: bool, what: str):
+    """Build (if needed) and load one extension: a Python module with ``python_module``, else
+    torch ops; None (after a warning) where it cannot be built or ``NASD_NATIVE=0``."""
+    if not _enabled():
+        return None
     from torch.utils import cpp_extension
 
     directory = build_directory(sources, cflags)
@@ -89,13 +90,5 @@ def load() -> bool:
     if not _enabled():
         return False
     if not hasattr(torch.ops.nasd, "paged_attention"):
-        _build("nasd_native", SOURCES, CFLAGS, python_module=False, what="attention kernels")
+        build("nasd_native", SOURCES, CFLAGS, python_module=False, what="attention kernels")
     return hasattr(torch.ops.nasd, "paged_attention")
-
-
-@functools.cache
-def drafter():
-    """The compiled suffix-match module (``SuffixIndex``), or None where it cannot be built."""
-    if not _enabled():
-        return None
-    return _build("nasd_suffix", DRAFTER_SOURCES, DRAFTER_CFLAGS, python_module=True, what="suffix drafter")

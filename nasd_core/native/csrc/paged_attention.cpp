@@ -10,7 +10,7 @@
 // thread pool shares out; each unit computes a partial softmax over its keys for every query
 // of its row and head, and the partials are merged per query (split-K, as flash-decoding does).
 //
-// Layout (nasd_core/model/kv_cache.py): a layer's pool is [kv_heads, slots, head_dim]; a block is
+// Layout (nasd_core/layers/kv_cache.py): a layer's pool is [kv_heads, slots, head_dim]; a block is
 // `block_size` consecutive slots; key t of row r lives in slot
 // block_table[r][t / block_size] * block_size + t % block_size.
 

@@ -58,7 +58,7 @@ constexpr int64_t kRowTile = 4;  // input rows multiplied per pass over a tile o
 constexpr int64_t kPanelMinRows = 9;
 
 // ggml's type ids (gguf.GGMLQuantizationType). The K-quants and Q5 types come repacked into blocks
-// of 32 by the loader (nasd_core/model/quantized.py), their scales multiplied out (exactly) into
+// of 32 by the loader (nasd_core/loader/gguf.py), their scales multiplied out (exactly) into
 // float32 ones: Q4_K as Q4_1 with float32 d and m, Q6_K as Q8_0 with a float32 d for each half (and
 // Q3_K likewise: the kernels read its blocks as Q6_K's), Q5_0, Q5_1 and Q5_K as a byte per code
 // (0..31) with float32 d and m (Kind kQ5 below).

@@ -38,7 +38,8 @@ from torch import nn
 from torch.nn import functional
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from nasd_core.model.memory_plan import ModelShape
+from nasd_core import native
+from nasd_core.runner.memory_plan import ModelShape
 
 logger = logging.getLogger(__name__)
 
@@ -256,8 +257,6 @@ def use_batch_invariant_kernels(model: nn.Module) -> None:
     Raises:
         ValueError: the model is not on a CPU, or the kernels are not available here.
     """
-    from nasd_core.model import native
-
     parameter = next(model.parameters())
     if parameter.device.type != "cpu":
         raise ValueError("deterministic mode runs on a CPU; its GPU kernels are not built")

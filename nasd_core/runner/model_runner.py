@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from nasd_core.config import DEFAULT_NUM_DRAFT_TOKENS
-from nasd_core.model.attention import (
+from nasd_core.layers.attention import (
     BATCH_MAX_KEYS,
     Segment,
     kernel_available,
@@ -30,11 +30,11 @@ from nasd_core.model.attention import (
     plan_step,
     use_paged_attention,
 )
-from nasd_core.model.compiled_layers import COMPILED_MODEL_TYPES, compile_layers
-from nasd_core.model.cpu_kernels import use_batch_invariant_kernels
-from nasd_core.model.kv_cache import PagedKVCache
-from nasd_core.model.lean_decoder import lean_forward
-from nasd_core.model.memory_plan import (
+from nasd_core.layers.compiled_layers import COMPILED_MODEL_TYPES, compile_layers
+from nasd_core.layers.cpu_kernels import use_batch_invariant_kernels
+from nasd_core.layers.kv_cache import PagedKVCache
+from nasd_core.layers.lean_decoder import lean_forward
+from nasd_core.runner.memory_plan import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     MemoryPlan,
     MemoryPlanError,
@@ -43,7 +43,7 @@ from nasd_core.model.memory_plan import (
     device_memory,
     plan_shrinking_chunk,
 )
-from nasd_core.model.step_graphs import (
+from nasd_core.runner.step_graphs import (
     GATHERED_MAX_KEYS,
     GRAPH_MODEL_TYPES,
     POSITION_BUCKETS,
@@ -57,7 +57,7 @@ from nasd_core.model.step_graphs import (
 logger = logging.getLogger(__name__)
 
 # On a CPU the pool is reserved, not resident (untouched pages cost nothing), so the default
-# budget can be generous; on a GPU the memory plan sizes it (``nasd_core/model/memory_plan.py``).
+# budget can be generous; on a GPU the memory plan sizes it (``nasd_core/runner/memory_plan.py``).
 DEFAULT_CPU_KV_FRACTION = 0.25
 # Prompt tokens per step by default. On a CPU a step's cost grows with its tokens from the
 # first ones, so chunks stay short and running rows keep their inter-token latency; on a GPU it
@@ -192,7 +192,7 @@ def max_context(model, cache: PagedKVCache) -> int:
 class ModelRunner:
     """Runs steps of packed rows through ``model`` over a paged KV-cache it allocates once.
 
-    On a CUDA device the KV-cache is sized by a memory plan (``nasd_core/model/memory_plan.py``):
+    On a CUDA device the KV-cache is sized by a memory plan (``nasd_core/runner/memory_plan.py``):
     what is left of ``gpu_memory_utilization`` of the device once the weights, the largest
     step's activations (profiled) and the step graphs are counted; a setting that cannot fit is
     refused here, at start.
@@ -204,13 +204,13 @@ class ModelRunner:
         block_size: positions per block.
         max_rows: most rows per step (what the default budget and the graphs are sized for).
         batch_attention: attend short rows in one padded call per layer (None: off the CPU).
-        step_graphs: run decode and verification steps in fixed shapes (``nasd_core/model/step_graphs.py``),
+        step_graphs: run decode and verification steps in fixed shapes (``nasd_core/runner/step_graphs.py``),
             replayed from CUDA graphs on a GPU; needs a model type ``StepGraphs.supports``.
             None: on wherever the model is on CUDA and its type is supported.
         graph_attention: how fixed-shape steps attend, "paged" or "gathered" (``StepGraphs``);
             None: paged where graphs are captured, gathered otherwise.
         compiled_layers: merge each layer's projections and compile its decoder layers
-            (``nasd_core/model/compiled_layers.py``); None: wherever the model is on CUDA and of a
+            (``nasd_core/layers/compiled_layers.py``); None: wherever the model is on CUDA and of a
             type they serve. The model is changed in place.
         max_positions: widest verification per row (1 + the draft cap), for the memory plan.
         prefill_chunk_tokens: prompt tokens per step (None: ``default_prefill_chunk``, shortened
@@ -261,7 +261,7 @@ class ModelRunner:
         # deterministic one (every row in the kernel, fixed units), so greedy speculation is its
         # plain decoding token for token whatever the batch or the prompts' chunking.
         self.deterministic_attention = deterministic or getattr(model, "nasd_lean_decoder", False)
-        # Off the CPU, short rows share one attention call per layer (see nasd_core/model/attention.py).
+        # Off the CPU, short rows share one attention call per layer (see nasd_core/layers/attention.py).
         self.batch_attention = model.device.type != "cpu" if batch_attention is None else batch_attention
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         if step_graphs is None:

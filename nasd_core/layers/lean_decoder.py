@@ -6,7 +6,7 @@ about forty a decoder layer (RMSNorm's five, rotary's dozen, views, transposes, 
 adds, seven module calls): they were about 40% of a one-token step of the embedded model on its
 GGUF blocks. Here a layer is nine calls: RMSNorm with the residual add before it, one q/k/v
 matmul, rotary with the split into heads, paged attention, the output matmul, RMSNorm again, one
-gate/up matmul, SiLU times up, the down matmul (``csrc/decoder_ops.cpp`` for the pointwise
+gate/up matmul, SiLU times up, the down matmul (``native/csrc/decoder_ops.cpp`` for the pointwise
 ones). A step whose rows all go to the paged attention kernel (decode and verification: the bulk
 of generation) makes the same calls for every layer in one C++ call (``decoder_layers``), with no
 Python between them; steps with a prompt chunk loop over ``lean_layer`` in Python. The last norm
@@ -26,10 +26,11 @@ import logging
 
 import torch
 
-from nasd_core.model import quantized
-from nasd_core.model.attention import StepLayout, paged_attention
-from nasd_core.model.compiled_layers import merge_projections
-from nasd_core.model.quantized import QuantLinear
+from nasd_core import native
+from nasd_core.layers import quantized
+from nasd_core.layers.attention import StepLayout, paged_attention
+from nasd_core.layers.compiled_layers import merge_projections
+from nasd_core.layers.quantized import QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +42,7 @@ _PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp
 
 def lean_decoder_fits(model) -> bool:
     """Whether ``model`` is one ``lean_forward`` computes: a Llama, Qwen2 or Qwen3 on a CPU, SiLU MLP, its
-    projections GGUF blocks (``quantized.gguf_model``) and the C++ kernels built here."""
-    from nasd_core.model import native
-
+    projections GGUF blocks (``loader.gguf.gguf_model``) and the C++ kernels built here."""
     config = model.config
     if config.model_type not in LEAN_MODEL_TYPES or getattr(config, "hidden_act", None) != "silu":
         return False
@@ -165,7 +164,7 @@ def layer_weights(model) -> tuple[list[torch.Tensor], list[torch.Tensor], list[i
 def all_layers_fused(
     model, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step: StepLayout
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lean_layer`` over every layer in one C++ call (``csrc/decoder_ops.cpp``), for a step
+    """``lean_layer`` over every layer in one C++ call (``native/csrc/decoder_ops.cpp``), for a step
     whose rows all go to the paged attention kernel."""
     config, kernel_rows, cache = model.config, step.kernel_rows, step.cache
     norms, blocks, kinds = layer_weights(model)

@@ -1,0 +1,4 @@
+"""The model's layers as this project runs them: ragged attention over the paged KV-cache
+(``attention``, ``kv_cache``), GGUF-block Linears (``quantized``), the CPU's lean decoder layer
+(``lean_decoder``), compiled layers (``compiled_layers``), the CPU kernels and their batch-invariant
+settings (``cpu_kernels``), and the model's shape (``shape``)."""
