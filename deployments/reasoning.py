@@ -59,16 +59,18 @@ class ReasoningFormat:
 
     def grammar_spec(self, tokenizer, state: str) -> ReasoningSpec | None:
         """What a grammar lets through before it constrains an answer that starts in ``state``;
-        None where the answer has no reasoning, or the tokenizer does not write the markers the
-        engine must see as a single opening token and a closing sequence."""
+        None where the answer has no reasoning, or where the tokenizer has no single token for
+        each marker: the engine follows token ids, and a marker the model could write in other
+        tokens than ``encode``'s would leave the grammar waiting for good (reasoning models'
+        tokenizers have one token each)."""
         if state == ANSWER:
             return None
         end_ids = tokenizer.encode(self.end, add_special_tokens=False)
         start_ids = tokenizer.encode(self.start, add_special_tokens=False)
+        if len(end_ids) != 1 or len(start_ids) != 1:
+            return None
         if state == REASONING:
             return ReasoningSpec(end_ids=end_ids, open=True)
-        if len(start_ids) != 1:
-            return None
         return ReasoningSpec(end_ids=end_ids, start_id=start_ids[0])
 
 
@@ -91,7 +93,7 @@ def reasoning_format(chat_template: str | None, setting: str = "auto") -> Reason
 class ReasoningStream:
     """Splits a streamed answer into reasoning and the answer proper, whatever the grouping of
     its text into deltas: a tail that may be the start of a marker is held back until the next
-    delta tells. The answer's whitespace right after the closing marker is dropped.
+    delta tells. The line breaks right after the closing marker are dropped.
 
     ``push`` takes new answer text and returns (reasoning to send, answer text to send).
     """
@@ -100,7 +102,11 @@ class ReasoningStream:
     state: str
     text: str = ""  # held back: what may be part of a marker
     opening: bool = True  # at the answer's start, which may open with the start marker
-    at_answer_start: bool = False  # dropping the whitespace after the closing marker
+    at_answer_start: bool = False  # dropping the line breaks after the closing marker
+
+    def without_reasoning(self) -> None:
+        """Read the whole answer as answer (a grammar constrains it from its first token)."""
+        self.state, self.opening = ANSWER, False
 
     def push(self, delta: str, finished: bool) -> tuple[str, str]:
         self.text += delta
@@ -122,8 +128,8 @@ class ReasoningStream:
                 return reasoning, ""
             reasoning, self.text = self.text[:end], self.text[end + len(self.fmt.end) :]
             self.state, self.at_answer_start = ANSWER, True
-        if self.at_answer_start:
-            self.text = self.text.lstrip()
+        if self.at_answer_start:  # the blank lines after the marker, not an answer's indentation
+            self.text = self.text.lstrip("\r\n")
             self.at_answer_start = not self.text
         answer, self.text = self.text, ""
         return reasoning, answer

@@ -309,6 +309,8 @@ class NASDServer:
             prompt_ids = self._prompt_ids(parsed)
             reasoning = self._reasoning_state(parsed, prompt_ids)
             params, spec = self._params(parsed, len(prompt_ids), reasoning)
+            if reasoning is not None and params.grammar is not None and params.reasoning is None:
+                reasoning.without_reasoning()  # the grammar constrains the answer from its start
             echo = self._echo_text(parsed, prompt_ids) if parsed.echo else ""
             tools = ToolParsing(self.tool_format, parsed.tool_names()) if parsed.parse_tool_calls else None
             choices = [

@@ -477,10 +477,20 @@ class ResponseAnswer:
         return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
 
     def _open_reasoning(self) -> list[str]:
-        """A new reasoning item at the end of the output, and its event."""
+        """A new reasoning item at the end of the output, and its events."""
         index, item = len(self.output), reasoning_item(new_item_id("rs"), "", "in_progress")
         self.output.append(item)
-        return [self._event("response.output_item.added", output_index=index, item={**item, "content": []})]
+        part = {"type": "reasoning_text", "text": ""}
+        return [
+            self._event("response.output_item.added", output_index=index, item={**item, "content": []}),
+            self._event(
+                "response.content_part.added",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            ),
+        ]
 
     def _close(self, index: int, status: str = "completed") -> list[str]:
         """The events that end the text item at ``index`` (a message or a reasoning item)."""
@@ -489,8 +499,10 @@ class ResponseAnswer:
         item = self.output[index]
         item["status"] = status
         place = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        part = item["content"][0]
         return [
-            self._event("response.reasoning_text.done", **place, text=item["content"][0]["text"]),
+            self._event("response.reasoning_text.done", **place, text=part["text"]),
+            self._event("response.content_part.done", **place, part=part),
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 

@@ -14,7 +14,16 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 # The OpenAI completions API documents 16 as the default of max_tokens. Chat has no default:
 # the replica lets it run to the end of the context, as vLLM does.
@@ -622,12 +631,29 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    # A reasoning model's thinking (vLLM's name since 0.11), and under the name older clients read.
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
+class _WithReasoning(BaseModel):
+    """A reasoning model's thinking (``reasoning``, vLLM's name since 0.11, and
+    ``reasoning_content``, the name older clients read), left out where there is none: a client
+    may take the key's presence for a reasoning model."""
+
     reasoning: str | None = None
     reasoning_content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        for name in REASONING_FIELDS:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
+
+class AssistantMessage(_WithReasoning):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -638,11 +664,9 @@ class ChatChoice(BaseModel):
     finish_reason: FinishReason | None = None
 
 
-class Delta(BaseModel):
+class Delta(_WithReasoning):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    reasoning: str | None = None
-    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 

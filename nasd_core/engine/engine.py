@@ -33,7 +33,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
+from nasd_core.config import EngineConfig, ReasoningSpec, SamplingParams, SpecConfig, build
 from nasd_core.engine.scheduler import ScheduledStep, Scheduler
 from nasd_core.engine.sequence import GenerationResult, Request
 from nasd_core.engine.speculator import Speculator
@@ -61,6 +61,13 @@ TokenListener = Callable[[Request, list[int]], None]
 CPU_PREFIX_CACHE_TOKENS = 8192
 # A wait for the device longer than this means the device, not the host, bounded the step.
 DEVICE_BOUND_WAIT_S = 50e-6
+
+
+def _reasoning_ids(reasoning: ReasoningSpec | None) -> list[int]:
+    """The token ids a request's reasoning markers name (checked against the vocabulary)."""
+    if reasoning is None:
+        return []
+    return [*reasoning.end_ids, *([reasoning.start_id] if reasoning.start_id is not None else [])]
 
 
 def warm_up(runner: ModelRunner, config: EngineConfig) -> None:
@@ -225,12 +232,16 @@ class Engine:
             raise EngineOverloadedError(
                 f"the engine queue is full ({self.config.max_waiting} waiting requests); retry later"
             )
-        outside = [token for token in params.logit_bias if token >= self.vocab_size]
-        if outside:
-            raise InvalidRequestError(
-                f"logit_bias: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
-                param="logit_bias",
-            )
+        for param, tokens in (
+            ("logit_bias", list(params.logit_bias)),
+            ("reasoning", _reasoning_ids(params.reasoning)),
+        ):
+            outside = [token for token in tokens if not 0 <= token < self.vocab_size]
+            if outside:
+                raise InvalidRequestError(
+                    f"{param}: token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})",
+                    param=param,
+                )
         grammar = (
             self.grammars.matcher(params.grammar, params.reasoning) if params.grammar is not None else None
         )

@@ -61,7 +61,7 @@ def test_what_each_state_makes_of_an_answer():
     (split,) = split_everywhere(QWEN3, MAY_OPEN, ANSWERS[0])
     assert split == ("\nThe user wants 2+2. That is 4.\n", "The answer is 4.")
     # Opened by the prompt (DeepSeek-R1's template), the tag may be written again or not.
-    assert split_everywhere(DEEPSEEK_R1, REASONING, "a</think> b") == {("a", "b")}
+    assert split_everywhere(DEEPSEEK_R1, REASONING, "a</think>\n\n  b") == {("a", "  b")}
     assert split_everywhere(DEEPSEEK_R1, REASONING, "<think>a</think>b") == {("a", "b")}
     assert split_everywhere(DEEPSEEK_R1, REASONING, ANSWERS[1]) == {("no end tag, cut off", "")}
     # A qwen3 answer that does not open with the tag has no reasoning; a closed prompt, none.
@@ -138,15 +138,20 @@ def test_chat_returns_the_reasoning_apart_from_the_content(app, thinking):
     message = answer.choices[0].message
     assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"] == thinking
     assert not message.content
-    # A grammar constrains the answer after the reasoning, which never came: the thinking is free.
-    constrained = client.chat.completions.create(
-        model=MODEL,
-        messages=CHAT,
-        max_tokens=MAX_TOKENS,
-        temperature=0,
-        response_format={"type": "json_object"},
+    # SmolLM2 writes "</think>" in three tokens, which the engine could not follow for certain (the
+    # model may write them otherwise): with a grammar, the whole answer is the constrained answer.
+    constrained = (
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            response_format={"type": "json_object"},
+        )
+        .choices[0]
+        .message
     )
-    assert constrained.choices[0].message.model_extra["reasoning"] == thinking
+    assert "reasoning" not in constrained.model_extra and constrained.content.startswith("{")
     stream = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True
     )
@@ -171,6 +176,10 @@ def test_responses_return_a_reasoning_item_whole_and_streamed(app, thinking):
         events = list(stream)
     assert events[-1].type == "response.incomplete"  # cut at the limit, as the whole one was
     final = events[-1].response
+    kinds = [event.type for event in events]
+    assert kinds.index("response.content_part.added") < kinds.index("response.reasoning_text.delta")
+    done_at = kinds.index("response.reasoning_text.done")
+    assert done_at < kinds.index("response.content_part.done") < kinds.index("response.output_item.done")
     deltas = [event.delta for event in events if event.type == "response.reasoning_text.delta"]
     assert "".join(deltas) == thinking
     (done,) = [event.text for event in events if event.type == "response.reasoning_text.done"]

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from benchmarks.step_cost import ARCHITECTURES
-from nasd_core import native
 from nasd_core.config import DEFAULT_NUM_DRAFT_TOKENS, EngineConfig
+from nasd_core.engine import engine as engine_module
 from nasd_core.engine.engine import Engine
 from nasd_core.layers.attention import BATCH_MAX_KEYS, flex_kernel_options
 from nasd_core.runner.memory_plan import (
@@ -288,6 +288,6 @@ def test_graph_grids_have_no_context_axis_and_capture_the_largest_shape_first():
 
 def test_an_engine_builds_its_drafter_at_start_not_in_its_first_request(model, tokenizer, monkeypatch):
     built = []
-    monkeypatch.setattr(native, "drafter", lambda: built.append(True))
+    monkeypatch.setattr(engine_module, "compiled_module", lambda: built.append(True))
     Engine(model, tokenizer, EngineConfig(kv_cache_tokens=1024))
     assert built, "the engine did not build its drafter at start"

@@ -428,3 +428,15 @@ def test_drafts_are_cut_where_the_grammar_would_refuse_them_after_the_reasoning(
     grammar = engine.grammars.matcher(JSON_SPEC, opening)
     assert grammar.valid_prefix(words) == 1, "a draft that opens the reasoning ends there"
     assert grammar.valid_prefix(brace + words) == len(brace)
+
+
+@pytest.mark.parametrize("field", ["end_ids", "start_id"])
+def test_reasoning_markers_outside_the_vocabulary_are_an_invalid_request(engine, field):
+    outside = engine.vocab_size
+    reasoning = ReasoningSpec(
+        end_ids=[outside] if field == "end_ids" else [1], start_id=outside if field == "start_id" else None
+    )
+    with pytest.raises(InvalidRequestError) as error:
+        engine.add_request("Hello", SamplingParams(max_tokens=4, grammar=JSON_SPEC, reasoning=reasoning))
+    assert error.value.param == "reasoning"
+    assert not engine.requests, "nothing is queued"
