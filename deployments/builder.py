@@ -61,52 +61,11 @@ DEFAULT_INGRESS_MAX_ONGOING_REQUESTS = 10_000
 REPLICA_DEPLOYMENT = "NASDReplica"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
 
-# AppArgs field -> environment variable read by args_from_env().
-# Off by default: with 8 (1, 2, 4, 8 rows probed in 8.4 s on 2 cores) the HTTP sweep's auto
-# fell to 0.91x of off at C=1 on repetitive text and 0.73x at C=16 on creative text, where
-# the engine sweep, probed up to 32 rows twice without other replicas starting beside it,
-# had 1.70x and >= 1.0x. A probe taken while other replicas load, or extrapolated from 8 rows
-# to 16, steers auto wrong; until that is fixed auto learns step times as it runs.
+# Off by default: a probe taken while other replicas load, or extrapolated past the rows it
+# timed, steered auto wrong (docs/results.md); auto learns step times as it runs instead.
 DEFAULT_PROBE_MAX_ROWS = 0
-ENV_VARS = {
-    "model": "NASD_MODEL",
-    "served_model_name": "NASD_SERVED_MODEL_NAME",
-    "dtype": "NASD_DTYPE",
-    "device": "NASD_DEVICE",
-    "redis_url": "NASD_REDIS_URL",
-    "pool_namespace": "NASD_POOL_NAMESPACE",
-    "tenant_isolation": "NASD_TENANT_ISOLATION",
-    "api_key": "NASD_API_KEY",
-    "api_keys_file": "NASD_API_KEYS_FILE",
-    "key_max_in_flight": "NASD_KEY_MAX_IN_FLIGHT",
-    "key_tokens_per_minute": "NASD_KEY_TOKENS_PER_MINUTE",
-    "pool_partitions": "NASD_POOL_PARTITIONS",
-    "num_replicas": "NASD_NUM_REPLICAS",
-    "num_cpus_per_replica": "NASD_NUM_CPUS",
-    "num_gpus_per_replica": "NASD_NUM_GPUS",
-    "speculation": "NASD_SPECULATION",
-    "num_draft_tokens": "NASD_NUM_DRAFT_TOKENS",
-    "drafter": "NASD_DRAFTER",
-    "max_batch_rows": "NASD_MAX_BATCH_ROWS",
-    "max_waiting": "NASD_MAX_WAITING",
-    "probe_max_rows": "NASD_PROBE_MAX_ROWS",
-    "step_graphs": "NASD_STEP_GRAPHS",
-    "graph_attention": "NASD_GRAPH_ATTENTION",
-    "compiled_layers": "NASD_COMPILED_LAYERS",
-    "deterministic": "NASD_DETERMINISTIC",
-    "gpu_memory_utilization": "NASD_GPU_MEMORY_UTILIZATION",
-    "graph_warmup_budget_s": "NASD_GRAPH_WARMUP_BUDGET_S",
-    "prefix_cache_tokens": "NASD_PREFIX_CACHE_TOKENS",
-    "kv_cache_dtype": "NASD_KV_CACHE_DTYPE",
-    "prefill_threads": "NASD_PREFILL_THREADS",
-    "tool_call_parser": "NASD_TOOL_CALL_PARSER",
-    "reasoning_parser": "NASD_REASONING_PARSER",
-    "autoscaling": "NASD_AUTOSCALING",
-    "drain_timeout_s": "NASD_DRAIN_TIMEOUT_S",
-    "conversation_affinity": "NASD_CONVERSATION_AFFINITY",
-    "response_store_ttl_s": "NASD_RESPONSE_STORE_TTL_S",
-    "response_store_max_items": "NASD_RESPONSE_STORE_MAX_ITEMS",
-}
+# Fields whose environment variable is not NASD_ and the field's name in capitals (``ENV_VARS``).
+SHORT_ENV_VARS = {"num_cpus_per_replica": "NASD_NUM_CPUS", "num_gpus_per_replica": "NASD_NUM_GPUS"}
 
 
 class AppArgs(BaseModel):
@@ -298,6 +257,10 @@ class AppArgs(BaseModel):
     @classmethod
     def _parse_json(cls, value: Any) -> Any:
         return json.loads(value) if isinstance(value, str) else value
+
+
+# AppArgs field -> the environment variable ``args_from_env`` reads it from.
+ENV_VARS = {name: SHORT_ENV_VARS.get(name, f"NASD_{name.upper()}") for name in AppArgs.model_fields}
 
 
 def default_dtype(args: AppArgs, device: str) -> str:

@@ -3,6 +3,9 @@ file and the NASD_* environment variables turn into. Binding the graph loads no 
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pydantic
 import pytest
 from ray.serve import Application
@@ -12,7 +15,6 @@ from deployments.builder import (
     ENV_VARS,
     INGRESS_DEPLOYMENT,
     REPLICA_DEPLOYMENT,
-    AppArgs,
     args_from_env,
     build_app,
 )
@@ -178,8 +180,21 @@ def test_bad_arguments_are_validation_errors(args):
         build_app(args)
 
 
-def test_environment_variables_name_every_argument():
-    assert set(ENV_VARS) == set(AppArgs.model_fields)
+def readme_settings() -> dict[str, str]:
+    """The README's settings table: each argument and the environment variable it names."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    named = {}
+    for line in readme.splitlines():
+        cells = line.split(" | ")
+        if not line.startswith("| `") or len(cells) < 3 or "`NASD_" not in cells[1]:
+            continue
+        fields, variables = (re.findall(r"`([^`]+)`", re.sub(r"\([^)]*\)", "", cell)) for cell in cells[:2])
+        named.update(zip(fields, variables, strict=True))
+    return named
+
+
+def test_environment_variables_name_every_argument_as_the_readme_says():
+    assert readme_settings() == ENV_VARS, "the README's settings table and AppArgs disagree"
     environ = {
         "NASD_MODEL": "HuggingFaceTB/SmolLM2-360M",
         "NASD_NUM_REPLICAS": "2",
