@@ -40,16 +40,10 @@ RESULTS_DOC = ROOT / "docs" / "results.md"
 # Results shown as a table (and a plot where the suite has one): block -> (result file
 # stem, suite, table).
 TABLE_BLOCKS = {
-    "auth_cost": ("auth_cost_float32", "auth_cost", "markdown_table"),
     "structured": ("structured_float32", "structured", "markdown_table"),
     "grammar_engines": ("grammar_engines", "grammar_engines", "markdown_table"),
-    "grammar_stall": ("grammar_stall_float32", "grammar_stall", "markdown_table"),
     "replica_kill": ("replica_kill_float32", "replica_kill", "markdown_table"),
-    "deterministic": ("deterministic_bfloat16", "deterministic", "markdown_table"),
-    "quant_matmul": ("quant_matmul", "quant_matmul", "markdown_table"),
-    "quant_kinds": ("quant_kinds", "quant_kinds", "markdown_table"),
     "vs_llamacpp": ("vs_llamacpp_gguf", "vs_llamacpp", "markdown_table"),
-    "gguf_step": ("gguf_step", "gguf_step", "markdown_table"),
     "http_categories": ("http_categories_gguf", "http_categories", "markdown_table"),
     "lockstep": ("lockstep_gguf", "lockstep", "markdown_table"),
     "agent_cluster": ("agent_cluster_gguf", "agent_cluster", "markdown_table"),

@@ -371,24 +371,6 @@ def test_suffix_tree_holds_every_continuation_of_the_match_and_the_path_draft():
     assert len(wide) == TREE_MAX_NODES
 
 
-def test_spec_ceiling_prices_drafts_by_the_measured_steps():
-    from benchmarks.spec_ceiling import best_speedup, expected_tokens, run_ceiling
-
-    assert expected_tokens(0, 0.5) == 1.0
-    assert expected_tokens(3, 1.0) == 4.0
-    assert expected_tokens(2, 0.5) == 1.75
-    # Free drafts (a weight-bound step) take the longest draft; drafts costing a row's step never pay.
-    assert best_speedup({1: 10.0, 2: 10.0, 3: 10.0}, 0.5) == (1.75, 2)
-    assert best_speedup({1: 10.0, 2: 20.0, 3: 30.0}, 0.9) == (1.0, 0)
-    # A drafted position at 40% of a step pays from 40% acceptance on.
-    steps = {1: 10.0, 2: 14.0}
-    assert best_speedup(steps, 0.3)[1] == 0 and best_speedup(steps, 0.5)[1] == 1
-    # Amdahl: prompt chunks are not shortened.
-    assert run_ceiling(1.0, 0.55) == 1.0
-    assert run_ceiling(2.0, 0.0) == 2.0
-    assert round(run_ceiling(2.0, 0.55), 3) == 1.290
-
-
 def test_agent_cluster_reads_each_turns_reuse_against_the_history_before_it():
     from benchmarks.agent_cluster import per_turn
 

@@ -11,8 +11,7 @@ Two ways to attend, chosen per row when the step is planned (``plan_step``):
 - on a CPU in float32, rows of a few positions (decode and verification, the bulk of the
   reading) go to one C++ call per layer (``nasd_core/native/csrc/paged_attention.cpp``) that reads
   every row's blocks in place and splits the work by row, head and run of keys over the
-  cores: a decode step of 32 rows x 1536 cached tokens took 198 ms where one SDPA call per
-  row and layer took 294 (`python -m benchmarks.kv_steps`, a 2-core Xeon);
+  cores, faster than one SDPA call per row and layer (docs/results.md, paged KV-cache);
 - off the CPU (a GPU), rows of a few positions go to one SDPA call per layer for all of them
   (``BatchedRows``): each row's keys gathered from the pool into a padded batch, a mask per
   row. A call per row and layer there is a kernel launch per row and layer (32 rows x 30

@@ -13,8 +13,7 @@ pool and attention reads them without a copy (a fragmented row is gathered, stil
 On a CPU the pool is allocated untouched, so reserved slots cost no resident memory until
 a token is written there, and a finished row's pages are handed back to the OS
 (``madvise(MADV_DONTNEED)``): resident memory follows the tokens rows hold now, not every
-token the pool has ever held (32 rows of ~800 tokens that finish at different times peaked at
-1.53x their live KV bytes before, `python -m benchmarks.kv_steps`).
+token the pool has ever held (docs/results.md, paged KV-cache).
 
 Prefix cache: a finished row's full blocks stay indexed by the tokens they hold (and the
 block before them), so a later prompt that starts with the same tokens (the next turn of a

@@ -10,9 +10,9 @@ gate/up matmul, SiLU times up, the down matmul (``native/csrc/decoder_ops.cpp`` 
 ones). A step whose rows all go to the paged attention kernel (decode and verification: the bulk
 of generation) makes the same calls for every layer in one C++ call (``decoder_layers``), with no
 Python between them; steps with a prompt chunk loop over ``lean_layer`` in Python. The last norm
-and the vocabulary projection run on the positions that need logits only. A one-token step went
-from 16.2 ms (transformers) to 11.7 (Python loop) and 9.4 (C++ loop) on 2 cores
-(``python -m benchmarks.gguf_step``).
+and the vocabulary projection run on the positions that need logits only. Why: on the GGUF path a
+step is short enough that transformers' per-layer Python was a large share of it (docs/results.md,
+"Where a step's time goes").
 
 The arithmetic is transformers' up to the order of its sums (each fused kernel computes a token
 with one thread and one fixed sequence of instructions, so a token's values do not depend on what

@@ -112,11 +112,9 @@ def quant_kernel_available() -> bool:
 
 # Whether QuantLinear (and the lean decoder's fused layer loop) rounds each input row to int8 per
 # block of 32 and multiplies with integer dot products (``quant_linear_q8``), as llama.cpp does
-# for these blocks, instead of multiplying the float32 rows. On by default: 1.6-2x faster steps
-# (benchmarks.gguf_step), still batch-invariant (greedy speculation stays token-identical to plain
-# decoding, sampling keeps the distribution); the arithmetic is then llama.cpp's, not the
-# dequantized float32 model's (a Linear's output moves by 0.6-1.2%, perplexity on a short
-# English/code text 9.50 -> 9.54). Benchmarks and tests switch it to compare the two.
+# for these blocks, instead of multiplying the float32 rows. On by default: faster steps, still
+# batch-invariant (greedy speculation stays token-identical to plain decoding); the arithmetic is
+# then llama.cpp's, not the dequantized float32 model's (docs/results.md: speed and perplexity).
 INT8_ACTIVATIONS = True
 
 

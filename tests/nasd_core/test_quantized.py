@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch.nn import functional
 
-from benchmarks.quant_kinds import file_blocks, random_blocks
 from nasd_core import SamplingParams, SpecConfig
 from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine.engine import Engine
@@ -34,6 +33,7 @@ from nasd_core.layers.quantized import (
 )
 from nasd_core.loader import load_model
 from nasd_core.loader.gguf import repack
+from tests.nasd_core.gguf_blocks import file_blocks, random_blocks
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, FixedStepTimes, run_staggered
 from tests.nasd_core.test_generate import assert_sampling_matches_transformers
 
