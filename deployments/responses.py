@@ -476,62 +476,35 @@ class ResponseAnswer:
         self.sequence_number += 1
         return f"event: {kind}\ndata: {json.dumps(payload)}\n\n"
 
-    def _open_reasoning(self) -> list[str]:
-        """A new reasoning item at the end of the output, and its events."""
-        index, item = len(self.output), reasoning_item(new_item_id("rs"), "", "in_progress")
+    def _open(self, kind: str) -> list[str]:
+        """A new text item (a ``message`` or a ``reasoning`` item) at the end of the output, and
+        its events: the item added without its part, which content_part.added adds (as OpenAI's)."""
+        index = len(self.output)
+        if kind == "message":
+            item = message_item(new_item_id("msg"), "", "in_progress")
+        else:
+            item = reasoning_item(new_item_id("rs"), "", "in_progress")
         self.output.append(item)
-        part = {"type": "reasoning_text", "text": ""}
+        part = {**item["content"][0], "text": ""}
+        place = {"item_id": item["id"], "output_index": index, "content_index": 0}
         return [
             self._event("response.output_item.added", output_index=index, item={**item, "content": []}),
-            self._event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
-            ),
+            self._event("response.content_part.added", **place, part=part),
         ]
 
     def _close(self, index: int, status: str = "completed") -> list[str]:
         """The events that end the text item at ``index`` (a message or a reasoning item)."""
-        if self.output[index]["type"] == "message":
-            return self._close_message(index, status)
         item = self.output[index]
         item["status"] = status
+        part = item["content"][0]
         place = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        part = item["content"][0]
+        if item["type"] == "message":
+            text_done = self._event("response.output_text.done", **place, text=part["text"], logprobs=[])
+        else:
+            text_done = self._event("response.reasoning_text.done", **place, text=part["text"])
         return [
-            self._event("response.reasoning_text.done", **place, text=part["text"]),
+            text_done,
             self._event("response.content_part.done", **place, part=part),
-            self._event("response.output_item.done", output_index=index, item=item),
-        ]
-
-    def _open_message(self) -> list[str]:
-        """A new message item at the end of the output, and its events."""
-        index, item = len(self.output), message_item(new_item_id("msg"), "", "in_progress")
-        self.output.append(item)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        return [  # the item added without its part, which content_part.added adds (as OpenAI's)
-            self._event("response.output_item.added", output_index=index, item={**item, "content": []}),
-            self._event(
-                "response.content_part.added",
-                item_id=item["id"],
-                output_index=index,
-                content_index=0,
-                part=part,
-            ),
-        ]
-
-    def _close_message(self, index: int, status: str = "completed") -> list[str]:
-        item = self.output[index]
-        item["status"] = status
-        part = item["content"][0]
-        place = {"item_id": item["id"], "output_index": index}
-        return [
-            self._event(
-                "response.output_text.done", **place, content_index=0, text=part["text"], logprobs=[]
-            ),
-            self._event("response.content_part.done", **place, content_index=0, part=part),
             self._event("response.output_item.done", output_index=index, item=item),
         ]
 
@@ -555,7 +528,7 @@ class ResponseAnswer:
                     open_item = None
                 if open_item is None:
                     open_item = len(self.output)
-                    for event in self._open_message() if kind == "message" else self._open_reasoning():
+                    for event in self._open(kind):
                         yield event
                 item = self.output[open_item]
                 item["content"][0]["text"] += text
@@ -591,7 +564,7 @@ class ResponseAnswer:
             last = chunk
         if not self.output:  # an empty answer is still a message, as a whole response's is
             open_item = 0
-            for event in self._open_message():
+            for event in self._open("message"):
                 yield event
         if open_item is not None:  # the answer's last item: cut at the length limit, or whole
             for event in self._close(open_item, "incomplete" if finish_reason == "length" else "completed"):
