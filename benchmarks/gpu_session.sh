@@ -134,7 +134,7 @@ call_1() {
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
         python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers',
 transformers.__version__, torch.cuda.get_device_name())"
-        python3 -c "from nasd_core import native; print('C++ drafter:', native.drafter() is not None)"
+        python3 -c "from nasd_core.speculation.suffix import compiled_module; print('C++ drafter:', compiled_module() is not None)"
     } 2>&1 | tee "$OUT/env.txt"
     logged step_cost 110 python3 -m benchmarks.step_cost --device cuda --dtype bfloat16 --arch qwen2-1.5b \
         --rows 1 64 --repeats 2 --step-graphs --graph-attention paged --compiled-layers

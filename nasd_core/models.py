@@ -7,12 +7,15 @@ import warnings
 from typing import Any
 
 from nasd_core import loader
+from nasd_core.native import cache
 
 
 def __getattr__(name: str) -> Any:
+    if name.startswith("__"):  # the import system's questions (``__path__``...): a plain module
+        raise AttributeError(name)
     warnings.warn(
         "nasd_core.models is deprecated: import from nasd_core.loader (or nasd_core.load_model)",
         DeprecationWarning,
         stacklevel=2,
     )
-    return getattr(loader, name)
+    return getattr(loader if hasattr(loader, name) else cache, name)

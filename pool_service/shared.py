@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from nasd_core.speculation.drafter import SharedIndex, new_shared_index
 from pool_service.backends import open_store
 from pool_service.config import PoolConfig
+from pool_service.redis_pool import command_client
 from pool_service.sync import Apply, PoolSync, apply_now
 
 logger = logging.getLogger(__name__)
@@ -227,8 +228,6 @@ class SharedPools:
         """One Redis client for every stream's short commands: a replica following tens of
         partitions then holds one connection per blocking reader, not two per partition."""
         if self._client is None and self.config.redis_url:
-            from pool_service.redis_pool import command_client
-
             self._client = command_client(self.config.redis_url, self.config)
         return self._client
 

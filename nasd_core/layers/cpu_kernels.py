@@ -39,7 +39,7 @@ from torch.nn import functional
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from nasd_core import native
-from nasd_core.runner.memory_plan import ModelShape
+from nasd_core.layers.shape import ModelShape
 
 logger = logging.getLogger(__name__)
 

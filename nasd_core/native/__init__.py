@@ -45,10 +45,11 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def build_directory(sources: list[Path] = SOURCES, cflags: list[str] = CFLAGS) -> Path:
-    """Where this machine's build of ``sources`` for this torch lives."""
+def build_directory(sources: list[Path], cflags: list[str], headers: list[Path]) -> Path:
+    """Where this machine's build of ``sources`` (and the ``headers`` they include) for this
+    torch lives."""
     digest = hashlib.sha256()
-    for source in [*sources, *HEADERS]:
+    for source in [*sources, *headers]:
         digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(" ".join(cflags).encode())
@@ -60,15 +61,23 @@ def _enabled() -> bool:
     return os.environ.get("NASD_NATIVE", "1") != "0"
 
 
-def build(name: str, sources: list[Path], cflags: list[str], python_module: bool, what: str):
-    """Build (if needed) and load one extension: a Python module with ``python_module``, else
-    torch ops; None (after a warning) where it cannot be built or ``NASD_NATIVE=0``."""
+def build(
+    name: str,
+    sources: list[Path],
+    cflags: list[str],
+    python_module: bool,
+    what: str,
+    headers: list[Path] | None = None,
+):
+    """Build (if needed) and load one extension from ``sources`` and the ``headers`` they include:
+    a Python module with ``python_module``, else torch ops; None (after a warning) where it
+    cannot be built or ``NASD_NATIVE=0``."""
     if not _enabled():
         return None
     from torch.utils import cpp_extension
 
-    directory = build_directory(sources, cflags)
     try:
+        directory = build_directory(sources, cflags, headers or [])
         directory.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(
             name=name,
@@ -90,5 +99,5 @@ def load() -> bool:
     if not _enabled():
         return False
     if not hasattr(torch.ops.nasd, "paged_attention"):
-        build("nasd_native", SOURCES, CFLAGS, python_module=False, what="attention kernels")
+        build("nasd_native", SOURCES, CFLAGS, python_module=False, what="attention kernels", headers=HEADERS)
     return hasattr(torch.ops.nasd, "paged_attention")

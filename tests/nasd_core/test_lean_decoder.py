@@ -1,6 +1,6 @@
-"""The lean decoder (``model/lean_decoder.py``): the GGUF path's step as fused CPU calls.
+"""The lean decoder (``layers/lean_decoder.py``): the GGUF path's step as fused CPU calls.
 
-Its kernels (``csrc/decoder_ops.cpp``) compute transformers' RMSNorm, rotary embedding and
+Its kernels (``native/csrc/decoder_ops.cpp``) compute transformers' RMSNorm, rotary embedding and
 SiLU-times-up up to the order of their sums, and a token's values are the same bits alone and
 among other tokens, on one thread or two. The runner's steps on the GGUF model take it and give
 the logits of transformers' own forward of the same model.

@@ -4,7 +4,7 @@
 //
 // Why a kernel: a decode step on a CPU is bound by reading the weights, and these blocks are a
 // quarter to an eighth of float32's bytes. PyTorch's own weight-only CPU kernels reread the
-// weights for every input row (benchmarks/quant_matmul.py), which is what verification must not
+// weights for every input row (docs/results.md, the kernel against PyTorch's), which verification must not
 // do. Here each block is turned into floats in registers and multiplied by 4 input rows while it
 // is there; a thread's slice of the weights is read once per 4 rows. From 9 rows on (long
 // verifications, prompt chunks) each weight is decoded once into a float panel that every row
@@ -53,8 +53,8 @@ inline void with_rows(int64_t n, Body body) {
 constexpr int64_t kBlock = 32;  // weights per block, in every format here
 constexpr int64_t kRowTile = 4;  // input rows multiplied per pass over a tile of outputs
 // From this many rows on, dequantizing each weight once into a float panel beats dequantizing it
-// in registers once per row tile (benchmarks/quant_matmul.py: 1.1x at 17 rows, 1.3x at 64-256;
-// 0.8x at 8, where the panel's stores and loads cost more than the repeated decoding).
+// in registers once per row tile; below it the panel's stores and loads cost more than the repeated
+// decoding (docs/results.md).
 constexpr int64_t kPanelMinRows = 9;
 
 // ggml's type ids (gguf.GGMLQuantizationType). The K-quants and Q5 types come repacked into blocks
