@@ -42,7 +42,7 @@ from nasd_core.speculation.calibration import (
     probe_row,
     time_step,
 )
-from nasd_core.speculation.policy import StepTimeModel
+from nasd_core.speculation.step_time import StepTimeModel
 
 # Model set-ups timed, by the name the results use.
 VARIANTS = {

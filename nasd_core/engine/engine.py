@@ -45,10 +45,13 @@ from nasd_core.metrics import SpecStats
 from nasd_core.processors import LogitsProcessors, needs_processing
 from nasd_core.runner.model_runner import ModelRunner, StepRow, max_context
 from nasd_core.sampling import TokenDraws
+from nasd_core.speculation.acceptance import AcceptanceEstimator
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import Draft, RequestDrafter, SharedIndex
 from nasd_core.speculation.ngram import NGramIndex
-from nasd_core.speculation.policy import AcceptanceEstimator, DraftPayoff, DraftPlan, StepTimeModel
+from nasd_core.speculation.payoff import DraftPayoff
+from nasd_core.speculation.policy import DraftPlan
+from nasd_core.speculation.step_time import StepTimeModel
 from nasd_core.speculation.suffix import compiled_module
 from nasd_core.speculation.verify import verify_rows
 from nasd_core.structured import Grammars

@@ -12,15 +12,11 @@ from nasd_core.logprobs import TokenLogprob
 from nasd_core.metrics import SpecStats
 from nasd_core.processors import LogitsProcessors
 from nasd_core.sampling import TokenDraws
+from nasd_core.speculation.acceptance import AcceptanceEstimator
 from nasd_core.speculation.drafter import Draft, RequestDrafter
 from nasd_core.speculation.gate import DraftGate
-from nasd_core.speculation.policy import (
-    INITIAL_PACE_CREDIT,
-    INITIAL_PREFILL_PACE_CREDIT,
-    AcceptanceEstimator,
-    RowDraft,
-    pace_credit,
-)
+from nasd_core.speculation.pace import INITIAL_PACE_CREDIT, INITIAL_PREFILL_PACE_CREDIT, pace_credit
+from nasd_core.speculation.policy import RowDraft
 from nasd_core.speculation.verify import VerifyRow
 
 
@@ -63,10 +59,10 @@ class Request:
     num_prefilled: int = 0
     # Whether its drafts pay, read off the clock; closed, it runs plain steps (``gate.DraftGate``).
     gate: DraftGate = field(default_factory=DraftGate)
-    # How far the request is ahead of its pace floor, in plain steps (``policy.pace_credit``):
-    # the batch's drafts may not slow it below ``policy.MIN_ROW_PACE`` of plain decoding.
+    # How far the request is ahead of its pace floor, in plain steps (``pace.pace_credit``):
+    # the batch's drafts may not slow it below ``pace.MIN_ROW_PACE`` of plain decoding.
     pace_credit: float = INITIAL_PACE_CREDIT
-    # The same for its prompt's chunks, each one plain step of progress (``policy.prefill_floor``).
+    # The same for its prompt's chunks, each one plain step of progress (``pace.prefill_floor``).
     prefill_pace_credit: float = INITIAL_PREFILL_PACE_CREDIT
     cancelled: bool = False
     arrival_time: float = 0.0
@@ -165,7 +161,7 @@ class Request:
 
     def prefilled_chunk(self, cost_ratio: float) -> None:
         """One of its prompt's chunks went in, in a step ``cost_ratio`` times as dear as without
-        its drafts: one plain step of the prompt's progress (``policy.prefill_floor``)."""
+        its drafts: one plain step of the prompt's progress (``pace.prefill_floor``)."""
         self.prefill_pace_credit = pace_credit(self.prefill_pace_credit, 1, cost_ratio)
 
     def advance(self, draft: Draft, num_drafted: int, emitted: list[int]) -> list[int]:

@@ -9,7 +9,7 @@ tenth of a ~6 ms GPU step at 64 rows). A step of fixed shapes (CUDA graphs) is p
 (``graph_plan``), any other by its rows and positions (``policy.plan_batch_drafts``).
 
 After the step, each row is charged what the step cost, read off the clock: its pace credit
-(``policy.pace_credit``) and its gate (``gate.DraftGate``), which sends a request whose drafts do
+(``pace.pace_credit``) and its gate (``gate.DraftGate``), which sends a request whose drafts do
 not pay to plain steps, where none of this runs. A step in which no row's gate is open costs what
 a step of ``off`` does. The packed model learns whole steps' wall times (drafting, forward,
 verification and commit); its plain steps, the yardstick of every charge, are read at each row
@@ -30,18 +30,10 @@ from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import EMPTY_DRAFT, Draft, cut_draft, longest_matches, propose_rows
 from nasd_core.speculation.gate import row_costs
 from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
-from nasd_core.speculation.policy import (
-    MAX_SAMPLE_RATIO,
-    MIN_TRUSTED_SAMPLES,
-    DraftPayoff,
-    DraftPlan,
-    RowDraft,
-    StepTimeModel,
-    clock_ratio,
-    draft_position_cap,
-    plan_batch_drafts,
-    prefill_floor,
-)
+from nasd_core.speculation.pace import clock_ratio, prefill_floor
+from nasd_core.speculation.payoff import DraftPayoff
+from nasd_core.speculation.policy import DraftPlan, RowDraft, draft_position_cap, plan_batch_drafts
+from nasd_core.speculation.step_time import MAX_SAMPLE_RATIO, MIN_TRUSTED_SAMPLES, StepTimeModel
 from nasd_core.structured import GRAMMAR_SOURCE
 
 DRAFTING_COST_WEIGHT = 0.1  # moving-average weight of each step's drafting time per row
@@ -196,7 +188,7 @@ class Speculator:
         """The policy's draft length per row: a fixed-shape step's by its width; a packed step's
         with its total draft positions capped by what has been timed (``draft_position_cap``);
         promises discounted by what drafted steps of this many rows delivered (``DraftPayoff``);
-        ``chunk_floor``: the prompt chunks' pace floor (``policy.prefill_floor``)."""
+        ``chunk_floor``: the prompt chunks' pace floor (``pace.prefill_floor``)."""
         num_rows = len(row_drafts) + num_other_rows
         widths = self.runner.graph_widths
         if widths is not None and not num_other_rows:

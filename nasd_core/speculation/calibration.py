@@ -15,15 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from nasd_core.runner.model_runner import ModelRunner, StepRow
+from nasd_core.speculation.acceptance import AcceptanceEstimator, pooled_acceptance
 from nasd_core.speculation.gate import GateHistory
 from nasd_core.speculation.graph_plan import GraphStepTimes
-from nasd_core.speculation.policy import (
-    MIN_TRUSTED_SAMPLES,
-    AcceptanceEstimator,
-    DraftPayoff,
-    StepTimeModel,
-    pooled_acceptance,
-)
+from nasd_core.speculation.payoff import DraftPayoff
+from nasd_core.speculation.step_time import MIN_TRUSTED_SAMPLES, StepTimeModel
 
 # Positions per row the probe times: every small width the policy weighs often, and sparse
 # wide ones up to the default draft cap (16) that the model interpolates between.

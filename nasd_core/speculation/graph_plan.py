@@ -6,7 +6,7 @@ rows really use. Once a width is paid for, every row may draft up to it for noth
 the device. So the choice is one width per step: for each width, every ``auto`` row drafts as
 far as it allows (each further draft adds the chance it is reached and accepted), and the
 width with the most expected tokens per second wins, if it beats plain decoding by the
-policy's bar and keeps every row at its pace floor (``policy.keeps_pace``).
+policy's bar and keeps every row at its pace floor (``pace.keeps_pace``).
 """
 
 from __future__ import annotations
@@ -17,15 +17,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from nasd_core.runner.step_graphs import ROW_BUCKETS, bucket
-from nasd_core.speculation.policy import (
-    EWMA_WEIGHT,
-    MAX_SAMPLE_RATIO,
-    DraftPlan,
-    RowDraft,
-    along_rows,
-    beats_plain,
-    keeps_pace,
-)
+from nasd_core.speculation.pace import keeps_pace
+from nasd_core.speculation.policy import DraftPlan, RowDraft, beats_plain
+from nasd_core.speculation.step_time import EWMA_WEIGHT, MAX_SAMPLE_RATIO, along_rows
 
 # Before a width is timed: each position per row adds this share of a one-position step (an H100
 # replaying a 1.5B model's graphs: 1 x 17 cost 1.15x 1 x 1, 64 x 17 1.86x 64 x 1).

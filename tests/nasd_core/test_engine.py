@@ -17,15 +17,13 @@ from nasd_core.engine.engine import Engine
 from nasd_core.engine.scheduler import ScheduledStep
 from nasd_core.errors import EngineOverloadedError, InvalidRequestError
 from nasd_core.runner.model_runner import StepRow
-from nasd_core.speculation import gate, graph_plan, policy
+from nasd_core.speculation import gate, graph_plan, payoff, policy
+from nasd_core.speculation.acceptance import AcceptanceEstimator
 from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import LOCAL_SOURCE, RequestDrafter
-from nasd_core.speculation.policy import (
-    MIN_PAYOFF,
-    AcceptanceEstimator,
-    DraftPlan,
-    StepTimeModel,
-)
+from nasd_core.speculation.payoff import MIN_PAYOFF
+from nasd_core.speculation.policy import DraftPlan
+from nasd_core.speculation.step_time import StepTimeModel
 
 PROMPTS = [
     "one, two, three, four, five,",
@@ -261,9 +259,9 @@ def clock_agrees_with_model(monkeypatch) -> None:
         "cost_ratio",
         lambda self, step, proposal, wall_s: (proposal.plan.cost_ratio, 0.0),
     )
-    record = policy.DraftPayoff.record
+    record = payoff.DraftPayoff.record
     monkeypatch.setattr(
-        policy.DraftPayoff,
+        payoff.DraftPayoff,
         "record",
         lambda self, num_rows, plan, estimated_s, measured_s, num_tokens: record(
             self, num_rows, plan, estimated_s, estimated_s, num_tokens
@@ -469,7 +467,7 @@ def test_running_rows_drafts_never_slow_a_prompts_chunks_below_their_pace(
     model, tokenizer, single_runs, monkeypatch, floor
 ):
     """A prompt prefilled in chunks beside copying rows in ``auto`` waits for every chunk step,
-    drafts and all: its chunks keep their own pace, with no slack (``policy.prefill_floor``), so
+    drafts and all: its chunks keep their own pace, with no slack (``pace.prefill_floor``), so
     its prefill credit never goes below zero; without that floor it does. Outputs unchanged."""
     if not floor:
         monkeypatch.setattr(speculator, "prefill_floor", lambda credits: math.inf)

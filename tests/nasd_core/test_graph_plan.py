@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from nasd_core.runner.step_graphs import POSITION_BUCKETS
+from nasd_core.speculation.acceptance import AcceptanceEstimator
 from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
-from nasd_core.speculation.policy import AcceptanceEstimator, RowDraft
+from nasd_core.speculation.policy import RowDraft
 
 WIDTHS = tuple(width for width in POSITION_BUCKETS if width <= 17)
 

@@ -7,32 +7,27 @@ import math
 import pytest
 
 from nasd_core.metrics import SpecStats
-from nasd_core.speculation.policy import (
-    LARGE_BATCH_MIN_DRAFT_GAIN,
-    LARGE_BATCH_ROWS,
-    MAX_READ_GAIN,
-    MAX_SAMPLE_RATIO,
-    MIN_DRAFT_GAIN,
-    MIN_PAYOFF,
-    MIN_ROW_PACE,
-    MIN_TRUSTED_SAMPLES,
+from nasd_core.speculation.acceptance import (
     PRIOR_SPLIT_FIRST_ACCEPT,
     PRIOR_SPLIT_NEXT_ACCEPT,
     AcceptanceEstimator,
-    DraftPayoff,
+    match_bucket,
+    pooled_acceptance,
+)
+from nasd_core.speculation.pace import MIN_ROW_PACE, pace_credit, prefill_floor
+from nasd_core.speculation.payoff import MAX_READ_GAIN, MIN_PAYOFF, DraftPayoff
+from nasd_core.speculation.policy import (
+    LARGE_BATCH_MIN_DRAFT_GAIN,
+    LARGE_BATCH_ROWS,
+    MIN_DRAFT_GAIN,
     DraftPlan,
     RowDraft,
-    StepTimeModel,
     choose_draft_length,
     cold_start_cap,
     draft_position_cap,
-    match_bucket,
-    pace_credit,
     plan_batch_drafts,
-    pooled_acceptance,
-    prefill_floor,
-    snap_extra,
 )
+from nasd_core.speculation.step_time import MAX_SAMPLE_RATIO, MIN_TRUSTED_SAMPLES, StepTimeModel, snap_extra
 
 
 def test_a_drafts_reaches_are_falling_products_of_its_tokens_rates():
