@@ -21,7 +21,8 @@ more steps with other prompts' chunks. The ``arrivals`` cell sends as many new c
 rate instead, the same for every server (``ARRIVAL_LOAD`` of the rate at which ``off`` finished
 the mixed cell's chats, which are other ones: the load is near its capacity, not exactly that
 share), and reads each category the same way: how long a server takes over the same requests
-arriving at the same times.
+arriving at the same times. Both stream cells go to the servers in slices of ``STREAM_SLICE``
+chats, the servers' order rotated at each slice as at each wave.
 
 With ``--repeats N`` every cell is sent N times, each time with new prompts, and reads the N rounds
 pooled (tokens over seconds). A category's round goes to the servers a wave at a time (``waves``:
@@ -68,6 +69,10 @@ QUICK_REQUESTS = {1: 2, 8: 8}
 # The mixed cell: chats per category, eight in flight.
 MIXED_PER_CATEGORY = 4
 MIXED_CONCURRENCY = 8
+# The stream cells go to the servers in slices of this many chats, the servers' order rotated at
+# each: sent whole, one server after another, the first ran a quarter faster than its identical
+# control on a 2-vCPU host whose clock drifts over a minute (docs/results.md).
+STREAM_SLICE = 12
 # The arrivals cell sends chats at this share of the rate at which off finished the mixed cell's:
 # several requests in flight, yet well below capacity, where latency swings with small differences
 # (0.8 came too near it: docs/results.md).
@@ -200,7 +205,8 @@ def run_mixed(
     interval_s: float | None = None,
 ) -> dict:
     """Every category's next ``MIXED_PER_CATEGORY`` chats, taken in turn, ``MIXED_CONCURRENCY``
-    in flight (each of ``repeats`` rounds ``per_round`` prompts further on): the whole run's
+    in flight (each of ``repeats`` rounds ``per_round`` prompts further on), sent in slices of
+    ``STREAM_SLICE`` chats that the servers take in turn: the whole run's
     tokens/s by mode and each category's tokens over its requests' seconds (the client's
     queueing excluded). ``interval_s``: each chat is sent that long after the one before,
     however many are in flight, and the cell's own figure is every request's tokens over their
@@ -214,7 +220,12 @@ def run_mixed(
         order = [(name, by_category[name][i]) for i in range(MIXED_PER_CATEGORY) for name in categories]
         rounds.append([messages for _, messages in order])
         names += [name for name, _ in order]
-    concurrency = MIXED_CONCURRENCY if interval_s is None else len(rounds[0])
+    concurrency = MIXED_CONCURRENCY if interval_s is None else STREAM_SLICE
+    rounds = [
+        chats[start : start + STREAM_SLICE]
+        for chats in rounds
+        for start in range(0, len(chats), STREAM_SLICE)
+    ]
     # The arrivals cell starts its rotation one server later than the mixed cell's.
     shift = len(categories) + (interval_s is not None)
     row, results = run_modes(urls, rounds, concurrency, max_tokens, shift, interval_s)
