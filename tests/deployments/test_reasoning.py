@@ -10,6 +10,7 @@ import pytest
 from openai.types.responses import ResponseReasoningItem
 
 from deployments.builder import EMBEDDED_MODEL
+from deployments.outputs import ChoiceOutput, ToolParsing
 from deployments.reasoning import (
     ANSWER,
     DEEPSEEK_R1,
@@ -20,7 +21,6 @@ from deployments.reasoning import (
     ReasoningStream,
     reasoning_format,
 )
-from deployments.replica import ChoiceOutput, ToolParsing
 from deployments.tools import HERMES
 from nasd_core import SamplingParams, generate
 from nasd_core.config import SpecConfig

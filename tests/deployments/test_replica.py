@@ -10,7 +10,8 @@ import time
 import pytest
 import redis
 
-from deployments.replica import NASDServer, ReplicaConfig, TextStream
+from deployments.outputs import TextStream
+from deployments.replica import NASDServer, ReplicaConfig
 from deployments.schemas import GenerateChunk
 from nasd_core import SamplingParams, generate
 from nasd_core.config import EngineConfig
