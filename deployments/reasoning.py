@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from deployments.streams import marker_start_length
 from nasd_core.config import ReasoningSpec
 
 ReasoningParser = Literal["auto", "qwen3", "deepseek_r1", "none"]
@@ -123,7 +124,7 @@ class ReasoningStream:
         if self.state == REASONING:
             end = self.text.find(self.fmt.end)
             if end < 0:
-                keep = 0 if finished else _partial_suffix(self.text, self.fmt.end)
+                keep = 0 if finished else marker_start_length(self.text, [self.fmt.end])
                 reasoning, self.text = self.text[: len(self.text) - keep], self.text[len(self.text) - keep :]
                 return reasoning, ""
             reasoning, self.text = self.text[:end], self.text[end + len(self.fmt.end) :]
@@ -133,11 +134,3 @@ class ReasoningStream:
             self.at_answer_start = not self.text
         answer, self.text = self.text, ""
         return reasoning, answer
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest end of ``text`` that begins ``marker``."""
-    for length in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-length:]):
-            return length
-    return 0

@@ -1,4 +1,5 @@
-"""Several async streams read as one (asyncio only: the ingress imports it without torch)."""
+"""Several async streams read as one (asyncio only: the ingress imports it without torch), and
+the tail of a streamed text that may still turn out to begin a marker."""
 
 from __future__ import annotations
 
@@ -46,3 +47,12 @@ async def interleave(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def marker_start_length(text: str, markers: Sequence[str]) -> int:
+    """How many characters at the end of ``text`` could be the beginning of one of ``markers``
+    (the longest such end, held back while streaming until the next text tells)."""
+    for length in range(min(len(text), max(map(len, markers)) - 1), 0, -1):
+        if any(marker.startswith(text[-length:]) for marker in markers):
+            return length
+    return 0

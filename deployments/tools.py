@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from deployments.schemas import FunctionCall, ToolCall
+from deployments.streams import marker_start_length
 from nasd_core.structured import JSON_OPTIONS
 
 ToolCallParser = Literal["auto", "hermes", "llama3_json"]
@@ -127,10 +128,7 @@ class ToolFormat:
             return (
                 len(text) if not text.strip() or any(m.startswith(text.lstrip()) for m in self.markers) else 0
             )
-        for length in range(min(len(text), max(map(len, self.markers)) - 1), 0, -1):
-            if any(marker.startswith(text[-length:]) for marker in self.markers):
-                return length
-        return 0
+        return marker_start_length(text, self.markers)
 
     def parse(
         self, calls_text: str, finished: bool, names: frozenset[str] | None = None
