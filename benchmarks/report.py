@@ -52,10 +52,8 @@ TABLE_BLOCKS = {
 GPU_BLOCKS = {
     "gpu_step_cost": ("step_cost_cuda_qwen2-1.5b", "step_cost", "markdown_table"),
     "gpu_concurrency": ("concurrency_cuda_bfloat16", "concurrency", "runs_table"),
-    "gpu_step_cost_compiled": ("step_cost_cuda_qwen2-1.5b_h200_compiled", "step_cost", "markdown_table"),
-    "gpu_single_stream_default": ("concurrency_cuda_bfloat16_h200_single", "concurrency", "runs_table"),
-    "gpu_step_cost_chunks": ("step_cost_cuda_qwen2-1.5b_h200_chunks", "step_cost", "markdown_table"),
-    "gpu_single_stream_chunks": ("concurrency_cuda_bfloat16_h200_chunks", "concurrency", "runs_table"),
+    # The H200's latest session (cb7c224); its earlier sessions' tables (a3fe434, 5ba89c1) left
+    # docs/results.md when this one superseded them, their files kept in benchmarks/results/.
     "gpu_step_cost_host": ("step_cost_cuda_qwen2-1.5b_h200_host", "step_cost", "markdown_table"),
     "gpu_single_stream_host": ("concurrency_cuda_bfloat16_h200_host", "concurrency", "runs_table"),
     "gpu_single_stream": ("single_stream_cuda_bfloat16", "single_stream", "markdown_table"),
