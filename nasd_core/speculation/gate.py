@@ -2,12 +2,13 @@
 
 The batch policy prices drafts with a model of step costs; the gate checks the result. Over each
 window of ``GATE_WINDOW`` drafted steps (or ``LOOKUP_WINDOW`` steps with a lookup, drafted or
-not), it weighs the tokens the request's drafts added against what its lookups and drafts cost
-the batch, read off the clock (``row_costs``). A window that did not pay closes the gate, and so
-does one that has already lost ``LOSS_BUDGET`` tokens before it ends: the request then runs plain
-steps, skipping its lookups and its pricing altogether, for 4, 8, 16, ... steps (exponential
-back-off), and tests again, in a window ``RETEST_SHARE`` of the first in every measure (drafted
-steps, lookups, budget). A window that paid resets the back-off and the window.
+not, or ``IDLE_LOOKUPS`` lookups of which none drafted), it weighs the tokens the request's drafts
+added against what its lookups and drafts cost the batch, read off the clock (``row_costs``). A
+window that did not pay closes the gate, and so does one that has already lost ``LOSS_BUDGET``
+tokens before it ends: the request then runs plain steps, skipping its lookups and its pricing
+altogether, for 4, 8, 16, ... steps (exponential back-off), and tests again, in a window
+``RETEST_SHARE`` of the first in every measure (drafted steps, lookups, budget). A window that paid
+resets the back-off and the window.
 
 What a request can lose is therefore bounded by its windows' budgets, and a request whose drafts
 never pay spends ever fewer of its steps finding that out: one window, then re-tests a quarter
@@ -34,6 +35,9 @@ GATE_WINDOW = 8
 # ...or after this many steps with the speculative path, drafted or not: lookups that rarely lead
 # to a draft are judged too, on what they found against what all of them cost.
 LOOKUP_WINDOW = 32
+# ...or, failed, after this many lookups none of which led to a draft: such lookups gain nothing
+# and cost host work every step (adversarial text at eight rows looked up in 29% of its steps).
+IDLE_LOOKUPS = 8
 # A window ends early, failed, once its cost passes its gain by this many tokens of plain
 # decoding (a whole window of misses at eight rows could lose several).
 LOSS_BUDGET = 1.0
@@ -104,7 +108,8 @@ class DraftGate:
         self.window_gain += gain
         self.window_cost += cost
         share = self.window_share
-        ended = self.window_drafted >= share * GATE_WINDOW or self.window_steps >= share * LOOKUP_WINDOW
+        lookups = LOOKUP_WINDOW if self.window_drafted else IDLE_LOOKUPS
+        ended = self.window_drafted >= share * GATE_WINDOW or self.window_steps >= share * lookups
         if not ended and self.window_cost - self.window_gain < share * LOSS_BUDGET:
             return
         paid = ended and self.window_gain > self.window_cost

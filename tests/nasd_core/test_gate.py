@@ -7,6 +7,7 @@ import pytest
 from nasd_core.speculation.gate import (
     FIRST_BACKOFF_STEPS,
     GATE_WINDOW,
+    IDLE_LOOKUPS,
     LOOKUP_WINDOW,
     LOSS_BUDGET,
     MAX_BACKOFF_STEPS,
@@ -64,16 +65,16 @@ def test_a_window_that_loses_its_budget_ends_at_once_and_a_retest_is_a_quarter_w
     assert run_window(gate, gain=0.0, cost=0.3) == 4 == int(LOSS_BUDGET / 0.3) + 1
     assert plain_steps_until_open(gate) == FIRST_BACKOFF_STEPS
     retest_budget = RETEST_SHARE * LOSS_BUDGET
-    assert run_window(gate, gain=0.0, cost=0.1, drafted=False) == 3 == int(retest_budget / 0.1) + 1
+    assert run_window(gate, gain=0.0, cost=0.3, drafted=False) == 1 == int(retest_budget / 0.3) + 1
     assert plain_steps_until_open(gate) == 2 * FIRST_BACKOFF_STEPS
-    # Lookups that cost next to nothing still get their verdict at the window's end: a re-test's.
-    assert run_window(gate, gain=0.0, cost=0.001, drafted=False) == RETEST_SHARE * LOOKUP_WINDOW
+    # Lookups that cost next to nothing and never drafted get their verdict at a re-test's end.
+    assert run_window(gate, gain=0.0, cost=0.001, drafted=False) == RETEST_SHARE * IDLE_LOOKUPS
     assert not gate.is_open and gate.num_failures == 3
     # Drafts that pay in a re-test's drafted steps give the next window its whole size back.
     plain_steps_until_open(gate)
     assert run_window(gate, gain=1.0, cost=0.5) == RETEST_SHARE * GATE_WINDOW and gate.num_failures == 0
     assert run_window(gate, gain=0.0, cost=0.3) == 4
-    assert run_window(DraftGate(), gain=0.0, cost=0.001, drafted=False) == LOOKUP_WINDOW
+    assert run_window(DraftGate(), gain=0.0, cost=0.001, drafted=False) == IDLE_LOOKUPS
 
 
 def test_a_verdict_waits_for_a_whole_window_and_lookups_alone_wait_longer():
@@ -92,6 +93,23 @@ def test_a_verdict_waits_for_a_whole_window_and_lookups_alone_wait_longer():
     assert gate.is_open and gate.window_steps == 0
 
 
+def test_lookups_that_never_draft_end_their_window_early_and_one_draft_keeps_it_whole():
+    gate = DraftGate()
+    for _ in range(IDLE_LOOKUPS - 1):
+        gate.record(False, 0.0, 0.0)
+    assert gate.is_open and gate.window_steps == IDLE_LOOKUPS - 1
+    gate.record(False, 0.0, 0.0)
+    assert not gate.is_open and gate.window_steps == 0 and gate.num_failures == 1
+    # A window whose lookups drafted once is judged over the whole lookup window, and can pay.
+    gate = DraftGate()
+    gate.record(True, 3.0, 0.2)
+    for _ in range(LOOKUP_WINDOW - 2):
+        gate.record(False, 0.0, 0.01)
+    assert gate.is_open and gate.window_steps == LOOKUP_WINDOW - 1
+    gate.record(False, 0.0, 0.01)
+    assert gate.is_open and gate.window_steps == 0 and gate.num_failures == 0
+
+
 def test_new_requests_first_windows_are_retests_while_most_recent_first_windows_failed():
     history = GateHistory()
     first_windows = []
@@ -102,8 +120,8 @@ def test_new_requests_first_windows_are_retests_while_most_recent_first_windows_
         # Only a request's first verdict is the history's: its re-tests say nothing new.
         plain_steps_until_open(gate)
         run_window(gate, gain=0.0, cost=0.001, drafted=False)
-    retest = int(RETEST_SHARE * LOOKUP_WINDOW)
-    assert first_windows == [LOOKUP_WINDOW, LOOKUP_WINDOW, LOOKUP_WINDOW, retest]
+    retest = int(RETEST_SHARE * IDLE_LOOKUPS)
+    assert first_windows == [IDLE_LOOKUPS, IDLE_LOOKUPS, IDLE_LOOKUPS, retest]
     assert history.num_verdicts == 4 and history.paid_share < 0.5
     # A re-test-sized first window that pays: the request keeps drafting, in whole windows.
     gate = history.new_gate()
@@ -114,7 +132,7 @@ def test_new_requests_first_windows_are_retests_while_most_recent_first_windows_
         run_window(history.new_gate(), gain=1.0, cost=0.5)
     assert run_window(history.new_gate(), gain=1.0, cost=0.5) == GATE_WINDOW
     # A gate of no history (a lone request) starts whole.
-    assert run_window(DraftGate(), gain=0.0, cost=0.001, drafted=False) == LOOKUP_WINDOW
+    assert run_window(DraftGate(), gain=0.0, cost=0.001, drafted=False) == IDLE_LOOKUPS
 
 
 def test_row_costs_split_lookups_among_lookers_and_positions_by_rows_drafts():
