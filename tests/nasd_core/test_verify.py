@@ -129,6 +129,37 @@ def test_a_step_verifies_greedy_and_sampled_rows_from_one_logits_tensor(two_posi
         assert emitted[2] == accept_prefix(logits[:2].argmax(-1).tolist(), draft[:1])
 
 
+def test_a_sampled_rows_tokens_do_not_depend_on_the_rows_beside_it():
+    """Each row of a step, whatever its sampling settings and the rows sharing the step, gets
+    the tokens it gets verified alone."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(14, 4096, generator=generator) * 4
+    settings = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.0),
+        SamplingParams(),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.3, top_k=40),
+    ]
+    drafts = [[5, 6], [], [1, 2, 3], [7], [8], [9]]
+    starts = [0, 3, 4, 8, 10, 12]  # each row's first position: its draft and one more
+    for seed in range(10):
+        rows = [VerifyRow(params, TokenDraws(seed * 10 + i), i) for i, params in enumerate(settings)]
+        together = verify_rows(logits, drafts, rows)
+        for i, (row, draft) in enumerate(zip(rows, drafts)):
+            alone = logits[starts[i] : starts[i] + len(draft) + 1]
+            assert together[i] == verify_rows(alone, [draft], [row])[0]
+
+
+def test_a_draw_at_the_top_of_the_cdf_takes_the_last_token_with_mass():
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.2, 0.0, 0.8, 0.0], [0.1, 0.2, 0.3, 0.4]])
+    top = torch.ones(3, dtype=torch.float64)  # a target of exactly cdf[-1], past every cdf entry
+    assert sample_tokens(probs, top).tolist() == [1, 2, 3]
+    assert sample_tokens(probs, torch.zeros(3, dtype=torch.float64)).tolist() == [0, 0, 0]
+    assert sample_tokens(probs, torch.full((3,), 0.55, dtype=torch.float64)).tolist() == [1, 2, 2]
+
+
 def test_top_p_and_top_k_restrict_the_support():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
