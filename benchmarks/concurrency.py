@@ -172,7 +172,7 @@ def run_sweep(
     runner = None
     if device != "cpu":
         config = EngineConfig(max_batch_rows=max(levels), step_graphs=step_graphs)
-        runner = ModelRunner(model, max_rows=max(levels), step_graphs=step_graphs)
+        runner = ModelRunner(model, config.runner)
         warm_up(runner, config)
     calibration = calibrate(model, max(levels), step_graphs=bool(step_graphs), runner=runner)
     sweep: dict[str, dict] = {}

@@ -423,7 +423,7 @@ def main() -> None:
     parser.add_argument(
         "--compiled-layers",
         action="store_true",
-        help="with --device: last, compile the layers (EngineConfig.compiled_layers) and time a "
+        help="with --device: last, compile the layers (RunnerConfig.compiled_layers) and time a "
         f"{PROMPT_CHUNK}-token prompt chunk before and after, and the graphs' surface after",
     )
     parser.add_argument(
@@ -431,7 +431,7 @@ def main() -> None:
         nargs="+",
         choices=["paged", "gathered"],
         default=["paged"],
-        help="with --step-graphs: fixed-shape attention layouts to time (EngineConfig.graph_attention)",
+        help="with --step-graphs: fixed-shape attention layouts to time (RunnerConfig.graph_attention)",
     )
     args = parser.parse_args()
     if args.device != "cpu" or args.arch:

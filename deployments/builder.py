@@ -39,6 +39,7 @@ from nasd_core.config import (
     EMBEDDED_MODEL_ALIASES,
     EngineConfig,
     ModelConfig,
+    RunnerConfig,
     SpecConfig,
 )
 from nasd_core.loader import is_gguf
@@ -176,40 +177,40 @@ class AppArgs(BaseModel):
         None,
         ge=1,
         description="Torch threads of a CPU replica's steps that prefill 32 prompt tokens or more "
-        "(EngineConfig.prefill_threads, llama.cpp's --threads-batch); None: every visible core for a lone "
+        "(RunnerConfig.prefill_threads, llama.cpp's --threads-batch); None: every visible core for a lone "
         "CPU replica on its default CPUs, whose other steps leave one to Ray's processes; else its CPUs.",
     )
     kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
         "auto",
-        description="Element type of the KV-cache (EngineConfig.kv_cache_dtype): 'auto' is float16 on the "
+        description="Element type of the KV-cache (RunnerConfig.kv_cache_dtype): 'auto' is float16 on the "
         "CPU's GGUF path, the model's dtype elsewhere; 'float16' under a float32 model on a CPU only.",
     )
     step_graphs: bool | None = Field(
         None,
         description="Decode and verification steps in fixed shapes, replayed from CUDA graphs on a GPU "
-        "(EngineConfig.step_graphs; Llama, Mistral and Qwen2/3 models); None: on wherever CUDA is.",
+        "(RunnerConfig.step_graphs; Llama, Mistral and Qwen2/3 models); None: on wherever CUDA is.",
     )
     graph_attention: Literal["paged", "gathered"] | None = Field(
         None,
-        description="How graph steps attend (EngineConfig.graph_attention): 'paged' through the block "
+        description="How graph steps attend (RunnerConfig.graph_attention): 'paged' through the block "
         "tables, 'gathered' per context bucket; None: paged where graphs are captured.",
     )
     compiled_layers: bool | None = Field(
         None,
         description="Merged projections and decoder layers compiled once for every step shape "
-        "(EngineConfig.compiled_layers); None: on wherever CUDA is and the model is of a type they serve.",
+        "(RunnerConfig.compiled_layers); None: on wherever CUDA is and the model is of a type they serve.",
     )
     deterministic: bool = Field(
         False,
         description="Batch-invariant steps, so greedy output is the same with speculation off, on or "
-        "auto, whatever else is batched (EngineConfig.deterministic; CPU replicas only).",
+        "auto, whatever else is batched (RunnerConfig.deterministic; CPU replicas only).",
     )
     gpu_memory_utilization: float = Field(
         DEFAULT_GPU_MEMORY_UTILIZATION,
         gt=0.0,
         le=1.0,
         description="Share of each GPU's memory a replica plans for: weights, activations, step graphs, "
-        "and the KV-cache takes the rest (EngineConfig.gpu_memory_utilization); settings that cannot fit "
+        "and the KV-cache takes the rest (RunnerConfig.gpu_memory_utilization); settings that cannot fit "
         "are refused at replica start.",
     )
     graph_warmup_budget_s: float = Field(
@@ -285,7 +286,7 @@ def default_cpus_per_replica(args: AppArgs, device: str) -> float:
 
 
 def default_prefill_threads(args: AppArgs, device: str) -> int | None:
-    """``EngineConfig.prefill_threads`` when unset: every visible core for a lone CPU replica on
+    """``RunnerConfig.prefill_threads`` when unset: every visible core for a lone CPU replica on
     its default CPUs (its prompt chunks take the core its other steps leave to Ray's processes),
     None otherwise and for deterministic steps (one thread count for every step)."""
     if args.prefill_threads is not None:
@@ -346,15 +347,17 @@ def replica_config(args: AppArgs) -> ReplicaConfig:
     }
     engine = EngineConfig(
         **engine_limits,
-        step_graphs=args.step_graphs,
-        graph_attention=args.graph_attention,
-        compiled_layers=args.compiled_layers,
-        deterministic=args.deterministic,
-        gpu_memory_utilization=args.gpu_memory_utilization,
         graph_warmup_budget_s=args.graph_warmup_budget_s,
         prefix_cache_tokens=args.prefix_cache_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
-        prefill_threads=default_prefill_threads(args, device),
+        runner=RunnerConfig(
+            step_graphs=args.step_graphs,
+            graph_attention=args.graph_attention,
+            compiled_layers=args.compiled_layers,
+            deterministic=args.deterministic,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_dtype=args.kv_cache_dtype,
+            prefill_threads=default_prefill_threads(args, device),
+        ),
         spec=SpecConfig(
             mode=args.speculation,
             num_draft_tokens=args.num_draft_tokens,

@@ -25,6 +25,7 @@ _EXPORTS = {
     "ModelLoadError": "nasd_core.errors",
     "NASDError": "nasd_core.errors",
     "NGramIndex": "nasd_core.speculation.ngram",
+    "RunnerConfig": "nasd_core.config",
     "SamplingParams": "nasd_core.config",
     "SpecConfig": "nasd_core.config",
     "SpecStats": "nasd_core.metrics",
@@ -43,6 +44,7 @@ __all__ = [
     "ModelLoadError",
     "NASDError",
     "NGramIndex",
+    "RunnerConfig",
     "SamplingParams",
     "SpecConfig",
     "SpecStats",
@@ -52,7 +54,14 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from nasd_core.config import EngineConfig, IndexConfig, ModelConfig, SamplingParams, SpecConfig
+    from nasd_core.config import (
+        EngineConfig,
+        IndexConfig,
+        ModelConfig,
+        RunnerConfig,
+        SamplingParams,
+        SpecConfig,
+    )
     from nasd_core.engine.engine import Engine
     from nasd_core.engine.sequence import GenerationResult
     from nasd_core.errors import ContextLengthError, InvalidRequestError, ModelLoadError, NASDError

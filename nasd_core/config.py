@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from nasd_core.errors import InvalidRequestError
 
@@ -22,6 +22,12 @@ DEFAULT_MIN_NGRAM = 1
 DEFAULT_MAX_TOKENS = 128
 DEFAULT_GRAPH_WARMUP_BUDGET_S = 120.0
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_MAX_BATCH_ROWS = 32
+DEFAULT_KV_BLOCK_SIZE = 32
+# The engine's largest KV block; a runner alone may take any (generate() holds its request in one).
+MAX_KV_BLOCK_SIZE = 4096
+DEFAULT_INT8_ACTIVATIONS = True
+DEFAULT_FUSED_LAYERS = True
 DEFAULT_INDEX_MAX_ENTRIES = 1_000_000
 DEFAULT_MAX_SUCCESSORS = 4
 EMBEDDED_MODEL = "embedded:SmolLM2-135M-Instruct"
@@ -229,25 +235,32 @@ class IndexConfig(_Config):
     )
 
 
-class EngineConfig(_Config):
-    """Limits and behaviour of a continuous-batching engine."""
+class RunnerConfig(_Config):
+    """The model runner's KV-cache, step shapes and kernels (``nasd_core/runner/model_runner.py``)."""
 
-    max_batch_rows: int = Field(32, ge=1, le=1024, description="Most requests decoding in one forward.")
-    max_waiting: int = Field(
-        256, ge=0, description="Most queued requests; beyond this add_request is refused."
-    )
-    prefill_chunk_tokens: int | None = Field(
-        None,
-        ge=1,
-        description="Prompt tokens prefilled per step, over all new requests (running rows keep decoding); "
-        "None: 256 on a CPU, 2048 on a GPU.",
-    )
     kv_cache_tokens: int | None = Field(
         None,
         ge=1,
         description="Positions the paged KV-cache holds over all rows (None: 25% of the machine's memory "
         "on a CPU, reserved but resident only once written; on a GPU what gpu_memory_utilization leaves "
         "once the weights, the largest step and the step graphs are counted).",
+    )
+    block_size: int = Field(DEFAULT_KV_BLOCK_SIZE, ge=1, description="Positions per KV-cache block.")
+    max_rows: int = Field(
+        DEFAULT_MAX_BATCH_ROWS,
+        ge=1,
+        description="Most rows per step: what the default KV budget and the step graphs are sized for.",
+    )
+    max_positions: int = Field(
+        1 + DEFAULT_NUM_DRAFT_TOKENS,
+        ge=1,
+        description="Widest verification per row (1 + the draft cap), what the memory plan sizes for.",
+    )
+    prefill_chunk_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Prompt tokens prefilled per step, over all new requests (running rows keep decoding); "
+        "None: 256 on a CPU, 2048 on a GPU, shortened where a GPU's memory plan needs it.",
     )
     gpu_memory_utilization: float = Field(
         DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -257,7 +270,6 @@ class EngineConfig(_Config):
         "KV-cache: nasd_core/runner/memory_plan.py), as vLLM's setting of that name; settings that cannot "
         "fit are refused at start.",
     )
-    kv_block_size: int = Field(32, ge=1, le=4096, description="Positions per KV-cache block.")
     prefill_threads: int | None = Field(
         None,
         ge=1,
@@ -274,12 +286,10 @@ class EngineConfig(_Config):
         "attention included. 'float16' on a float32 model is for CPUs only (the kernel widens each element "
         "exactly as it reads it).",
     )
-    prefix_cache_tokens: int | None = Field(
+    batch_attention: bool | None = Field(
         None,
-        ge=0,
-        description="Positions of finished requests' keys and values kept for later prompts that start "
-        "with the same tokens (the next turn of a chat, a shared system prompt), in whole KV blocks; None: "
-        "8192 on a CPU (resident memory), the whole pool on a GPU; 0: off.",
+        description="Attend short rows in one padded call per layer (nasd_core/layers/attention.py); "
+        "None: off the CPU.",
     )
     step_graphs: bool | None = Field(
         None,
@@ -298,7 +308,8 @@ class EngineConfig(_Config):
         None,
         description="Merge each decoder layer's q, k, v and gate, up projections and compile the layers with "
         "torch.compile, once for every step shape (nasd_core/layers/compiled_layers.py; Llama, Mistral and "
-        "Qwen2/3 models); None: on wherever the model is on CUDA and of such a type.",
+        "Qwen2/3 models; the model is changed in place); None: on wherever the model is on CUDA and of "
+        "such a type.",
     )
     deterministic: bool = Field(
         False,
@@ -308,6 +319,42 @@ class EngineConfig(_Config):
         "exactly, so the model is changed in place to float32 and takes twice the memory), packed oneDNN "
         "Linears and the C++ attention kernel in fixed key units; the packed path only (no step graphs or "
         "compiled layers). Not built for GPUs yet.",
+    )
+
+
+# EngineConfig's keyword arguments that set a field of its runner (``kv_block_size`` its ``block_size``).
+FLAT_RUNNER_FIELDS = {"kv_block_size": "block_size"} | {
+    name: name
+    for name in (
+        "kv_cache_tokens",
+        "prefill_chunk_tokens",
+        "gpu_memory_utilization",
+        "prefill_threads",
+        "kv_cache_dtype",
+        "step_graphs",
+        "graph_attention",
+        "compiled_layers",
+        "deterministic",
+    )
+}
+
+
+class EngineConfig(_Config):
+    """Limits and behaviour of a continuous-batching engine, and its model runner's settings
+    (``runner``; also accepted flat, as ``EngineConfig(kv_cache_tokens=..., kv_block_size=...)``)."""
+
+    max_batch_rows: int = Field(
+        DEFAULT_MAX_BATCH_ROWS, ge=1, le=1024, description="Most requests decoding in one forward."
+    )
+    max_waiting: int = Field(
+        256, ge=0, description="Most queued requests; beyond this add_request is refused."
+    )
+    prefix_cache_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="Positions of finished requests' keys and values kept for later prompts that start "
+        "with the same tokens (the next turn of a chat, a shared system prompt), in whole KV blocks; None: "
+        "8192 on a CPU (resident memory), the whole pool on a GPU; 0: off.",
     )
     graph_warmup_budget_s: float = Field(
         DEFAULT_GRAPH_WARMUP_BUDGET_S,
@@ -319,6 +366,39 @@ class EngineConfig(_Config):
     spec: SpecConfig = Field(
         default_factory=lambda: SpecConfig(), description="Default speculation settings."
     )
+    # After max_batch_rows and spec, which its validator reads.
+    runner: RunnerConfig = Field(
+        default_factory=RunnerConfig,
+        validate_default=True,
+        description="The model runner's settings; its max_rows and max_positions follow max_batch_rows and "
+        "spec's draft cap.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_runner_fields(cls, data: object) -> object:
+        # Moved into ``runner``, over what an explicit ``runner`` sets.
+        if not isinstance(data, dict) or not FLAT_RUNNER_FIELDS.keys() & data.keys():
+            return data
+        data = dict(data)
+        runner = data.get("runner", {})
+        runner = runner.model_dump(exclude_unset=True) if isinstance(runner, RunnerConfig) else dict(runner)
+        for name, field in FLAT_RUNNER_FIELDS.items():
+            if name in data:
+                runner[field] = data.pop(name)
+        data["runner"] = runner
+        return data
+
+    @field_validator("runner")
+    @classmethod
+    def _runner_sized_for_the_engine(cls, runner: RunnerConfig, info) -> RunnerConfig:  # type: ignore[no-untyped-def]
+        at_most("kv_block_size", runner.block_size, "the engine's largest", MAX_KV_BLOCK_SIZE)
+        spec = info.data.get("spec")
+        sizes = {
+            "max_rows": info.data.get("max_batch_rows", runner.max_rows),
+            "max_positions": runner.max_positions if spec is None else 1 + spec.num_draft_tokens,
+        }
+        return runner.model_copy(update=sizes)
 
 
 class ModelConfig(_Config):
@@ -348,4 +428,17 @@ class ModelConfig(_Config):
         description="With the CPU fast path: inputs of at most this many rows keep MKL's multiply where "
         "it beats the packed kernel (some CPUs, at 1-2 rows). None = measured at load; 0 = packed for "
         "every input, which makes a row's logits bit-identical whatever rides with it.",
+    )
+    int8_activations: bool = Field(
+        DEFAULT_INT8_ACTIVATIONS,
+        description="With dtype 'gguf': round each input row of the blocks' multiplies to int8 per block "
+        "of 32 and multiply with integer dot products, as llama.cpp does (faster and still batch-invariant, "
+        "but llama.cpp's arithmetic rather than the dequantized float32 model's); False: multiply the "
+        "float32 rows (nasd_core/layers/quantized.py).",
+    )
+    fused_layers: bool = Field(
+        DEFAULT_FUSED_LAYERS,
+        description="With dtype 'gguf': run a decode or verification step's decoder layers in one C++ call "
+        "where the layers allow it (nasd_core/layers/lean_decoder.py); False: a Python loop over them, "
+        "the same bits (the fused loop's reference).",
     )

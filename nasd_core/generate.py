@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from nasd_core.config import EngineConfig, SamplingParams, SpecConfig, build
+from nasd_core.config import EngineConfig, RunnerConfig, SamplingParams, SpecConfig, build
 from nasd_core.engine.engine import Engine
 from nasd_core.engine.sequence import GenerationResult
 from nasd_core.inputs import check_context, encode_prompt
@@ -64,7 +64,10 @@ def generate(
     num_tokens = len(prompt_ids) + params.max_tokens
     # Uncompiled: compiling would change the caller's model in place.
     runner = ModelRunner(
-        model, kv_cache_tokens=num_tokens, block_size=num_tokens, step_graphs=False, compiled_layers=False
+        model,
+        RunnerConfig(
+            kv_cache_tokens=num_tokens, block_size=num_tokens, step_graphs=False, compiled_layers=False
+        ),
     )
     engine = Engine(model, tokenizer, EngineConfig(max_batch_rows=1, spec=spec), shared, runner, calibration)
     listener = (lambda _request, tokens: on_tokens(tokens)) if on_tokens is not None else None

@@ -14,8 +14,6 @@ import logging
 import pytest
 import torch
 
-from nasd_core.layers import quantized
-
 
 def pytest_configure(config) -> None:
     """Inductor's compiled kernels in the NASD cache for the whole run, this process and the
@@ -86,7 +84,18 @@ def tokenizer(model_and_tokenizer):
 
 
 @pytest.fixture(params=[False, True], ids=["float32_activations", "int8_activations"])
-def int8_activations(request, monkeypatch) -> bool:
-    """Each QuantLinear kernel in turn (quantized.INT8_ACTIVATIONS), whatever the default."""
-    monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", request.param)
+def int8_activations(request) -> bool:
+    """Each QuantLinear kernel in turn (``ModelConfig.int8_activations``), whatever the default:
+    the test's QuantLinears take it."""
     return request.param
+
+
+@pytest.fixture
+def gguf_model_at_int8_activations(gguf_model, int8_activations):
+    """``gguf_model`` with the ``int8_activations`` fixture's setting, its own set back after."""
+    from nasd_core.layers.quantized import set_int8_activations
+
+    before = gguf_model.nasd.int8_activations
+    set_int8_activations(gguf_model, int8_activations)
+    yield gguf_model
+    set_int8_activations(gguf_model, before)

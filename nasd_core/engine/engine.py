@@ -116,21 +116,7 @@ class Engine:
         # Built (or loaded) now, never inside a request: a first build takes seconds.
         compiled_module()
         if runner is None:
-            runner = ModelRunner(
-                model,
-                self.config.kv_cache_tokens,
-                self.config.kv_block_size,
-                self.config.max_batch_rows,
-                kv_cache_dtype=self.config.kv_cache_dtype,
-                prefill_threads=self.config.prefill_threads,
-                step_graphs=self.config.step_graphs,
-                graph_attention=self.config.graph_attention,
-                compiled_layers=self.config.compiled_layers,
-                deterministic=self.config.deterministic,
-                max_positions=1 + self.config.spec.num_draft_tokens,
-                prefill_chunk_tokens=self.config.prefill_chunk_tokens,
-                gpu_memory_utilization=self.config.gpu_memory_utilization,
-            )
+            runner = ModelRunner(model, self.config.runner)
             warm_up(runner, self.config)
         self.runner = runner
         self.cache = self.runner.cache
@@ -139,7 +125,7 @@ class Engine:
             on_cpu = model.device.type == "cpu"
             prefix_tokens = CPU_PREFIX_CACHE_TOKENS if on_cpu else self.cache.capacity_tokens
         self.cache.prefix_cache_blocks = prefix_tokens // self.cache.block_size
-        self.prefill_chunk_tokens = self.config.prefill_chunk_tokens or runner.prefill_chunk_tokens
+        self.prefill_chunk_tokens = self.config.runner.prefill_chunk_tokens or runner.prefill_chunk_tokens
         self.scheduler = Scheduler(
             self.cache, self.config.max_batch_rows, self.prefill_chunk_tokens, on_finish=self._finished
         )

@@ -25,6 +25,7 @@ import types
 import torch
 from torch import nn
 
+from nasd_core.layers.model_state import model_state
 from nasd_core.layers.quantized import QuantLinear, QuantLinears
 from nasd_core.native.cache import keep_compiled_kernels
 
@@ -49,7 +50,7 @@ def merged_linear(linears: list[nn.Module]) -> nn.Module:
             return QuantLinears(linears)  # some with a bias, some without: side by side
         bias = None if biases[0] is None else torch.cat(biases)
         blocks = torch.cat([linear.blocks for linear in linears])
-        merged = QuantLinear(blocks, first.kind, first.in_features, bias)
+        merged = QuantLinear(blocks, first.kind, first.in_features, bias, first.int8_activations)
         start = 0
         for linear in linears:
             end = start + linear.out_features
@@ -152,7 +153,8 @@ def compile_layers(model) -> str | None:
     (``native.cache.keep_compiled_kernels``).
 
     Returns None, or why the layers run uncompiled (their projections stay merged)."""
-    if not hasattr(model, "nasd_compile_failure"):
+    state = model_state(model)
+    if not state.compile_tried:
         merge_projections(model)
         keep_compiled_kernels()
         layers = model.get_decoder().layers
@@ -163,10 +165,10 @@ def compile_layers(model) -> str | None:
                 for num_tokens in (3, 1):
                     tokens = torch.ones(1, num_tokens, dtype=torch.long, device=model.device)
                     model.get_decoder()(input_ids=tokens, use_cache=False)
-            model.nasd_compile_failure = None
         except Exception as exc:  # an op inductor cannot lower or a compiler missing on this host
             for layer in layers:
                 layer._compiled_call_impl = None
-            model.nasd_compile_failure = f"{type(exc).__name__}: {exc}"[:500]
-            logger.warning("decoder layers run uncompiled: %s", model.nasd_compile_failure)
-    return model.nasd_compile_failure
+            state.compile_failure = f"{type(exc).__name__}: {exc}"[:500]
+            logger.warning("decoder layers run uncompiled: %s", state.compile_failure)
+        state.compile_tried = True
+    return state.compile_failure

@@ -27,9 +27,9 @@ import logging
 import torch
 
 from nasd_core import native
-from nasd_core.layers import quantized
 from nasd_core.layers.attention import StepLayout, paged_attention
 from nasd_core.layers.compiled_layers import merge_projections
+from nasd_core.layers.model_state import model_state
 from nasd_core.layers.quantized import QuantLinear
 
 logger = logging.getLogger(__name__)
@@ -72,16 +72,17 @@ def lean_decoder_fits(model) -> bool:
 def use_lean_decoder(model) -> bool:
     """Merge ``model``'s projections and mark it for ``lean_forward`` where it fits (idempotent).
     Returns whether the model runner's steps now take it."""
-    if getattr(model, "nasd_lean_decoder", False):
+    state = model_state(model)
+    if state.lean_decoder:
         return True
     if not lean_decoder_fits(model):
         return False
     merge_projections(model)
-    model.nasd_lean_decoder = True
+    state.lean_decoder = True
     # decoder_layers takes one block tensor for each of a layer's q, k, v and gate, up, no bias and
     # no per-head norm: layers whose types differ there (QuantLinears), with biases (Qwen2) or
     # per-head norms (Qwen3) run the Python loop of lean_layer.
-    model.nasd_fused_layers = all(
+    state.layers_fit_fused = all(
         all(
             isinstance(linear, QuantLinear) and linear.bias is None
             for linear in (
@@ -148,8 +149,8 @@ def normed_heads(attention, qkv: torch.Tensor, heads: int, kv_heads: int) -> tor
 def layer_weights(model) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
     """Every layer's norms (input, post-attention), blocks and block kinds (q/k/v, output, gate/up,
     down): ``decoder_layers``' arguments, gathered once per model."""
-    cached = getattr(model, "nasd_layer_weights", None)
-    if cached is None:
+    state = model_state(model)
+    if state.layer_weights is None:
         norms, blocks, kinds = [], [], []
         for layer in model.get_decoder().layers:
             attention, mlp = layer.self_attn, layer.mlp
@@ -157,8 +158,8 @@ def layer_weights(model) -> tuple[list[torch.Tensor], list[torch.Tensor], list[i
             for linear in (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 blocks.append(linear.blocks)
                 kinds.append(linear.kind)
-        cached = model.nasd_layer_weights = (norms, blocks, kinds)
-    return cached
+        state.layer_weights = (norms, blocks, kinds)
+    return state.layer_weights
 
 
 def all_layers_fused(
@@ -187,12 +188,8 @@ def all_layers_fused(
         attention.scaling,
         cache.block_size,
         kernel_rows.keys_per_unit,
-        quantized.INT8_ACTIVATIONS,
+        model.nasd.int8_activations,
     )
-
-
-# False sends every step through ``lean_layer`` from Python (the fused loop's reference in tests).
-FUSED_LAYERS = True
 
 
 @torch.inference_mode()
@@ -206,7 +203,7 @@ def lean_forward(
     cos, sin = decoder.rotary_emb(hidden, position_ids.unsqueeze(0))
     # Every row in the paged attention kernel: no prompt chunk, padded batch or graph layout.
     all_kernel_rows = step.kernel_rows is not None and not step.segments
-    fused = FUSED_LAYERS and getattr(model, "nasd_fused_layers", True)
+    fused = model.nasd.fused_layers and model.nasd.layers_fit_fused
     if fused and all_kernel_rows and step.batched_rows is None and step.paged_rows is None:
         hidden, residual = all_layers_fused(model, hidden, cos[0], sin[0], step)
     else:

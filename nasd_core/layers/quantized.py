@@ -6,7 +6,7 @@ blocks (its vocabulary as Q8_0): about 96 MB a step, where the dequantized float
 too; weights of other types are float32, as gguf-py reads them. ``QuantLinear`` keeps a Linear's blocks (Q4_0,
 Q4_1 and Q8_0 as the file holds them, the others repacked at load into blocks of 32 with the same
 values, ``loader.gguf.repack``) and multiplies by them with ``native/csrc/quant_linear.cpp``. By default
-(``INT8_ACTIVATIONS``) each input row is rounded to int8 per block of 32, as llama.cpp does for
+(``ModelConfig.int8_activations``) each input row is rounded to int8 per block of 32, as llama.cpp does for
 these blocks, and multiplied with integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2), every row
 of a step multiplied by each tile of repacked weights: a verification step reads the weights
 once, not once per position. Otherwise the blocks are turned into floats in registers and
@@ -33,6 +33,8 @@ from torch import nn
 from torch.nn import functional
 
 from nasd_core import native
+from nasd_core.config import DEFAULT_INT8_ACTIVATIONS
+from nasd_core.layers.model_state import model_state
 
 logger = logging.getLogger(__name__)
 
@@ -110,20 +112,20 @@ def quant_kernel_available() -> bool:
     return True
 
 
-# Whether QuantLinear (and the lean decoder's fused layer loop) rounds each input row to int8 per
-# block of 32 and multiplies with integer dot products (``quant_linear_q8``), as llama.cpp does
-# for these blocks, instead of multiplying the float32 rows. On by default: faster steps, still
-# batch-invariant (greedy speculation stays token-identical to plain decoding); the arithmetic is
-# then llama.cpp's, not the dequantized float32 model's (docs/results.md: speed and perplexity).
-INT8_ACTIVATIONS = True
-
-
 class QuantLinear(nn.Module):
     """``nn.Linear`` over a weight kept as GGUF blocks, ``[out_features, bytes]`` uint8, and an
-    optional float32 ``bias`` (Qwen2's query, key and value have one)."""
+    optional float32 ``bias`` (Qwen2's query, key and value have one). With ``int8_activations``
+    (``ModelConfig.int8_activations``) each input row is rounded to int8 per block of 32 and
+    multiplied with integer dot products (``quant_linear_q8``), as llama.cpp does; otherwise the
+    float32 rows are multiplied."""
 
     def __init__(
-        self, blocks: torch.Tensor, kind: int, in_features: int, bias: torch.Tensor | None = None
+        self,
+        blocks: torch.Tensor,
+        kind: int,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+        int8_activations: bool = DEFAULT_INT8_ACTIVATIONS,
     ) -> None:
         super().__init__()
         if kind not in BLOCK_FORMATS:
@@ -135,11 +137,12 @@ class QuantLinear(nn.Module):
         if bias is not None and bias.shape != (self.out_features,):
             raise ValueError(f"a bias of {tuple(bias.shape)} for {self.out_features} outputs")
         self.register_buffer("bias", bias, persistent=False)
+        self.int8_activations = int8_activations
         self.native = quant_kernel_available()
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         if self.native:
-            kernel = torch.ops.nasd.quant_linear_q8 if INT8_ACTIVATIONS else torch.ops.nasd.quant_linear
+            kernel = torch.ops.nasd.quant_linear_q8 if self.int8_activations else torch.ops.nasd.quant_linear
             outputs = kernel(inputs.float(), self.blocks, self.kind)
         else:
             outputs = functional.linear(inputs.float(), dequantize(self.blocks, self.kind))
@@ -148,6 +151,15 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         name = BLOCK_FORMATS[self.kind][0]
         return f"in_features={self.in_features}, out_features={self.out_features}, blocks={name}"
+
+
+def set_int8_activations(model: nn.Module, enabled: bool) -> None:
+    """``ModelConfig.int8_activations`` on ``model``: its QuantLinears' kernel and the lean
+    decoder's fused layer loop."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            module.int8_activations = enabled
+    model_state(model).int8_activations = enabled
 
 
 class QuantLinears(nn.Module):

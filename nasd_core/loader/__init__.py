@@ -25,7 +25,8 @@ from nasd_core.config import EMBEDDED_MODEL, ModelConfig
 from nasd_core.errors import ModelLoadError
 from nasd_core.layers.cpu_kernels import optimize_for_cpu
 from nasd_core.layers.lean_decoder import use_lean_decoder
-from nasd_core.layers.quantized import quant_kernel_available
+from nasd_core.layers.model_state import model_state
+from nasd_core.layers.quantized import quant_kernel_available, set_int8_activations
 from nasd_core.loader.gguf import GGUF_MODEL_TYPES, gguf_model
 from nasd_core.native.cache import default_cache_dir, keep_compiled_kernels
 
@@ -195,8 +196,8 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     Args:
         name: HF model id, local dir or GGUF file (``*.gguf``); None (or "embedded") = the
             embedded SmolLM2-135M-Instruct. Overrides ``config.name`` when given.
-        config: dtype, device, cache dir and the CPU fast path (defaults: float32 on CPU with the
-            fast path, the user cache dir).
+        config: dtype, device, cache dir, the CPU fast path and the GGUF path's numerics
+            (defaults: float32 on CPU with the fast path, the user cache dir).
 
     Returns:
         (model, tokenizer)
@@ -221,7 +222,9 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
         if blocks_config is not None:
             tokenizer = load_tokenizer(name, config.cache_dir)
             model = gguf_model(blocks_config, gguf_file(name))
+            model_state(model).fused_layers = config.fused_layers
             use_lean_decoder(model)
+            set_int8_activations(model, config.int8_activations)
         else:
             model_dir = resolve_model_dir(name, config.cache_dir)
             tokenizer = load_tokenizer(model_dir)

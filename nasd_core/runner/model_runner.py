@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from nasd_core.config import DEFAULT_NUM_DRAFT_TOKENS
+from nasd_core.config import RunnerConfig
 from nasd_core.layers.attention import (
     BATCH_MAX_KEYS,
     Segment,
@@ -34,8 +34,8 @@ from nasd_core.layers.compiled_layers import COMPILED_MODEL_TYPES, compile_layer
 from nasd_core.layers.cpu_kernels import use_batch_invariant_kernels
 from nasd_core.layers.kv_cache import PagedKVCache
 from nasd_core.layers.lean_decoder import lean_forward
+from nasd_core.layers.model_state import model_state
 from nasd_core.runner.memory_plan import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
     MemoryPlan,
     MemoryPlanError,
     ModelShape,
@@ -115,11 +115,10 @@ def step_threads(prefill_threads: int | None, rows: Sequence[StepRow]) -> Iterat
 
 
 def kv_dtype_for(model, setting: str = "auto") -> torch.dtype:
-    """The KV-cache's element type for ``model`` (``EngineConfig.kv_cache_dtype``)."""
+    """The KV-cache's element type for ``model`` (``RunnerConfig.kv_cache_dtype``)."""
     on_cpu_float32 = model.device.type == "cpu" and model.dtype == torch.float32
     if setting == "auto":
-        lean = getattr(model, "nasd_lean_decoder", False)
-        return torch.float16 if on_cpu_float32 and lean else model.dtype
+        return torch.float16 if on_cpu_float32 and model_state(model).lean_decoder else model.dtype
     dtype = getattr(torch, setting)
     if dtype != model.dtype and not on_cpu_float32:
         raise ValueError(f"a {setting} KV-cache needs a float32 model on a CPU (this one: {model.dtype})")
@@ -199,51 +198,20 @@ class ModelRunner:
 
     Args:
         model: a transformers causal LM whose attention goes through the attention interface.
-        kv_cache_tokens: positions the pool holds (None: the memory plan's on a GPU,
-            ``default_cpu_kv_tokens`` on a CPU).
-        block_size: positions per block.
-        max_rows: most rows per step (what the default budget and the graphs are sized for).
-        batch_attention: attend short rows in one padded call per layer (None: off the CPU).
-        step_graphs: run decode and verification steps in fixed shapes (``nasd_core/runner/step_graphs.py``),
-            replayed from CUDA graphs on a GPU; needs a model type ``StepGraphs.supports``.
-            None: on wherever the model is on CUDA and its type is supported.
-        graph_attention: how fixed-shape steps attend, "paged" or "gathered" (``StepGraphs``);
-            None: paged where graphs are captured, gathered otherwise.
-        compiled_layers: merge each layer's projections and compile its decoder layers
-            (``nasd_core/layers/compiled_layers.py``); None: wherever the model is on CUDA and of a
-            type they serve. The model is changed in place.
-        max_positions: widest verification per row (1 + the draft cap), for the memory plan.
-        prefill_chunk_tokens: prompt tokens per step (None: ``default_prefill_chunk``, shortened
-            where a GPU's plan needs it: ``self.prefill_chunk_tokens`` says what was chosen).
-        gpu_memory_utilization: share of a CUDA device's memory the runner may plan for.
-        deterministic: batch-invariant steps (``use_batch_invariant_kernels``): a position's
-            logits are the same bits whatever else its step computes, so greedy output does not
-            depend on speculation or on the batch. CPU only; the model is changed in place.
-        kv_cache_dtype: the KV-cache's element type (``EngineConfig.kv_cache_dtype``; ``kv_dtype_for``).
-        prefill_threads: torch threads for CPU steps that prefill ``PREFILL_THREADS_MIN_TOKENS`` prompt
-            tokens or more (None: the calling thread's for every step).
+            Compiled layers and deterministic steps change it in place.
+        config: the KV-cache, step shapes and kernels (``RunnerConfig``; default: its defaults).
+            ``self.prefill_chunk_tokens`` says what prompt chunk was chosen.
     """
 
-    def __init__(
-        self,
-        model,
-        kv_cache_tokens: int | None = None,
-        block_size: int = 32,
-        max_rows: int = 32,
-        batch_attention: bool | None = None,
-        step_graphs: bool | None = None,
-        graph_attention: str | None = None,
-        compiled_layers: bool | None = None,
-        max_positions: int = 1 + DEFAULT_NUM_DRAFT_TOKENS,
-        prefill_chunk_tokens: int | None = None,
-        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
-        deterministic: bool = False,
-        kv_cache_dtype: str = "auto",
-        prefill_threads: int | None = None,
-    ):
+    def __init__(self, model, config: RunnerConfig | None = None):
+        config = config if config is not None else RunnerConfig()
+        self.config = config
         self.model = model
+        # Resolved below: None means "wherever the device and the model type allow".
+        step_graphs, compiled_layers = config.step_graphs, config.compiled_layers
+        deterministic = config.deterministic
         # Deterministic steps keep one thread count: torch's own kernels split work by it.
-        self.prefill_threads = None if deterministic else prefill_threads
+        self.prefill_threads = None if deterministic else config.prefill_threads
         self.deterministic = deterministic
         if deterministic:
             if step_graphs or compiled_layers:
@@ -255,14 +223,16 @@ class ModelRunner:
         self.groups = heads // kv_heads
         self.device = model.device
         self.use_kernel = kernel_available(model.device, model.dtype)
-        self.kv_dtype = kv_dtype_for(model, kv_cache_dtype)
+        self.kv_dtype = kv_dtype_for(model, config.kv_cache_dtype)
+        self.model_state = state = model_state(model)
         # The GGUF path's multiplies are batch-invariant and round activations to int8, which turns
         # attention's last-bit differences into whole rounding steps: its attention is always the
         # deterministic one (every row in the kernel, fixed units), so greedy speculation is its
         # plain decoding token for token whatever the batch or the prompts' chunking.
-        self.deterministic_attention = deterministic or getattr(model, "nasd_lean_decoder", False)
+        self.deterministic_attention = deterministic or state.lean_decoder
         # Off the CPU, short rows share one attention call per layer (see nasd_core/layers/attention.py).
-        self.batch_attention = model.device.type != "cpu" if batch_attention is None else batch_attention
+        on_cpu = model.device.type == "cpu"
+        self.batch_attention = not on_cpu if config.batch_attention is None else config.batch_attention
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         if step_graphs is None:
             step_graphs = model.device.type == "cuda" and StepGraphs.supports(model)
@@ -272,7 +242,7 @@ class ModelRunner:
             )
         if self.kv_dtype != model.dtype and (step_graphs or self.batch_attention):
             # Their SDPA and FlexAttention calls read the pool as the query's dtype.
-            if kv_cache_dtype != "auto":
+            if config.kv_cache_dtype != "auto":
                 raise ValueError(
                     "a KV-cache of another dtype than the model's needs step graphs and batched attention off"
                 )
@@ -284,25 +254,31 @@ class ModelRunner:
         if compiled_layers:
             compile_layers(model)
         # What the model runs (compiling changes it in place: another runner may have done it).
-        self.compile_failure: str | None = getattr(model, "nasd_compile_failure", None)
-        self.compiled_layers = hasattr(model, "nasd_compile_failure") and self.compile_failure is None
-        self.prefill_chunk_tokens = prefill_chunk_tokens or default_prefill_chunk(model.device)
+        self.compile_failure = state.compile_failure
+        self.compiled_layers = state.layers_compiled
+        self.prefill_chunk_tokens = config.prefill_chunk_tokens or default_prefill_chunk(model.device)
         self.memory_plan: MemoryPlan | None = None
         if capture:
             self.memory_plan = self._plan_memory(
                 step_limits(
-                    model, max_rows, max_positions, self.prefill_chunk_tokens, block_size, step_graphs
+                    model,
+                    config.max_rows,
+                    config.max_positions,
+                    self.prefill_chunk_tokens,
+                    config.block_size,
+                    step_graphs,
                 ),
-                gpu_memory_utilization,
-                kv_cache_tokens,
-                chunk_is_default=prefill_chunk_tokens is None,
+                config.gpu_memory_utilization,
+                config.kv_cache_tokens,
+                chunk_is_default=config.prefill_chunk_tokens is None,
             )
             self.prefill_chunk_tokens = self.memory_plan.prefill_chunk
             tokens = self.memory_plan.kv_tokens
-        elif kv_cache_tokens is not None:
-            tokens = kv_cache_tokens
+        elif config.kv_cache_tokens is not None:
+            tokens = config.kv_cache_tokens
         else:
-            tokens = default_cpu_kv_tokens(model, max_rows, self.kv_dtype)
+            tokens = default_cpu_kv_tokens(model, config.max_rows, self.kv_dtype)
+        block_size = config.block_size
         self.cache = PagedKVCache(
             num_layers, kv_heads, head_dim, -(-tokens // block_size), block_size, self.kv_dtype, model.device
         )
@@ -312,8 +288,8 @@ class ModelRunner:
                 self.cache,
                 self.groups,
                 capture,
-                paged=graph_attention == "paged" or (graph_attention is None and capture),
-                max_rows=max_rows,
+                paged=config.graph_attention == "paged" or (config.graph_attention is None and capture),
+                max_rows=config.max_rows,
                 max_context=max_context(model, self.cache),
                 max_chunk_tokens=self.prefill_chunk_tokens,
             )
@@ -457,7 +433,7 @@ class ModelRunner:
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=self.device)
-        if getattr(self.model, "nasd_lean_decoder", False):
+        if self.model_state.lean_decoder:
             return lean_forward(self.model, input_ids[0], position_ids[0], layout, keep)
         extra = {"logits_to_keep": keep} if self._takes_logits_to_keep else {}
         output = self.model(

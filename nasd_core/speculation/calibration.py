@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nasd_core.config import DEFAULT_KV_BLOCK_SIZE, RunnerConfig
 from nasd_core.runner.model_runner import ModelRunner, StepRow
 from nasd_core.speculation.acceptance import AcceptanceEstimator, pooled_acceptance
 from nasd_core.speculation.gate import GateHistory
@@ -101,10 +102,9 @@ def filled_runner(
     """A runner whose probe rows ``0..num_rows-1`` hold ``context_length`` cached tokens each,
     with room for steps of up to ``max_width`` positions per row (and the graphs' scratch block)."""
     row_tokens = context_length + max_width
-    block_size = 32  # the engine's default: paged graph steps read whole blocks
+    block_size = DEFAULT_KV_BLOCK_SIZE  # the engine's: paged graph steps read whole blocks
     row_blocks = -(-row_tokens // block_size)
-    runner = ModelRunner(
-        model,
+    config = RunnerConfig(
         kv_cache_tokens=(num_rows * row_blocks + 1) * block_size,
         block_size=block_size,
         max_rows=num_rows,
@@ -113,6 +113,7 @@ def filled_runner(
         compiled_layers=compiled_layers,
         kv_cache_dtype=kv_cache_dtype,
     )
+    runner = ModelRunner(model, config)
     fill_rows(runner, num_rows, context_length, row_tokens)
     return runner
 

@@ -50,17 +50,17 @@ def test_a_lone_cpu_replica_takes_all_cores_but_one_for_ray_and_all_to_prefill(m
     monkeypatch.setattr(builder, "visible_cpus", lambda: 8)
     replica, config = replica_of(build_app({}))
     assert config.num_threads == 7 and replica.ray_actor_options == {"num_cpus": 7.0}
-    assert config.engine.prefill_threads == 8
+    assert config.engine.runner.prefill_threads == 8
     # Replicas sharing the machine, or a GPU doing the work: one CPU each unless set.
     for args in [{"num_replicas": 2}, {"autoscaling": {"max_replicas": 3}}, {"num_gpus_per_replica": 1}]:
         replica, config = replica_of(build_app(args))
         assert replica.ray_actor_options["num_cpus"] == 1.0, args
-        assert config.engine.prefill_threads is None, args
+        assert config.engine.runner.prefill_threads is None, args
     replica, config = replica_of(build_app({"num_cpus_per_replica": 3}))
     assert config.num_threads == 3 and replica.ray_actor_options == {"num_cpus": 3.0}
-    assert config.engine.prefill_threads is None  # threads set by hand are every step's
-    assert replica_of(build_app({"prefill_threads": "4"}))[1].engine.prefill_threads == 4
-    assert replica_of(build_app({"deterministic": "true"}))[1].engine.prefill_threads is None
+    assert config.engine.runner.prefill_threads is None  # threads set by hand are every step's
+    assert replica_of(build_app({"prefill_threads": "4"}))[1].engine.runner.prefill_threads == 4
+    assert replica_of(build_app({"deterministic": "true"}))[1].engine.runner.prefill_threads is None
     monkeypatch.setattr(builder, "visible_cpus", lambda: 1)
     assert replica_of(build_app({}))[1].num_threads == 1
 
@@ -90,17 +90,17 @@ def test_string_arguments_from_the_cli_are_coerced():
     assert config.pool_namespace is None  # empty means unset
     assert (config.engine.spec.mode, config.engine.spec.num_draft_tokens) == ("off", 5)
     assert (config.engine.max_batch_rows, config.engine.max_waiting) == (8, 16)
-    assert config.engine.step_graphs and config.engine.prefix_cache_tokens == 0
+    assert config.engine.runner.step_graphs and config.engine.prefix_cache_tokens == 0
     assert replica.num_replicas == 3
     assert replica.ray_actor_options == {"num_cpus": 4.0, "num_gpus": 1.0}
     assert replica.max_ongoing_requests == 24
 
 
 def test_a_float16_kv_cache_is_for_float32_or_gguf_models_on_a_cpu():
-    assert replica_of(build_app({}))[1].engine.kv_cache_dtype == "auto"
-    assert replica_of(build_app({"kv_cache_dtype": "float32"}))[1].engine.kv_cache_dtype == "float32"
+    assert replica_of(build_app({}))[1].engine.runner.kv_cache_dtype == "auto"
+    assert replica_of(build_app({"kv_cache_dtype": "float32"}))[1].engine.runner.kv_cache_dtype == "float32"
     config = replica_of(build_app({"dtype": "float32", "kv_cache_dtype": "float16"}))[1]
-    assert config.engine.kv_cache_dtype == "float16"
+    assert config.engine.runner.kv_cache_dtype == "float16"
     with pytest.raises(ValueError, match="kv_cache_dtype float16"):
         build_app({"device": "cuda", "dtype": "bfloat16", "kv_cache_dtype": "float16"})
     with pytest.raises(ValueError, match="kv_cache_dtype"):

@@ -15,6 +15,7 @@ import torch
 from torch.nn import functional
 
 from nasd_core import native
+from nasd_core.config import RunnerConfig
 from nasd_core.layers.attention import causal_mask, keys_per_unit
 from nasd_core.runner.model_runner import ModelRunner, StepRow
 
@@ -213,7 +214,7 @@ def test_runner_logits_are_the_same_with_and_without_the_kernel(model):
     # later ones (seen 2.3e-3 apart, one process in two, SDPA against SDPA), which is warm-up
     # of the CPU's math libraries, not the kernel against SDPA (4e-5 apart once warm).
     for use_kernel in (False, True, False):
-        runner = ModelRunner(model, kv_cache_tokens=2048, block_size=32)
+        runner = ModelRunner(model, RunnerConfig(kv_cache_tokens=2048, block_size=32))
         assert runner.use_kernel
         runner.use_kernel = use_kernel
         for row, prompt in enumerate(prompts):
@@ -241,7 +242,9 @@ def test_rows_attended_in_one_padded_call_get_the_logits_of_one_call_per_row(mod
     for batch_attention in (False, True, False):  # the first run warms up (see the test above)
         # Exactly the rows' blocks (10 + 39 + 6 + 13 of 8 positions) and a one-block hole left
         # among them, so row 1, allocated last, cannot be one contiguous run.
-        runner = ModelRunner(model, kv_cache_tokens=68 * 8, block_size=8, batch_attention=batch_attention)
+        runner = ModelRunner(
+            model, RunnerConfig(kv_cache_tokens=68 * 8, block_size=8, batch_attention=batch_attention)
+        )
         runner.use_kernel = False
         for row in (0, "hole", 2, 3):
             runner.cache.allocate(row, len(prompts[row]) + 8 if row != "hole" else 8)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from nasd_core.config import RunnerConfig
 from nasd_core.layers.compiled_layers import compile_layers, merge_projections
 from nasd_core.native.cache import INDUCTOR_CACHE_ENV
 from nasd_core.runner.model_runner import ModelRunner, StepRow
@@ -105,7 +106,9 @@ def test_compiled_layers_get_the_logits_of_the_packed_path_in_a_few_compilations
 
 
 def test_a_runner_compiles_the_layers_and_reports_it(compiled_model):
-    runner = ModelRunner(compiled_model, kv_cache_tokens=256, block_size=16, compiled_layers=True)
+    runner = ModelRunner(
+        compiled_model, RunnerConfig(kv_cache_tokens=256, block_size=16, compiled_layers=True)
+    )
     report = runner.report()
     assert report["compiled_layers"] is True and report["compile_failure"] is None
     runner.cache.allocate("row", 8)
@@ -126,7 +129,7 @@ def test_layers_that_fail_to_compile_run_uncompiled_with_the_reason(stock_model,
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: original(self, backend=failing_backend))
     model = copy.deepcopy(stock_model)
     torch._dynamo.reset()
-    runner = ModelRunner(model, kv_cache_tokens=256, block_size=16, compiled_layers=True)
+    runner = ModelRunner(model, RunnerConfig(kv_cache_tokens=256, block_size=16, compiled_layers=True))
     report = runner.report()
     assert report["compiled_layers"] is False and "no compiler on this host" in report["compile_failure"]
     assert os.environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "inductor")

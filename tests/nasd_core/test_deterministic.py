@@ -1,4 +1,4 @@
-"""Deterministic mode (``EngineConfig.deterministic``) on this CPU, with the embedded model in
+"""Deterministic mode (``RunnerConfig.deterministic``) on this CPU, with the embedded model in
 bfloat16.
 
 Without it, a bfloat16 step's logits depend on what else the step computes (the row's drafts, other
@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from nasd_core.config import EngineConfig, SamplingParams, SpecConfig
+from nasd_core.config import EngineConfig, RunnerConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.layers.cpu_kernels import invariant_threads
 from nasd_core.runner.model_runner import ModelRunner, StepRow
@@ -66,7 +66,7 @@ def threads(request):
 def test_a_positions_logits_do_not_depend_on_its_step(bf16_model, threads):
     """A row's next 9 tokens decoded one a step alone, then verified in one step beside a
     prompt chunk and a decoding row: bit for bit the same logits."""
-    runner = ModelRunner(bf16_model, kv_cache_tokens=1024, block_size=16, deterministic=True)
+    runner = ModelRunner(bf16_model, RunnerConfig(kv_cache_tokens=1024, block_size=16, deterministic=True))
     assert invariant_threads(runner.model) >= threads
     assert runner.report()["deterministic"] and runner.model.dtype == torch.float32
     generator = torch.Generator().manual_seed(5)
@@ -87,7 +87,10 @@ def test_a_positions_logits_do_not_depend_on_its_step(bf16_model, threads):
 @pytest.mark.parametrize("setting", ["step_graphs", "compiled_layers"])
 def test_deterministic_steps_refuse_graphs_and_compiled_layers(bf16_model, setting):
     with pytest.raises(ValueError, match=setting):
-        ModelRunner(bf16_model, kv_cache_tokens=256, block_size=16, deterministic=True, **{setting: True})
+        ModelRunner(
+            bf16_model,
+            RunnerConfig(kv_cache_tokens=256, block_size=16, deterministic=True, **{setting: True}),
+        )
 
 
 @pytest.mark.parametrize("mode", ["on", "auto"])

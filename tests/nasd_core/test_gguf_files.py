@@ -25,12 +25,11 @@ import torch
 
 from benchmarks.random_gguf import SHAPES, embedded_reader, tokenizer_fields, write_random_gguf
 from nasd_core import SamplingParams, SpecConfig
-from nasd_core.config import EngineConfig, ModelConfig
+from nasd_core.config import EngineConfig, ModelConfig, RunnerConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import ModelLoadError
-from nasd_core.layers import quantized
 from nasd_core.layers.cpu_kernels import invariant_threads
-from nasd_core.layers.quantized import QuantLinear, QuantLinears, dequantize
+from nasd_core.layers.quantized import QuantLinear, QuantLinears, dequantize, set_int8_activations
 from nasd_core.loader import load_model, resolve_model_dir
 from nasd_core.loader.gguf_index import read_tensors
 from nasd_core.runner.model_runner import ModelRunner, StepRow
@@ -241,7 +240,7 @@ def test_a_gguf_files_weights_are_its_own_blocks(file_models):
             layer.mlp.down_proj,
         )
         assert [linear.kind for linear in linears] == [Q.Q8_0, Q.Q4_0, Q.Q8_0, down]
-    assert model.nasd_lean_decoder and model.nasd_fused_layers, "one type per merged group: one C++ call"
+    assert model.nasd.lean_decoder and model.nasd.layers_fit_fused, "one type per merged group: one C++ call"
     assert "float32" not in log
     for module_name, module in model.named_modules():
         if isinstance(module, QuantLinear) and not module_name.endswith(("qkv_proj", "gate_up_proj")):
@@ -332,17 +331,17 @@ def test_types_without_a_kernel_keep_the_files_values_and_mixed_types_their_own_
     )
     assert isinstance(qkv, QuantLinears) and [part.kind for part in qkv.parts] == [Q.Q4_1, Q.Q4_1, Q.Q8_0]
     assert isinstance(gate_up, QuantLinears) and [part.kind for part in gate_up.parts] == [Q.Q4_1, Q.Q4_0]
-    assert model.nasd_lean_decoder and not model.nasd_fused_layers
+    assert model.nasd.lean_decoder and not model.nasd.layers_fit_fused
     ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
     with torch.no_grad():
         logits, expected = model(ids).logits, reference(ids).logits
-    # The blocks' Linears round activations to int8 (quantized.INT8_ACTIVATIONS) in every layer.
+    # The blocks' Linears round activations to int8 (ModelConfig.int8_activations) in every layer.
     assert relative_error(logits, expected) < 10 * INT8_RELATIVE_ERROR
 
 
 @pytest.mark.parametrize(("architecture", "head_dim"), [("qwen2", None), ("qwen3", 32)])
 def test_a_qwen_files_blocks_are_transformers_weights_and_greedy_speculation_is_exact(
-    tmp_path, cache_dir, monkeypatch, architecture, head_dim
+    tmp_path, cache_dir, architecture, head_dim
 ):
     """Qwen files keep their rows in transformers' order (no rotary reordering to undo) and
     Qwen2's biases ride on the blocks' Linears. Both run the lean decoder's Python layer loop
@@ -360,7 +359,7 @@ def test_a_qwen_files_blocks_are_transformers_weights_and_greedy_speculation_is_
     # The float32 load converted the file with its weights: config and tokenizer now come from there.
     full = resolve_model_dir(str(path), cache_dir)
     assert resolve_model_dir(str(path), cache_dir, weights=False) == full
-    assert model.nasd_lean_decoder and not model.nasd_fused_layers
+    assert model.nasd.lean_decoder and not model.nasd.layers_fit_fused
     linears = {
         name: module
         for name, module in model.named_modules()
@@ -375,11 +374,12 @@ def test_a_qwen_files_blocks_are_transformers_weights_and_greedy_speculation_is_
     # With float activations the blocks' Linears are the reference's to float32 rounding (a random
     # model's activations are too far from a trained one's for the int8 rounding's bound).
     ids = tokenizer("The capital of France is Paris; of Italy,", return_tensors="pt").input_ids
-    monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", False)
+    loaded = model.nasd.int8_activations
+    set_int8_activations(model, False)
     with torch.no_grad():
         logits, expected = model(ids).logits, reference(ids).logits
     assert relative_error(logits, expected) < 1e-5
-    runner = ModelRunner(model, kv_cache_tokens=64, block_size=16, kv_cache_dtype="float32")
+    runner = ModelRunner(model, RunnerConfig(kv_cache_tokens=64, block_size=16, kv_cache_dtype="float32"))
     runner.cache.allocate(0, ids.shape[1])
     stepped = torch.cat(
         [
@@ -388,7 +388,7 @@ def test_a_qwen_files_blocks_are_transformers_weights_and_greedy_speculation_is_
         ]
     )
     torch.testing.assert_close(stepped, torch.cat([logits[0, :4], logits[0, -2:]]), atol=2e-4, rtol=1e-4)
-    monkeypatch.undo()
+    set_int8_activations(model, loaded)
     prompts, max_tokens = PROMPTS[:3], [24, 16, 20]
     plain = run_staggered(Engine(model, tokenizer), prompts, max_tokens, SpecConfig(mode="off"))
     drafted = run_staggered(Engine(model, tokenizer), prompts, max_tokens, SpecConfig(mode="on"))

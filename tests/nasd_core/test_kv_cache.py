@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nasd_core import SamplingParams, SpecConfig
-from nasd_core.config import EngineConfig
+from nasd_core.config import EngineConfig, RunnerConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import ContextLengthError
 from nasd_core.layers.kv_cache import BlockAllocator, PagedKVCache
@@ -77,7 +77,9 @@ def runner_and_plain_logits(
     """(runner's, plain forward's) logits of three rows over ragged steps (prompt chunks and
     two-position rows in one forward), then again after a rollback and refeed of each row's
     last position; on the model's device, as float32 on the host."""
-    runner = ModelRunner(model, kv_cache_tokens=1024, block_size=16, batch_attention=batch_attention)
+    runner = ModelRunner(
+        model, RunnerConfig(kv_cache_tokens=1024, block_size=16, batch_attention=batch_attention)
+    )
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (3, 40, 90)]
     with torch.inference_mode():

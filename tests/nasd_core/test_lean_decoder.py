@@ -14,6 +14,7 @@ from torch.nn import functional
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from nasd_core import native
+from nasd_core.config import RunnerConfig
 from nasd_core.layers.lean_decoder import lean_decoder_fits, use_lean_decoder
 from nasd_core.runner.model_runner import ModelRunner, StepRow
 from tests.nasd_core.test_quantized import relative_error, with_threads
@@ -97,19 +98,24 @@ def test_a_tokens_values_are_the_same_bits_alone_and_among_others(gguf_model, ke
 
 
 def test_the_gguf_model_takes_the_lean_decoder_and_others_do_not(gguf_model, model):
-    assert gguf_model.nasd_lean_decoder and lean_decoder_fits(gguf_model)
+    assert gguf_model.nasd.lean_decoder and lean_decoder_fits(gguf_model)
     assert use_lean_decoder(gguf_model)  # idempotent
     assert not lean_decoder_fits(model) and not use_lean_decoder(model)  # float32 projections
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "float16"])  # float16: the GGUF path's default
-def test_lean_steps_give_the_logits_of_transformers_forward(gguf_model, int8_activations, kv_cache_dtype):
+def test_lean_steps_give_the_logits_of_transformers_forward(
+    gguf_model_at_int8_activations, int8_activations, kv_cache_dtype
+):
     """A prompt chunk beside another row's verification-shaped step, then one more position
     each: every logit against transformers' forward of the same model over the whole sequence
     (its keys and values in float32)."""
+    gguf_model = gguf_model_at_int8_activations
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (40, 75)]
-    runner = ModelRunner(gguf_model, kv_cache_tokens=512, block_size=16, kv_cache_dtype=kv_cache_dtype)
+    runner = ModelRunner(
+        gguf_model, RunnerConfig(kv_cache_tokens=512, block_size=16, kv_cache_dtype=kv_cache_dtype)
+    )
     assert runner.cache.keys[0].dtype == getattr(torch, kv_cache_dtype)
     for row, prompt in enumerate(prompts):
         runner.cache.allocate(row, len(prompt))
@@ -140,7 +146,7 @@ def test_the_fused_layer_loop_is_the_python_loop_bit_for_bit(gguf_model, monkeyp
 
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 49152, (length,), generator=generator).tolist() for length in (30, 51, 9)]
-    runner = ModelRunner(gguf_model, kv_cache_tokens=512, block_size=16)
+    runner = ModelRunner(gguf_model, RunnerConfig(kv_cache_tokens=512, block_size=16))
     for row, prompt in enumerate(prompts):
         runner.cache.allocate(row, len(prompt) + 8)
     runner.forward([StepRow(row, prompt, 0) for row, prompt in enumerate(prompts)])
@@ -157,7 +163,7 @@ def test_the_fused_layer_loop_is_the_python_loop_bit_for_bit(gguf_model, monkeyp
     cached = [(keys[:, slots], values[:, slots]) for keys, values in pools]
     for row, prompt in enumerate(prompts):
         runner.cache.set_length(row, len(prompt))
-    monkeypatch.setattr(lean_decoder, "FUSED_LAYERS", False)
+    monkeypatch.setattr(gguf_model.nasd, "fused_layers", False)  # ModelConfig.fused_layers
     assert torch.equal(runner.forward(step), fused)
     for (keys, values), pool_keys, pool_values in zip(cached, runner.cache.keys, runner.cache.values):
         assert torch.equal(keys, pool_keys[:, slots]) and torch.equal(values, pool_values[:, slots])
@@ -175,7 +181,9 @@ def test_prompt_chunks_run_on_the_prefill_threads_with_the_same_bits(gguf_model,
     threads_seen: list[int] = []
 
     def logits(prefill_threads: int | None) -> list[torch.Tensor]:
-        runner = ModelRunner(gguf_model, kv_cache_tokens=256, block_size=16, prefill_threads=prefill_threads)
+        runner = ModelRunner(
+            gguf_model, RunnerConfig(kv_cache_tokens=256, block_size=16, prefill_threads=prefill_threads)
+        )
         packed = runner._packed_forward
         monkeypatch.setattr(
             runner,
@@ -202,18 +210,23 @@ def test_the_kv_cache_is_float16_on_the_gguf_path_and_float32_models_may_choose_
     """``kv_cache_dtype="auto"``: float16 where the lean decoder runs, the model's dtype elsewhere.
     A float32 model may take float16 too: its prompt chunks attend with SDPA over the pool widened
     back to float32, its decode rows in the kernel, within float16's rounding of float32's logits."""
-    assert ModelRunner(gguf_model, kv_cache_tokens=64).cache.keys[0].dtype == torch.float16
-    assert ModelRunner(model, kv_cache_tokens=64).cache.keys[0].dtype == torch.float32
+    assert ModelRunner(gguf_model, RunnerConfig(kv_cache_tokens=64)).cache.keys[0].dtype == torch.float16
+    assert ModelRunner(model, RunnerConfig(kv_cache_tokens=64)).cache.keys[0].dtype == torch.float32
     with pytest.raises(ValueError, match="batched attention off"):
-        ModelRunner(gguf_model, kv_cache_tokens=64, batch_attention=True, kv_cache_dtype="float16")
+        ModelRunner(
+            gguf_model, RunnerConfig(kv_cache_tokens=64, batch_attention=True, kv_cache_dtype="float16")
+        )
     # "auto" falls back to the model's dtype where batched attention reads the pool.
     assert (
-        ModelRunner(gguf_model, kv_cache_tokens=64, batch_attention=True).cache.keys[0].dtype == torch.float32
+        ModelRunner(gguf_model, RunnerConfig(kv_cache_tokens=64, batch_attention=True)).cache.keys[0].dtype
+        == torch.float32
     )
     prompt = torch.randint(0, 49152, (40,), generator=torch.Generator().manual_seed(6)).tolist()
 
     def logits(kv_cache_dtype: str) -> torch.Tensor:
-        runner = ModelRunner(model, kv_cache_tokens=64, block_size=16, kv_cache_dtype=kv_cache_dtype)
+        runner = ModelRunner(
+            model, RunnerConfig(kv_cache_tokens=64, block_size=16, kv_cache_dtype=kv_cache_dtype)
+        )
         assert runner.cache.keys[0].dtype == getattr(torch, kv_cache_dtype)
         runner.cache.allocate(0, len(prompt))
         chunk = runner.forward([StepRow(0, prompt[:-1], len(prompt) - 1)])

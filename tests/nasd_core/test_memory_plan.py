@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from benchmarks.step_cost import ARCHITECTURES
-from nasd_core.config import DEFAULT_NUM_DRAFT_TOKENS, EngineConfig
+from nasd_core.config import DEFAULT_NUM_DRAFT_TOKENS, MAX_KV_BLOCK_SIZE, EngineConfig, RunnerConfig
 from nasd_core.engine import engine as engine_module
 from nasd_core.engine.engine import Engine
 from nasd_core.layers.attention import BATCH_MAX_KEYS, flex_kernel_options
@@ -190,8 +190,8 @@ def test_weights_counted_from_a_config_are_the_models_own():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_flex_tiles_divide_every_page_and_query_block_the_engine_accepts(dtype):
-    accepted = range(1, 4097)  # EngineConfig.kv_block_size
-    assert EngineConfig.model_fields["kv_block_size"].metadata[0].ge == 1
+    accepted = range(1, MAX_KV_BLOCK_SIZE + 1)  # RunnerConfig.block_size, within the engine's bound
+    assert RunnerConfig.model_fields["block_size"].metadata[0].ge == 1 and MAX_KV_BLOCK_SIZE == 4096
     for page in accepted:
         for positions in POSITION_BUCKETS:
             options = flex_kernel_options(page, positions, dtype)
@@ -232,7 +232,9 @@ def test_a_paged_step_built_with_autograd_on_stays_paged(compiled):
     FlexAttention ask for its backward (on CUDA: "BlockMask q_indices is None")."""
     model = tiny_qwen()
     assert all(parameter.requires_grad for parameter in model.parameters())
-    runner = ModelRunner(model, kv_cache_tokens=512, block_size=16, step_graphs=True, graph_attention="paged")
+    runner = ModelRunner(
+        model, RunnerConfig(kv_cache_tokens=512, block_size=16, step_graphs=True, graph_attention="paged")
+    )
     graphs = runner.graphs
     assert graphs is not None and graphs.paged
     graphs.compiled = compiled
@@ -249,7 +251,9 @@ def test_a_paged_step_built_with_autograd_on_stays_paged(compiled):
 
 def test_a_paged_step_that_fails_falls_back_loudly_and_says_so_in_the_report(caplog, monkeypatch):
     model = tiny_qwen()
-    runner = ModelRunner(model, kv_cache_tokens=512, block_size=16, step_graphs=True, graph_attention="paged")
+    runner = ModelRunner(
+        model, RunnerConfig(kv_cache_tokens=512, block_size=16, step_graphs=True, graph_attention="paged")
+    )
 
     def broken(*args, **kwargs):  # a kernel that does not compile, as on the first H200 run
         raise RuntimeError("no kernel for this tile")

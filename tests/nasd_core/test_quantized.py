@@ -21,7 +21,6 @@ from nasd_core import SamplingParams, SpecConfig
 from nasd_core.config import EngineConfig, ModelConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.errors import ModelLoadError
-from nasd_core.layers import quantized
 from nasd_core.layers.cpu_kernels import invariant_threads
 from nasd_core.layers.quantized import (
     BLOCK_FORMATS,
@@ -38,10 +37,11 @@ from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, FixedStepTimes, run
 from tests.nasd_core.test_generate import assert_sampling_matches_transformers
 
 KINDS = sorted(BLOCK_FORMATS)
-# With quantized.INT8_ACTIVATIONS on, QuantLinear rounds each input row to int8 per block of 32:
-# against float32 activations its outputs move by 0.54% (relative, Frobenius) on normal inputs
-# (0.6-1.2% per Linear on the embedded model's own activations). Tests comparing a QuantLinear
-# with a float32 reference hold it to this bound then, and to their own tolerance otherwise.
+# With int8_activations on (ModelConfig's, each QuantLinear's), QuantLinear rounds each input row
+# to int8 per block of 32: against float32 activations its outputs move by 0.54% (relative,
+# Frobenius) on normal inputs (0.6-1.2% per Linear on the embedded model's own activations). Tests
+# comparing a QuantLinear with a float32 reference hold it to this bound then, and to their own
+# tolerance otherwise.
 INT8_RELATIVE_ERROR = 0.01
 
 
@@ -81,7 +81,7 @@ def with_threads(count: int, compute):
 def test_kernel_multiplies_by_the_block_values_exactly(kind, int8_activations):
     """One-hot inputs read each weight back: the kernel's block values are the reference's bits."""
     blocks = random_blocks(kind, 37, 96)
-    linear = QuantLinear(blocks, kind, 96)
+    linear = QuantLinear(blocks, kind, 96, int8_activations=int8_activations)
     assert linear.native, "the C++ kernel did not build"
     weights = dequantize(blocks, kind)
     if int8_activations:
@@ -98,7 +98,7 @@ def test_a_rows_output_bits_depend_neither_on_the_other_rows_nor_on_the_threads(
     """Every row count a step can have (1 to 17, and a prompt chunk's 70), on 1 and 2 threads, an
     odd number of outputs (a tile's leftover): each row's output is the same bits as that row
     multiplied alone on one thread, and equals float32 linear up to rounding."""
-    linear = QuantLinear(random_blocks(kind, 101, 160), kind, 160)
+    linear = QuantLinear(random_blocks(kind, 101, 160), kind, 160, int8_activations=int8_activations)
     assert linear.native, "the C++ kernel did not build"
     inputs = torch.randn(70, 160, generator=torch.Generator().manual_seed(1))
     alone = with_threads(1, lambda: torch.cat([linear(inputs[row : row + 1]) for row in range(70)]))
@@ -122,7 +122,7 @@ def test_kernel_keeps_leading_dimensions_and_takes_no_rows():
 
 
 def test_without_the_kernel_the_same_module_dequantizes(int8_activations):
-    linear = QuantLinear(random_blocks(3, 40, 96), 3, 96)
+    linear = QuantLinear(random_blocks(3, 40, 96), 3, 96, int8_activations=int8_activations)
     assert linear.native, "the C++ kernel did not build"
     inputs = torch.randn(5, 96)
     native = linear(inputs)
@@ -300,14 +300,24 @@ def test_int8_activations_keep_a_rows_bits_alone_among_others_and_on_any_threads
     assert relative_error(single, torch.ops.nasd.quant_linear(inputs, blocks, kind)) < INT8_RELATIVE_ERROR
 
 
-def test_the_int8_switch_picks_quant_linears_kernel(monkeypatch):
+def test_the_int8_switch_picks_quant_linears_kernel():
     linear = QuantLinear(random_blocks(3, 40, 96), 3, 96)
     inputs = torch.randn(2, 5, 96)
-    monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", True)
+    linear.int8_activations = True
     assert torch.equal(linear(inputs), torch.ops.nasd.quant_linear_q8(inputs, linear.blocks, 3))
-    monkeypatch.setattr(quantized, "INT8_ACTIVATIONS", False)
+    linear.int8_activations = False
     assert torch.equal(linear(inputs), torch.ops.nasd.quant_linear(inputs, linear.blocks, 3))
     assert torch.ops.nasd.quant_linear_q8(torch.randn(0, 96), linear.blocks, 3).shape == (0, 40)
+
+
+def test_model_config_sets_the_gguf_paths_numerics_at_load(gguf_model):
+    """``int8_activations`` and ``fused_layers`` reach every QuantLinear and the model's state."""
+    assert gguf_model.nasd.int8_activations and gguf_model.nasd.fused_layers  # the defaults
+    model, _ = load_model(config=ModelConfig(dtype="gguf", int8_activations=False, fused_layers=False))
+    assert not model.nasd.int8_activations and not model.nasd.fused_layers
+    assert model.nasd.lean_decoder and model.nasd.layers_fit_fused
+    linears = [module for module in model.modules() if isinstance(module, QuantLinear)]
+    assert linears and not any(linear.int8_activations for linear in linears)
 
 
 def test_the_quantized_model_holds_the_converted_weights_bit_for_bit(gguf_model, stock_model):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nasd_core.config import EngineConfig, SpecConfig
+from nasd_core.config import EngineConfig, RunnerConfig, SpecConfig
 from nasd_core.engine.engine import Engine
 from nasd_core.runner.model_runner import ModelRunner, StepRow
 from nasd_core.runner.step_graphs import POSITION_BUCKETS, FixedStep, StepShape, bucket, key_bucket
@@ -39,14 +39,14 @@ def fragmented_runner(
     # Exactly the rows' blocks (and the scratch block): row 1, allocated last, must take the hole.
     # Pages of 16: the smallest FlexAttention's CUDA tiles divide (a GPU runs this too).
     num_blocks = sum(-(-(len(prompt) + 8) // PAGE) for prompt in prompts) + step_graphs
-    runner = ModelRunner(
-        model,
+    config = RunnerConfig(
         kv_cache_tokens=num_blocks * PAGE,
         block_size=PAGE,
         step_graphs=step_graphs,
         graph_attention=graph_attention,
         prefill_chunk_tokens=prefill_chunk_tokens,
     )
+    runner = ModelRunner(model, config)
     for row in (0, "hole", *range(2, len(prompts))):
         runner.cache.allocate(row, len(prompts[row]) + 8 if row != "hole" else 8)
     runner.cache.free("hole")
