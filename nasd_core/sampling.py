@@ -68,12 +68,13 @@ def sample_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     targets = uniforms.to(cdf.device, torch.float64).unsqueeze(1) * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     # Rounding can leave a target at cdf[-1] (past the vocabulary) or on a token without mass:
-    # step back to the last token with mass. Rare, so the full-vocabulary pass runs only then.
+    # step back to the last token with mass. On a CPU that full-vocabulary pass runs only for a
+    # draw that needs it; on a device, always, since asking would wait for the device.
     vocab_size = probs.shape[-1]
-    picked = probs.gather(1, tokens.clamp(max=vocab_size - 1).unsqueeze(1)).squeeze(1)
-    stray = (tokens >= vocab_size) | (picked <= 0)
-    if not bool(stray.any()):
-        return tokens
+    if probs.device.type == "cpu":
+        picked = probs.gather(1, tokens.clamp(max=vocab_size - 1).unsqueeze(1)).squeeze(1)
+        if not bool(((tokens >= vocab_size) | (picked <= 0)).any()):
+            return tokens
     vocab = torch.arange(vocab_size, device=probs.device)
     last_with_mass = torch.where(probs > 0, vocab, 0).amax(dim=-1)
     return torch.minimum(tokens, last_with_mass)
