@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,19 +51,10 @@ def clean_env() -> dict[str, str]:
     }
 
 
-@contextlib.contextmanager
-def served(
-    command: list[str],
-    port: int,
-    log_path: Path,
-    env: dict[str, str],
-    stop_signal: signal.Signals | None = signal.SIGINT,
-):
-    """``command`` running until it answers on ``port`` (yields the app and the process); at the
-    end it must stop (exit 0, the port closed) on ``stop_signal``, or on the signal the body
-    sent (None)."""
+def launch(command: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    """``command`` started in the repository, its output to ``log_path``."""
     with log_path.open("w") as log:
-        process = subprocess.Popen(
+        return subprocess.Popen(
             command,
             cwd=REPO_ROOT,
             env=env,
@@ -73,44 +65,83 @@ def served(
             # `serve run` never saw the signal. A shell's Ctrl-C reaches it with the default.
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
+
+
+def stop(process: subprocess.Popen) -> None:
+    """Stopped as a user stops it (Ctrl-C), killed only if that fails: a killed `serve run`
+    leaves its Ray cluster running, and the rest of the suite would share the cores with it."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@contextlib.contextmanager
+def served(
+    process: subprocess.Popen,
+    port: int,
+    log_path: Path,
+    stop_signal: signal.Signals | None = signal.SIGINT,
+):
+    """The app ``process`` serves once it answers on ``port``; at the end the process must stop
+    (exit 0, the port closed) on ``stop_signal``, or on the signal the body sent (None)."""
+    name = Path(process.args[0]).name
     app = ServedApp(f"http://127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while not (is_listening(port) and app.request("GET", "/v1/models").status == 200):
             if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(
-                    f"{command[0]} did not come up (exit {process.poll()}):\n{log_path.read_text()[-3000:]}"
-                )
+                log_tail = log_path.read_text()[-3000:]
+                pytest.fail(f"{name} did not come up (exit {process.poll()}):\n{log_tail}")
             time.sleep(1)
-        yield app, process
+        yield app
         if stop_signal is not None:
             process.send_signal(stop_signal)
         try:
             exit_code = process.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             log_tail = log_path.read_text()[-3000:]
-            pytest.fail(f"{command[0]} still running {STOP_TIMEOUT_S} s after it was stopped:\n{log_tail}")
+            pytest.fail(f"{name} still running {STOP_TIMEOUT_S} s after it was stopped:\n{log_tail}")
         assert exit_code == 0, log_path.read_text()[-3000:]
         assert not is_listening(port), "the HTTP proxy outlived the command"
     finally:
-        if process.poll() is None:
-            # After a failure, stopped as a user stops it first: a killed `serve run` leaves its
-            # Ray cluster running, and the rest of the suite would share the cores with it.
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop(process)
 
 
+@pytest.fixture(scope="module")
+def nasd_serve(tmp_path_factory) -> Iterator[tuple[subprocess.Popen, int, Path]]:
+    """``nasd-serve`` with options, started with the module: its Ray and replica come up while
+    `serve run`'s test runs (each start is half waiting, on 2 cores)."""
+    port = server_port()
+    log_path = tmp_path_factory.mktemp("nasd_serve") / "nasd-serve.log"
+    command = [
+        str(Path(sys.executable).parent / "nasd-serve"),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "tiny",
+        "--speculation",
+        "off",
+    ]
+    process = launch(command, log_path, clean_env())
+    try:
+        yield process, port, log_path
+    finally:
+        stop(process)
+
+
+@pytest.mark.usefixtures("nasd_serve")  # started now, to come up beside this test
 def test_serve_run_answers_with_defaults_and_drains_on_sigterm(tmp_path):
     port = SERVE_RUN_PORT
     require(not is_listening(port), f"`serve run` binds port {port}, which something else holds")
     serve_bin = Path(sys.executable).parent / "serve"
     command = [str(serve_bin), "run", "deployments.app"]
     log_path = tmp_path / "serve.log"
-    with served(command, port, log_path, clean_env(), stop_signal=None) as (app, process):
+    process = launch(command, log_path, clean_env())
+    with served(process, port, log_path, stop_signal=None) as app:
         assert [model["id"] for model in app.request("GET", "/v1/models").body["data"]] == [
             EMBEDDED_MODEL,
             *EMBEDDED_MODEL_ALIASES,
@@ -194,18 +225,9 @@ def test_nasd_serve_refuses_an_invalid_setting(capsys):
     assert "speculation" in capsys.readouterr().err
 
 
-def test_nasd_serve_serves_with_its_options_and_stops_on_sigint(tmp_path):
-    port = server_port()
-    command = [
-        str(Path(sys.executable).parent / "nasd-serve"),
-        "--port",
-        str(port),
-        "--served-model-name",
-        "tiny",
-        "--speculation",
-        "off",
-    ]
-    with served(command, port, tmp_path / "nasd-serve.log", clean_env()) as (app, _):
+def test_nasd_serve_serves_with_its_options_and_stops_on_sigint(nasd_serve):
+    process, port, log_path = nasd_serve
+    with served(process, port, log_path) as app:
         assert app.request("GET", "/v1/models").body["data"][0]["id"] == "tiny"
         completion = app.client().completions.create(model="tiny", prompt="Hello", max_tokens=4)
         assert completion.usage.completion_tokens >= 1 and completion.nasd["num_drafted"] == 0
