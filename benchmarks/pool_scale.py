@@ -60,6 +60,7 @@ from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadat
 from benchmarks.replay import MAX_DRAFT, PARAPHRASE_TRACES, TRACES, accepted_prefix, greedy_traces
 from benchmarks.workloads import WORKLOADS, make_workload, paraphrase
 from deployments.router import DEFAULT_LOAD_BOUND, bounded_load_order, load_capacity
+from deployments.routing import pool_partition, routing_key
 from deployments.schemas import GenerateRequest
 from nasd_core.config import SpecConfig
 from nasd_core.speculation.drafter import RequestDrafter
@@ -423,7 +424,7 @@ async def redis_cell(
 async def service_cell(redis: LocalRedis, partitions: int, seed: int = 0) -> dict:
     """``SERVICE_REPLICAS`` real ``SharedPools`` (the replicas' pool layer: partition streams,
     followed on first request, replayed, LRU-bounded) on one real Redis, fed requests placed as
-    the service places them: ``GenerateRequest.routing_key`` on a hash ring, in
+    the service places them: ``deployments.routing.routing_key`` on a hash ring, in
     ``deployments.router.bounded_load_order`` (``partitions`` 0: the less loaded of two random
     replicas, Ray's default). ``SERVICE_TENANTS`` Zipf tenants ask ``SERVICE_QUESTIONS``
     questions each; an answer is a fixed random token sequence, published when its request
@@ -462,7 +463,7 @@ async def service_cell(redis: LocalRedis, partitions: int, seed: int = 0) -> dic
             request = GenerateRequest(
                 messages=[{"role": "user", "content": f"question {question[1]}"}], user=user
             )
-            key = request.routing_key(partitions)
+            key = routing_key(request, partitions)
             if key is None:
                 pair = rng.sample(range(SERVICE_REPLICAS), 2)
                 replica = min(pair, key=load.__getitem__)
@@ -470,7 +471,7 @@ async def service_cell(redis: LocalRedis, partitions: int, seed: int = 0) -> dic
                 capacity = load_capacity(sum(load), SERVICE_REPLICAS, BOUNDED_LOAD)
                 replica = bounded_load_order(ring_order(ring, key), load.__getitem__, capacity)[0]
             load[replica] += 1
-            partition = request.pool_partition(partitions)
+            partition = pool_partition(request, partitions)
             sources = replicas[replica].sources_for(user, partition)
             answer = answers.setdefault(
                 question, [rng.randrange(1, 1 << 15) for _ in range(SERVICE_ANSWER_TOKENS)]

@@ -26,6 +26,7 @@ from ray import serve
 from deployments.metrics import EXPORT_INTERVAL_S, ReplicaMetrics
 from deployments.outputs import ChoiceOutput, ToolParsing
 from deployments.reasoning import ReasoningParser, ReasoningStream, reasoning_format
+from deployments.routing import pool_partition
 from deployments.schemas import (
     DetokenizeRequest,
     ErrorInfo,
@@ -255,7 +256,7 @@ class NASDServer:
                 for _ in range(parsed.n)
             ]
             stats = SpecStats()
-            partition = parsed.pool_partition(self.config.pool.partitions)
+            partition = pool_partition(parsed, self.config.pool.partitions)
             steps = self._choice_steps(prompt_ids, params, spec, parsed, partition)
             async with contextlib.aclosing(steps):
                 async for index, step in steps:

@@ -24,6 +24,8 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve.experimental.consistent_hash_router import ConsistentHashRouter
 
+from deployments.routing import CONVERSATION_KEY_PREFIX
+
 # A replica takes at most this many times the mean load before its partitions spill over
 # (the simulation's BOUNDED_LOAD): 1.25 keeps queues within a quarter of each other while a
 # partition's traffic stays on one or two replicas.
@@ -33,8 +35,6 @@ DEFAULT_LOAD_BOUND = 1.25
 # partition sized by the rule in docs/api.md spills over two or three replicas.
 DEFAULT_FALLBACK_REPLICAS = 8
 ROUTER_CLASS = f"{__name__}.ConversationRouter"
-# A conversation's routing key (``GenerateRequest.routing_key`` with conversation affinity).
-CONVERSATION_KEY_PREFIX = "conversation\0"
 # Conversations whose replica a router remembers (least recently used forgotten first).
 MAX_PLACED_CONVERSATIONS = 65_536
 

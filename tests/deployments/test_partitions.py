@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import redis
 
+from deployments.routing import pool_partition
 from deployments.schemas import GenerateRequest
 from nasd_core.config import EMBEDDED_MODEL
 from pool_service.redis_pool import pool_keys
@@ -48,7 +49,7 @@ def test_requests_meet_their_partition_on_one_replica(app):
         for stats in replicas
     }
     partitions = {
-        GenerateRequest(messages=[{"role": "user", "content": q}]).pool_partition(POOL_PARTITIONS)
+        pool_partition(GenerateRequest(messages=[{"role": "user", "content": q}]), POOL_PARTITIONS)
         for q in QUESTIONS
     }
     # Every followed stream of every replica (one that served nothing, listed because a stats

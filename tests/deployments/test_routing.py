@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import collections
 
-from deployments.router import CONVERSATION_KEY_PREFIX, bounded_load_order, conversation_order, load_capacity
-from deployments.schemas import PARTITION_PREFIX_CHARS, GenerateRequest
+from deployments.router import bounded_load_order, conversation_order, load_capacity
+from deployments.routing import CONVERSATION_KEY_PREFIX, PARTITION_PREFIX_CHARS, pool_partition, routing_key
+from deployments.schemas import GenerateRequest
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 
@@ -20,39 +21,38 @@ def chat(*turns: str, tenant: str | None = None) -> GenerateRequest:
 def test_every_turn_of_a_conversation_keeps_its_partition():
     first = chat("How do I reverse a list in Python?")
     later = chat("How do I reverse a list in Python?", "Use reversed() or slicing.", "And a string?")
-    assert first.pool_partition(64) == later.pool_partition(64)
-    assert first.routing_key(64) == later.routing_key(64)
+    assert pool_partition(first, 64) == pool_partition(later, 64)
+    assert routing_key(first, 64) == routing_key(later, 64)
 
 
 def test_the_tenant_routes_and_the_user_label_does_not():
     request = chat("What is 2 squared?", tenant="t")
     labelled = [request.model_copy(update={"user": f"user-{i}"}) for i in range(5)]
-    assert {other.routing_key(8) for other in labelled} == {request.routing_key(8)}
+    assert {routing_key(other, 8) for other in labelled} == {routing_key(request, 8)}
 
 
 def test_partitions_spread_questions_and_tenants():
     questions = [chat(f"Question number {i}: what is {i} squared?") for i in range(400)]
-    counts = collections.Counter(question.pool_partition(8) for question in questions)
+    counts = collections.Counter(pool_partition(question, 8) for question in questions)
     assert sorted(counts) == list(range(8))
     assert max(counts.values()) < 2 * 400 / 8  # about even
     # The same question from two tenants: its partition is drawn for each, and so is its route.
-    keys = {chat("What is 2 squared?", tenant=f"tenant-{i}").routing_key(8) for i in range(20)}
+    keys = {routing_key(chat("What is 2 squared?", tenant=f"tenant-{i}"), 8) for i in range(20)}
     assert len(keys) > 4
 
 
 def test_completion_prompts_are_placed_by_their_opening():
     shared_opening = "x" * PARTITION_PREFIX_CHARS
-    assert GenerateRequest(prompt=shared_opening + "one").pool_partition(16) == GenerateRequest(
-        prompt=shared_opening + "two"
-    ).pool_partition(16)
-    ids = [GenerateRequest(prompt=[i, 1, 2, 3]).pool_partition(16) for i in range(64)]
+    one, two = (GenerateRequest(prompt=shared_opening + end) for end in ("one", "two"))
+    assert pool_partition(one, 16) == pool_partition(two, 16)
+    ids = [pool_partition(GenerateRequest(prompt=[i, 1, 2, 3]), 16) for i in range(64)]
     assert len(set(ids)) > 4
 
 
 def test_without_partitions_nothing_is_routed_and_one_partition_routes_by_tenant():
     request = chat("Hello")
-    assert request.pool_partition(0) == 0 and request.routing_key(0) is None
-    keys = {chat(f"Question {i}", tenant=tenant).routing_key(1) for i in range(10) for tenant in ("a", "b")}
+    assert pool_partition(request, 0) == 0 and routing_key(request, 0) is None
+    keys = {routing_key(chat(f"Question {i}", tenant=tenant), 1) for i in range(10) for tenant in ("a", "b")}
     assert keys == {"a\x000", "b\x000"}
 
 
@@ -62,19 +62,19 @@ def test_with_affinity_every_turn_of_a_conversation_has_one_key_and_conversation
         chat("Fix the bug in parse().", "Here is a fix.", "Now add a test."),
         chat("Fix the bug in parse().", "Here is a fix.", "Now add a test.", "Done.", "Thanks!"),
     ]
-    keys = {turn.routing_key(0, conversation_affinity=True) for turn in turns}
+    keys = {routing_key(turn, 0, conversation_affinity=True) for turn in turns}
     assert len(keys) == 1 and None not in keys
-    others = {chat(f"Question {i}").routing_key(0, conversation_affinity=True) for i in range(50)}
+    others = {routing_key(chat(f"Question {i}"), 0, conversation_affinity=True) for i in range(50)}
     assert len(others) == 50
     # Pool partitions route by partition (a conversation's partition is drawn from the same opening).
-    assert turns[0].routing_key(8, conversation_affinity=True) == turns[0].routing_key(8)
+    assert routing_key(turns[0], 8, conversation_affinity=True) == routing_key(turns[0], 8)
     # A tenant's conversation is its own, whatever the text.
-    assert chat("Hi", tenant="a").routing_key(0, True) != chat("Hi", tenant="b").routing_key(0, True)
+    assert routing_key(chat("Hi", tenant="a"), 0, True) != routing_key(chat("Hi", tenant="b"), 0, True)
 
 
 def test_a_conversations_key_is_the_one_the_router_places():
-    assert chat("Hi").routing_key(0, conversation_affinity=True).startswith(CONVERSATION_KEY_PREFIX)
-    assert not chat("Hi", tenant="t").routing_key(8).startswith(CONVERSATION_KEY_PREFIX)
+    assert routing_key(chat("Hi"), 0, conversation_affinity=True).startswith(CONVERSATION_KEY_PREFIX)
+    assert not routing_key(chat("Hi", tenant="t"), 8).startswith(CONVERSATION_KEY_PREFIX)
 
 
 def test_new_conversations_spread_and_each_stays_on_its_replica_under_the_bound():

@@ -1,29 +1,17 @@
-"""Request and response models of the OpenAI-compatible API, and what the ingress and a replica
-exchange through a deployment handle.
+"""The OpenAI API's requests: completions, chat completions, tokenize and detokenize, with this
+server's extras (``speculation``, ``num_draft_tokens``, structured outputs).
 
 Request models ignore unknown fields (as vLLM's server does), so clients that send newer
-OpenAI fields keep working. This module imports pydantic only: the ingress uses it without
-loading torch.
+OpenAI fields keep working. Pydantic only: the ingress uses them without loading torch.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    ValidationInfo,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # The OpenAI completions API documents 16 as the default of max_tokens. Chat has no default:
 # the replica lets it run to the end of the context, as vLLM does.
@@ -36,13 +24,8 @@ MAX_CHOICES = 16
 # Most prompts one completions request may batch: each is a request of its own to a replica
 # (as in vLLM), so a batch spreads over replicas and joins their running batches.
 MAX_PROMPTS = 64
-# A completion prompt's opening that picks its pool partition: long enough to tell questions
-# apart, short enough that a conversation continued as one growing prompt keeps its partition.
-PARTITION_PREFIX_CHARS = 512
-PARTITION_PREFIX_IDS = 128
 SpeculationMode = Literal["auto", "on", "off"]
 Role = Literal["system", "developer", "user", "assistant", "tool"]
-FinishReason = Literal["stop", "length", "tool_calls"]
 ToolChoiceMode = Literal["none", "auto", "required"]
 
 
@@ -64,7 +47,6 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
-# ---------------------------------------------------------------------------- requests
 class StreamOptions(_Request):
     include_usage: bool = Field(False, description="Send a last chunk with the request's usage.")
 
@@ -439,283 +421,3 @@ class DetokenizeRequest(_Request):
 
     model: str | None = Field(None, description="Served model name (default: the served model).")
     tokens: list[int] = Field(description="Token ids to decode.")
-
-
-class GenerateRequest(SamplingFields):
-    """What the ingress sends a replica: exactly one of ``prompt`` (text or ids) or ``messages``
-    (role/content dicts the replica renders with its tokenizer's chat template)."""
-
-    prompt: str | list[int] | None = Field(None, description="Completion prompt.")
-    messages: list[dict[str, Any]] | None = Field(None, description="Chat messages, content as text.")
-    tools: list[dict[str, Any]] | None = Field(None, description="Chat: the tools, rendered into the prompt.")
-    parse_tool_calls: bool = Field(
-        False, description="Chat: answer calls as tool_calls (tool_choice not none)."
-    )
-    forced_tools: list[dict[str, Any]] | None = Field(
-        None, description="Chat: the answer is calls of these (tool_choice required or named)."
-    )
-    parallel_tool_calls: bool = Field(True, description="Chat: a forced answer may call more than once.")
-    logprobs: int | None = Field(None, description="Top logprobs per token (None: no logprobs).")
-    echo: bool = Field(False, description="Send the prompt first (and its logprobs with logprobs).")
-    tenant: str | None = Field(
-        None,
-        description="Set by the ingress, never by a client: the API key's tenant, or without keys the "
-        "`user` label. It picks the pool namespace, the prefix-cache salt and the routing key.",
-    )
-
-    @classmethod
-    def from_completion(
-        cls, request: CompletionRequest, prompt: str | list[int], tenant: str | None = None
-    ) -> GenerateRequest:
-        """The replica request of ``prompt``, one of ``request.prompts``, for ``tenant``."""
-        return cls(
-            prompt=prompt,
-            logprobs=request.logprobs,
-            echo=request.echo,
-            tenant=tenant,
-            **request.model_dump(include=_SAMPLING_FIELDS),
-        )
-
-    @classmethod
-    def from_chat(cls, request: ChatCompletionRequest, tenant: str | None = None) -> GenerateRequest:
-        messages = [message.as_template_input() for message in request.messages]
-        fields = request.model_dump(include=_SAMPLING_FIELDS)
-        if request.max_completion_tokens is not None:
-            fields["max_tokens"] = request.max_completion_tokens
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []] or None
-        return cls(
-            messages=messages,
-            logprobs=logprobs,
-            tenant=tenant,
-            tools=tools,
-            parse_tool_calls=tools is not None and request.tool_choice != "none",
-            forced_tools=request.forced_tools(),
-            parallel_tool_calls=request.parallel_tool_calls,
-            **fields,
-        )
-
-    def tool_names(self) -> frozenset[str]:
-        """The names of the functions the request declares (its answer may call only these)."""
-        return frozenset(tool["function"]["name"] for tool in self.tools or ())
-
-    def conversation_hash(self) -> int:
-        """A 64-bit hash of the tenant and the conversation's opening: the messages up to the
-        first user turn (every later turn of the chat, a Responses continuation of it, and every
-        repeat of the question keep it), or a completion prompt's first
-        ``PARTITION_PREFIX_CHARS`` characters (ids: ``PARTITION_PREFIX_IDS``)."""
-        if self.messages is not None:
-            first_user = next((i for i, m in enumerate(self.messages) if m.get("role") == "user"), 0)
-            opening = json.dumps([m.get("content") for m in self.messages[: first_user + 1]])
-        elif isinstance(self.prompt, str):
-            opening = self.prompt[:PARTITION_PREFIX_CHARS]
-        else:
-            opening = json.dumps((self.prompt or [])[:PARTITION_PREFIX_IDS])
-        # surrogatepass: a lone surrogate (valid JSON, not UTF-8) is a 400 from the replica's
-        # prompt check, never a crash here.
-        digest = hashlib.sha256(f"{self.tenant or ''}\0{opening}".encode("utf-8", "surrogatepass")).digest()
-        return int.from_bytes(digest[:8], "big")
-
-    def pool_partition(self, partitions: int) -> int:
-        """Which of its tenant's ``partitions`` pool partitions this request reads and feeds: by
-        ``conversation_hash``. The ingress routes by the same key, so a partition's requests
-        meet on a few replicas."""
-        if partitions <= 1:  # none, or one per tenant
-            return 0
-        return self.conversation_hash() % partitions
-
-    def routing_key(self, partitions: int, conversation_affinity: bool = False) -> str | None:
-        """The session id the ingress routes this request by: with pool partitions, its tenant
-        and partition; else with conversation affinity, its conversation (every turn then goes
-        to the replica whose prefix cache holds the earlier ones, while that replica is not
-        overloaded); else None (the less loaded of two replicas)."""
-        if partitions:
-            return f"{self.tenant or ''}\0{self.pool_partition(partitions)}"
-        if conversation_affinity:  # deployments.router's CONVERSATION_KEY_PREFIX
-            return f"conversation\0{self.conversation_hash():016x}"
-        return None
-
-
-_SAMPLING_FIELDS = set(SamplingFields.model_fields)
-
-
-# --------------------------------------------------------------------------- responses
-class ErrorInfo(BaseModel):
-    message: str = Field(description="What is wrong, for a human.")
-    type: str = Field(description="invalid_request_error, server_error...")
-    param: str | None = Field(None, description="The offending request field, if any.")
-    code: str | None = Field(None, description="Machine-readable reason, e.g. context_length_exceeded.")
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-class TokensResult(BaseModel):
-    """A replica's answer to a tokenize or detokenize call (an error as for generation)."""
-
-    tokens: list[int] | None = None
-    text: str | None = None
-    max_model_len: int | None = None
-    error: ErrorInfo | None = None
-    status_code: int = 200
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = Field(0, description="Prompt tokens whose keys and values were in the prefix cache.")
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float | None  # None only for an echoed prompt's first token
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    """One output token's logprob (chat's shape; completions' is built from these)."""
-
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class GenerateChunk(BaseModel):
-    """What a replica yields: new text, or at the end the finish reason, usage and counters;
-    or an error (then ``status_code`` says which HTTP status the ingress answers)."""
-
-    index: int = Field(0, description="The choice this chunk belongs to.")
-    text: str = Field("", description="New text since the previous chunk.")
-    reasoning: str | None = Field(None, description="New reasoning text since the previous chunk.")
-    tool_calls: list[ToolCall] | None = Field(
-        None, description="Tool calls completed since the previous chunk."
-    )
-    logprobs: list[TokenLogprob] | None = Field(None, description="Of the tokens since the previous chunk.")
-    finish_reason: FinishReason | None = Field(None, description="Set on a choice's last chunk.")
-    usage: Usage | None = Field(None, description="Set on the request's last chunk (all choices).")
-    nasd: dict[str, Any] | None = Field(None, description="This request's speculation counters (last chunk).")
-    replica: dict[str, Any] | None = Field(None, description="The replica's stats after it (last chunk).")
-    error: ErrorInfo | None = Field(None, description="Set when the request failed.")
-    status_code: int = Field(200, description="HTTP status of the error.")
-    prompt_tokens: int = Field(0, description="The request's prompt tokens (counted against its key).")
-    tokens: int = Field(0, description="Tokens generated for this choice since its previous chunk.")
-
-
-def _now() -> int:
-    return int(time.time())
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-REASONING_FIELDS = ("reasoning", "reasoning_content")
-
-
-class _WithReasoning(BaseModel):
-    """A reasoning model's thinking (``reasoning``, vLLM's name since 0.11, and
-    ``reasoning_content``, the name older clients read), left out where there is none: a client
-    may take the key's presence for a reasoning model."""
-
-    reasoning: str | None = None
-    reasoning_content: str | None = None
-
-    @model_serializer(mode="wrap")
-    def _without_empty_reasoning(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        data = handler(self)
-        for name in REASONING_FIELDS:
-            if data.get(name) is None:
-                data.pop(name, None)
-        return data
-
-
-class AssistantMessage(_WithReasoning):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class Delta(_WithReasoning):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReason | None = None
-
-
-class _Answer(BaseModel):
-    """Fields every completion answer and stream chunk share."""
-
-    id: str
-    created: int = Field(default_factory=_now)
-    model: str
-    usage: Usage | None = None
-
-
-class CompletionResponse(_Answer):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-    nasd: dict[str, Any] | None = Field(None, description="Extra: speculation counters of this request.")
-
-
-class CompletionChunk(_Answer):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class ChatCompletionResponse(_Answer):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-    nasd: dict[str, Any] | None = Field(None, description="Extra: speculation counters of this request.")
-
-
-class ChatCompletionChunk(_Answer):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=_now)
-    owned_by: str = "nasd-serve"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
