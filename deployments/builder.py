@@ -13,7 +13,6 @@ import os
 from typing import Any, Literal
 
 import ray
-import torch
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from ray import serve
 from ray.serve import Application
@@ -42,7 +41,7 @@ from nasd_core.config import (
     RunnerConfig,
     SpecConfig,
 )
-from nasd_core.loader import is_gguf
+from nasd_core.loader import default_dtype
 from pool_service import PoolConfig
 from pool_service.config import pool_index
 
@@ -264,13 +263,6 @@ class AppArgs(BaseModel):
 ENV_VARS = {name: SHORT_ENV_VARS.get(name, f"NASD_{name.upper()}") for name in AppArgs.model_fields}
 
 
-def default_dtype(args: AppArgs, device: str) -> str:
-    """``dtype`` when unset: a GGUF file (the embedded model or a ``*.gguf`` path) keeps its blocks
-    on a CPU, where a step is bound by reading the weights (a fifth of float32's bytes); any other
-    model loads in float32."""
-    return "gguf" if is_gguf(args.model) and torch.device(device).type == "cpu" else "float32"
-
-
 def lone_cpu_replica(args: AppArgs, device: str) -> bool:
     """Whether the application is one CPU replica with the machine to itself (a laptop's `make serve`)."""
     return not (device != "cpu" or args.num_gpus_per_replica > 0 or args.autoscaling or args.num_replicas > 1)
@@ -333,11 +325,11 @@ def replica_config(args: AppArgs) -> ReplicaConfig:
         ValueError: ``dtype=gguf`` for a model that is not a GGUF file, or off a CPU.
     """
     device = args.device or ("cuda" if args.num_gpus_per_replica > 0 else "cpu")
-    if args.dtype == "gguf" and default_dtype(args, device) != "gguf":
+    if args.dtype == "gguf" and default_dtype(args.model, device) != "gguf":
         raise ValueError(
             "dtype gguf serves a GGUF file's own blocks (the embedded model or a *.gguf path) on a CPU only"
         )
-    dtype = args.dtype or default_dtype(args, device)
+    dtype = args.dtype or default_dtype(args.model, device)
     if args.kv_cache_dtype not in ("auto", dtype) and (device != "cpu" or dtype not in ("float32", "gguf")):
         raise ValueError(f"kv_cache_dtype {args.kv_cache_dtype} needs a float32 or gguf model on a CPU")
     engine_limits = {

@@ -407,9 +407,10 @@ class ModelConfig(_Config):
     name: str | None = Field(
         None, description="HF model id, local dir or GGUF file (*.gguf); None = the embedded SmolLM2-135M."
     )
-    dtype: Literal["float32", "bfloat16", "float16", "gguf"] = Field(
-        "float32",
-        description="Weights dtype; 'gguf' keeps a GGUF file's blocks (the embedded model's or a *.gguf "
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "gguf"] = Field(
+        "auto",
+        description="Weights dtype; 'auto' is what the server loads: 'gguf' for a GGUF file on a CPU, else "
+        "float32. 'gguf' keeps a GGUF file's blocks (the embedded model's or a *.gguf "
         "name's) on a CPU where a kernel multiplies them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, "
         "Q6_K; other types are float32, and files of other architectures than llama, Qwen2 and Qwen3 "
         "load as float32; nasd_core/loader/gguf.py).",

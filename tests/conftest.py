@@ -48,10 +48,12 @@ def no_transformers_deprecations():
 
 @pytest.fixture(scope="session")
 def model_and_tokenizer():
+    """The embedded model in float32 (what transformers computes, the tests' reference)."""
+    from nasd_core.config import ModelConfig
     from nasd_core.loader import load_model
 
     torch.manual_seed(0)
-    return load_model()
+    return load_model(config=ModelConfig(dtype="float32"))
 
 
 @pytest.fixture(scope="session")
@@ -65,13 +67,14 @@ def stock_model():
     from nasd_core.config import ModelConfig
     from nasd_core.loader import load_model
 
-    model, _ = load_model(config=ModelConfig(cpu_fast_path=False))
+    model, _ = load_model(config=ModelConfig(dtype="float32", cpu_fast_path=False))
     return model
 
 
 @pytest.fixture(scope="session")
 def gguf_model():
-    """The embedded model on its GGUF blocks (``dtype="gguf"``, the server's CPU default)."""
+    """The embedded model on its GGUF blocks (``dtype="gguf"``, the server's and the library's CPU
+    default)."""
     from nasd_core.config import ModelConfig
     from nasd_core.loader import load_model
 

@@ -45,6 +45,13 @@ def is_gguf(name: str | None) -> bool:
     return is_embedded(name) or str(name).lower().endswith(".gguf")
 
 
+def default_dtype(name: str | None, device: str) -> str:
+    """``ModelConfig.dtype`` "auto", for the library and the server alike: a GGUF file (the
+    embedded model or a ``*.gguf`` path) keeps its blocks on a CPU, where a step is bound by
+    reading the weights (a fifth of float32's bytes); any other model loads in float32."""
+    return "gguf" if is_gguf(name) and torch.device(device).type == "cpu" else "float32"
+
+
 def gguf_file(name: str | None) -> Path:
     """The GGUF file ``name`` stands for (``is_gguf(name)``).
 
@@ -197,7 +204,7 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
         name: HF model id, local dir or GGUF file (``*.gguf``); None (or "embedded") = the
             embedded SmolLM2-135M-Instruct. Overrides ``config.name`` when given.
         config: dtype, device, cache dir, the CPU fast path and the GGUF path's numerics
-            (defaults: float32 on CPU with the fast path, the user cache dir).
+            (defaults: what the server loads, ``default_dtype``; the user cache dir).
 
     Returns:
         (model, tokenizer)
@@ -212,7 +219,8 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
     config = config or ModelConfig()
     keep_compiled_kernels(config.cache_dir)
     name = name if name is not None else config.name
-    quantized = config.dtype == "gguf"
+    dtype = default_dtype(name, config.device) if config.dtype == "auto" else config.dtype
+    quantized = dtype == "gguf"
     if quantized and (not is_gguf(name) or torch.device(config.device).type != "cpu"):
         raise ModelLoadError(
             "dtype 'gguf' runs a GGUF file's own blocks (the embedded model's or a *.gguf path) on a CPU only"
@@ -228,8 +236,8 @@ def load_model(name: str | None = None, config: ModelConfig | None = None):
         else:
             model_dir = resolve_model_dir(name, config.cache_dir)
             tokenizer = load_tokenizer(model_dir)
-            dtype = torch.float32 if quantized else getattr(torch, config.dtype)
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+            torch_dtype = torch.float32 if quantized else getattr(torch, dtype)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
     except ModelLoadError:
         raise
     except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...

@@ -30,6 +30,12 @@ def collect(server: NASDServer, loop: asyncio.AbstractEventLoop, request: dict) 
 
 
 @pytest.fixture(scope="module")
+def model(gguf_model):
+    """The library's reference: a replica's default weights (the embedded model's GGUF blocks)."""
+    return gguf_model
+
+
+@pytest.fixture(scope="module")
 def served():
     """A started server that runs one request at a time and queues one more."""
     loop = asyncio.new_event_loop()

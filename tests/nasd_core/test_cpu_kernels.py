@@ -85,7 +85,7 @@ def test_dense_bound_counts_rows_until_the_dense_multiply_stops_winning(monkeypa
 def test_the_dense_bound_is_measured_at_load_or_set(model):
     bounds = {module.dense_max_rows for module in model.modules() if isinstance(module, PackedLinear)}
     assert len(bounds) == 1 and bounds.pop() in range(5)
-    pinned, _ = load_model(config=ModelConfig(cpu_dense_max_rows=0))
+    pinned, _ = load_model(config=ModelConfig(dtype="float32", cpu_dense_max_rows=0))
     layers = [module for module in pinned.modules() if isinstance(module, PackedLinear)]
     assert {layer.dense_max_rows for layer in layers} == {0}
     assert all(layer.dense_weight is None for layer in layers)

@@ -205,7 +205,7 @@ def file_models(gguf_files, cache_dir) -> dict[str, tuple]:
     """Each file's (model on its blocks, tokenizer, float32 conversion, log of the load)."""
     models = {}
     for name, path in gguf_files.items():
-        float32 = ModelConfig(cache_dir=cache_dir, cpu_fast_path=False)
+        float32 = ModelConfig(dtype="float32", cache_dir=cache_dir, cpu_fast_path=False)
         float32_conversion = partial(load_model, str(path), float32)
         # mixed_layers' float32 load first: its conversion (tokenizer included) then serves the
         # blocks' load too. every_kernel_type's blocks first: the cache then holds its config
@@ -353,7 +353,8 @@ def test_a_qwen_files_blocks_are_transformers_weights_and_greedy_speculation_is_
     shape = dataclasses.replace(SHAPES["tiny"], head_dim=head_dim)
     write_random_gguf(path, architecture, shape, vocab_size=TINY_VOCAB)
     model, tokenizer = load_model(str(path), ModelConfig(dtype="gguf", cache_dir=cache_dir))
-    reference, _ = load_model(str(path), ModelConfig(cache_dir=cache_dir, cpu_fast_path=False))
+    float32 = ModelConfig(dtype="float32", cache_dir=cache_dir, cpu_fast_path=False)
+    reference, _ = load_model(str(path), float32)
     assert model.config.model_type == architecture
     assert head_dim is None or model.config.head_dim == reference.config.head_dim == head_dim
     # The float32 load converted the file with its weights: config and tokenizer now come from there.
