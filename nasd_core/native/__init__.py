@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import platform
@@ -57,6 +58,19 @@ def build_directory(sources: list[Path], cflags: list[str], headers: list[Path])
     return default_cache_dir() / "native" / digest.hexdigest()[:16]
 
 
+def _load_built(name: str, library: Path, python_module: bool):
+    """A finished build loaded as it is. Its folder's name is its sources, torch, flags and CPU,
+    so nothing could make it stale; ninja, asked again, would compile it anew for each checkout
+    and virtual environment (its build file names their paths)."""
+    if not python_module:
+        torch.ops.load_library(str(library))
+        return str(library)
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _enabled() -> bool:
     return os.environ.get("NASD_NATIVE", "1") != "0"
 
@@ -78,6 +92,9 @@ def build(
 
     try:
         directory = build_directory(sources, cflags, headers or [])
+        library = directory / f"{name}.so"
+        if library.is_file() and not (directory / "lock").exists():
+            return _load_built(name, library, python_module)
         directory.mkdir(parents=True, exist_ok=True)
         return cpp_extension.load(
             name=name,
