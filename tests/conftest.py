@@ -10,6 +10,7 @@ FutureWarning and DeprecationWarning raised from this project's modules are erro
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -17,10 +18,17 @@ import torch
 
 def pytest_configure(config) -> None:
     """Inductor's compiled kernels in the NASD cache for the whole run, this process and the
-    replicas it starts: set before anything compiles, so that the next run loads them."""
+    replicas it starts: set before anything compiles, so that the next run loads them.
+
+    On a 2-core host kept busy by other processes: the tests' Ray workers (replicas, Serve's
+    proxy) at the tests' own priority, where Ray's default niceness of 15 left them a thirtieth
+    of a core; and Serve's proxy given 30 s a ready check where its default is 5 (a starting
+    proxy failed three checks in a row and Serve killed it)."""
     from nasd_core.native.cache import keep_compiled_kernels
 
     keep_compiled_kernels()
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
 
 
 class _DeprecationRecorder(logging.Handler):
