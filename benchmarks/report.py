@@ -29,9 +29,7 @@ SUITES = (
     "prefix_cache",
     "pool",
     "http",
-    "http_ab",
     "replay",
-    "drafter_ab",
     "pool_scale",
 )
 ROOT = Path(__file__).resolve().parent.parent

@@ -59,14 +59,11 @@ def no_mask(device: torch.device) -> torch.Tensor:
 
 
 # Rows of at most this many new positions go to the kernel; longer ones (wide verifications,
-# prompt chunks) to SDPA, whose matrix-shaped kernels win from there: a step of 16 rows x 1536
-# tokens took 263 ms with every row at 5 positions in the kernel and 285 with SDPA, 403 and 369
-# at 9 positions (embedded model, 2-core Xeon).
+# prompt chunks) to SDPA, whose matrix-shaped kernels win from there (timed between 5 and 9).
 KERNEL_MAX_POSITIONS = 6
 # Keys per unit of kernel work (a multiple of the kernel's 32-key tile): as long as possible,
-# since each unit streams its keys from memory and longer streams read faster (at 32 rows x
-# 1536 tokens: 131 ms of attention per step at 512, 128 at 1024), but short enough that every
-# thread gets several units.
+# since each unit streams its keys from memory and longer streams read faster, but short
+# enough that every thread gets several units.
 KERNEL_MAX_KEYS_PER_UNIT = 1024
 KERNEL_MIN_KEYS_PER_UNIT = 128
 KERNEL_UNITS_PER_THREAD = 8

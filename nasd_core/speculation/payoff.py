@@ -20,8 +20,7 @@ MIN_READ_EXCESS = 0.02
 # ...and one reading counts for at most this multiple of it (a preempted step).
 MAX_EXCESS_SCALE = 4.0
 # A one-row step is not discounted: its draft was not picked as the best of many rows' (the
-# winner's curse the discount corrects), and interleaved runs of creative text at one row
-# (4 and then 9 runs of 2 requests) went 1.03x and 1.11x of off with it, 1.09x and 1.14x without.
+# winner's curse the discount corrects), and discounted, one-row creative text gained less.
 MIN_PAYOFF_ROWS = 2
 # Its factor stays in [MIN_PAYOFF, 1]: it only ever discounts promises (a drafted step that
 # beats its promise does not make weaker drafts look better), and never below half.

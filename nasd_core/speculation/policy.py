@@ -25,26 +25,13 @@ from nasd_core.speculation.acceptance import AcceptanceEstimator
 from nasd_core.speculation.pace import MIN_ROW_PACE, clock_ratio, keeps_pace
 from nasd_core.speculation.step_time import EXPLORE_MARGIN, StepTimeModel, snap_extras
 
-# A step drafts only if its drafts promise this much more throughput than none. The cost model
-# leaves out what drafting does around the forward: building drafts (~1% of a 32-row creative
-# run on 2 cores), and rows finishing out of step, which leaves later steps with ragged,
-# part-full batches (traced at 32 creative rows: +0.6 s of part-full steps in a 15 s run).
-# There the policy's chosen drafts promised a median 2% (90th percentile 6%) and the runs came
-# out 2-5% under plain decoding; on repetitive text they promised 1.3x-3.3x (10th-90th pct).
-# A one-row step has neither (no other rows to fall out of step with, a lookup is ~0.1% of the
-# step) and drafts whenever its drafts promise more than nothing: interleaved runs at one row
-# (6 x 2 requests each) gave 2.11x of off on repetitive text and 1.10x on creative text with
-# no bar, 2.08x and 1.08x with it.
+# A step of several rows drafts only if its drafts promise this much more throughput than none:
+# the cost model leaves out building drafts and rows finishing out of step (part-full later
+# steps). A one-row step has neither, and drafts whenever its drafts promise more than nothing.
 MIN_DRAFT_GAIN = 0.05
-# From this many rows a step's drafts must promise LARGE_BATCH_MIN_DRAFT_GAIN. Why: what the cost
-# model leaves out grows with the batch (more rows to fall out of step, more lookups and
-# verification work per step), while a full batch's forward gains least from extra positions.
-# Creative prompts with repeated instructions at 32 rows through HTTP (``benchmarks.http_ab``
-# with the engine's step counters, before this bar): the policy drafted in 137 of 378 steps,
-# 46% of drafts accepted, and the run came out 0.91x of off; the drafted steps' promises were
-# mostly 5-20%. With this bar, 51 of 410 steps drafted and 0.97x. In process, closed loop (one-off script),
-# the same prompts went 1.015x of off against 0.989x without the bar, and the repetitive mix
-# at 32 rows 1.10x against 1.12x (its drafts promise 1.3x-3.3x, most above any bar).
+# From this many rows the bar is LARGE_BATCH_MIN_DRAFT_GAIN: what the model leaves out grows with
+# the batch, while a full batch's forward gains least from extra positions (docs/results.md,
+# "Through the server").
 LARGE_BATCH_ROWS = 16
 LARGE_BATCH_MIN_DRAFT_GAIN = 0.15
 
@@ -180,9 +167,7 @@ def plan_batch_drafts(
     base_seconds = cost(base_positions)
     # Prompt chunks riding along are work done anyway: what drafts add to this step is weighed
     # against a decode step of the running rows alone, since an accepted token saves a share of
-    # such a step, not of this dearer one. (Priced by this step's rate, a 32-row step carrying
-    # ~800 prompt positions made drafts at 5% acceptance look worth it: creative text at 32 rows,
-    # 371 draft positions for 17 tokens, ~2.5% of the run.)
+    # such a step, not of this dearer one (priced by the dearer one, poor drafts looked free).
     decode_seconds = (
         step_time.estimate(len(rows), len(rows) + sum(forced)) if num_other_positions else base_seconds
     )

@@ -231,7 +231,7 @@ def _beyond_rows(column: dict[int, float], num_rows: int) -> float:
     if len(measured) == 1:
         return column[measured[0]] * num_rows / measured[0]  # one point: grows with rows
     # More rows than measured: continue the last slope (a row adds its cache and tokens, not
-    # a whole step: 16 plain rows took ~146 ms against one row's 60 ms, not 16x).
+    # a whole step).
     low, high = measured[-2], measured[-1]
     slope = max(0.0, (column[high] - column[low]) / (high - low))
     return column[high] + slope * (num_rows - high)
