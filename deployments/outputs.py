@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from deployments.reasoning import ReasoningStream
+from deployments.reasoning import ANSWER, REASONING, ReasoningStream
 from deployments.schemas import GenerateChunk, TokenLogprob, ToolCall
 from deployments.tools import ToolFormat, ToolStream
 from nasd_core import logprobs as engine_logprobs
@@ -106,6 +106,7 @@ class ChoiceOutput:
         self.reasoning = replace(reasoning) if reasoning is not None else None
         self.pending = echo  # echo: the prompt leads the answer
         self.pending_reasoning = ""
+        self.num_reasoning_tokens = 0  # generated while the answer was in its reasoning
         self.pending_calls: list[ToolCall] = []
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.finish_reason: str | None = None
@@ -117,11 +118,8 @@ class ChoiceOutput:
     def add(self, step: StreamChunk, echoed_prompt: list[int] | None) -> None:
         finished = step.finish_reason is not None
         self.pending_tokens += len(step.token_ids)
-        text = self.text.push(step.token_ids, finished)
-        if self.reasoning is not None:  # tool calls are read from the answer after the reasoning
-            reasoning, text = self.reasoning.push(text, finished)
-            self.pending_reasoning += reasoning
-        if self.tools is not None:
+        text = self._answer_text(step.token_ids, finished)
+        if self.tools is not None:  # tool calls are read from the answer after the reasoning
             text, calls = self.tools.push(text, finished)
             self.pending_calls += calls
         self.pending += text
@@ -131,6 +129,27 @@ class ChoiceOutput:
             self.logprobs += prompt_entries(self.tokenizer, echoed_prompt, step.prompt_logprobs)
         if step.logprobs:
             self.logprobs += logprob_entries(self.tokenizer, step.logprobs)
+
+    def _answer_text(self, token_ids: Sequence[int], finished: bool) -> str:
+        """The new tokens' answer text, their reasoning added to what is pending. Until the
+        reasoning ends the tokens go through one at a time, so that each one is counted as
+        reasoning or not whatever the grouping of tokens into steps: a token is reasoning where
+        the split is in the reasoning before or after it (so the closing marker's are)."""
+        if self.reasoning is None:
+            return self.text.push(token_ids, finished)
+        if self.reasoning.state == ANSWER or not token_ids:
+            reasoning, text = self.reasoning.push(self.text.push(token_ids, finished), finished)
+            self.pending_reasoning += reasoning
+            return text
+        answer = []
+        for position, token_id in enumerate(token_ids):
+            last = finished and position == len(token_ids) - 1
+            was_reasoning = self.reasoning.state == REASONING
+            reasoning, text = self.reasoning.push(self.text.push([token_id], last), last)
+            self.pending_reasoning += reasoning
+            answer.append(text)
+            self.num_reasoning_tokens += was_reasoning or self.reasoning.state == REASONING
+        return "".join(answer)
 
     def chunk(self, index: int, finish_reason: str | None) -> GenerateChunk:
         """The pending text and logprobs as a chunk (the choice's last with ``finish_reason``)."""

@@ -28,6 +28,7 @@ from deployments.outputs import ChoiceOutput, ToolParsing
 from deployments.reasoning import ReasoningParser, ReasoningStream, reasoning_format
 from deployments.routing import pool_partition
 from deployments.schemas import (
+    CompletionTokensDetails,
     DetokenizeRequest,
     ErrorInfo,
     GenerateChunk,
@@ -480,6 +481,9 @@ class NASDServer:
             completion_tokens=num_output,
             total_tokens=len(prompt_ids) + num_output,
             prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.num_cached_prompt_tokens),
+            completion_tokens_details=CompletionTokensDetails(
+                reasoning_tokens=sum(choice.num_reasoning_tokens for choice in choices)
+            ),
         )
         return last.model_copy(update={"usage": usage, "nasd": stats.to_dict(), "replica": self.stats()})
 

@@ -362,11 +362,13 @@ def response_usage(usage: Usage | None) -> dict[str, Any] | None:
     if usage is None:
         return None
     cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details is not None else 0
+    details = usage.completion_tokens_details
+    reasoning = details.reasoning_tokens if details is not None else 0
     return {
         "input_tokens": usage.prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
         "output_tokens": usage.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning},
         "total_tokens": usage.total_tokens,
     }
 

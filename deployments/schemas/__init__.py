@@ -17,6 +17,7 @@ from deployments.schemas.answers import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    CompletionTokensDetails,
     Delta,
     ErrorInfo,
     ErrorResponse,

@@ -29,11 +29,18 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(0, description="Prompt tokens whose keys and values were in the prefix cache.")
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(
+        0, description="Generated tokens of the model's reasoning, the markers around it included."
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

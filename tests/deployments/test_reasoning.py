@@ -84,6 +84,10 @@ def test_tool_calls_are_read_from_the_answer_after_the_reasoning(tokenizer):
     thought = 'I could write <tool_call>{"name": "get_weather", "arguments": {}}</tool_call> here.'
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     token_ids = tokenizer.encode(f"<think>{thought}</think>\n{call}", add_special_tokens=False)
+    # Reasoning tokens: from the one that completes "<think>" to the one that completes "</think>".
+    prefixes = [tokenizer.decode(token_ids[: k + 1]) for k in range(len(token_ids))]
+    opened = next(k for k, text in enumerate(prefixes) if text.startswith("<think>"))
+    closed = next(k for k, text in enumerate(prefixes) if "</think>" in text)
     for size in (1, 3, 7, len(token_ids)):
         output = ChoiceOutput(
             tokenizer,
@@ -102,6 +106,7 @@ def test_tool_calls_are_read_from_the_answer_after_the_reasoning(tokenizer):
             content += chunk.text
             calls += chunk.tool_calls or []
         assert reasoning == thought, size
+        assert output.num_reasoning_tokens == closed - opened + 1, size
         assert content == ""
         assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
             ("get_weather", {"city": "Oslo"})
@@ -138,20 +143,19 @@ def test_chat_returns_the_reasoning_apart_from_the_content(app, thinking):
     message = answer.choices[0].message
     assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"] == thinking
     assert not message.content
+    assert answer.usage.completion_tokens_details.reasoning_tokens == answer.usage.completion_tokens
     # SmolLM2 writes "</think>" in three tokens, which the engine could not follow for certain (the
     # model may write them otherwise): with a grammar, the whole answer is the constrained answer.
-    constrained = (
-        client.chat.completions.create(
-            model=MODEL,
-            messages=CHAT,
-            max_tokens=MAX_TOKENS,
-            temperature=0,
-            response_format={"type": "json_object"},
-        )
-        .choices[0]
-        .message
+    constrained_answer = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        response_format={"type": "json_object"},
     )
+    constrained = constrained_answer.choices[0].message
     assert "reasoning" not in constrained.model_extra and constrained.content.startswith("{")
+    assert constrained_answer.usage.completion_tokens_details.reasoning_tokens == 0
     stream = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True
     )
@@ -169,6 +173,7 @@ def test_responses_return_a_reasoning_item_whole_and_streamed(app, thinking):
     (item,) = response.output
     assert isinstance(item, ResponseReasoningItem)
     assert item.content[0].text == thinking and item.status == "incomplete"
+    assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens
     assert response.status == "incomplete"
     with client.responses.stream(
         model=MODEL, input=CHAT[0]["content"], max_output_tokens=MAX_TOKENS, temperature=0
