@@ -17,11 +17,11 @@ from typing import Any
 import openai
 import pytest
 import ray
-import redis
 from ray import serve
 
 from deployments import build_app
-from tests.redis_server import MACHINE_REDIS_URL, is_up, require
+from pool_service.local_redis import LocalRedis
+from tests.redis_server import own_redis_server
 
 
 @dataclass
@@ -188,36 +188,32 @@ def stop_serve_after_its_last_module(request):
 
 @dataclass
 class PoolApps:
-    """The apps on the machine's Redis pool: ``a`` and ``b`` (one replica each, one shared
+    """The apps on a Redis pool (``redis_url``): ``a`` and ``b`` (one replica each, one shared
     namespace) and ``p`` (two replicas, ``POOL_PARTITIONS`` partitions, its own namespace)."""
 
     apps: dict[str, ServedApp]
     shared_namespace: str
     partitioned_namespace: str
+    redis_url: str
 
 
 POOL_PARTITIONS = 8
 
 
 @pytest.fixture(scope="session")
-def pool_namespaces() -> Iterator[tuple[str, str]]:
-    """The pool apps' two namespaces for the run; their Redis keys deleted at its end."""
-    require(is_up(MACHINE_REDIS_URL), f"no Redis at {MACHINE_REDIS_URL}")
-    stamp = time.time_ns()
-    namespaces = f"test-deployments-{stamp}", f"test-partitions-{stamp}"
-    yield namespaces
-    client = redis.Redis.from_url(MACHINE_REDIS_URL)
-    for namespace in namespaces:
-        for key in client.scan_iter(match=f"nasd:{{{namespace}*"):
-            client.delete(key)
+def pool_redis() -> Iterator[LocalRedis]:
+    """The pool apps' Redis: a redis-server of the suite's own, which test_redis_outage stops."""
+    server = own_redis_server()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
-def pool_apps(serve_session, pool_namespaces) -> PoolApps:
-    """test_multi_replica's and test_partitions' apps, deployed together (four one-CPU replicas
-    on the session's logical CPUs): the second module finds them deployed by the first."""
-    shared, partitioned = pool_namespaces
-    pooled = {"redis_url": MACHINE_REDIS_URL, "num_cpus_per_replica": 1}
+def pool_apps(serve_session, pool_redis) -> PoolApps:
+    """test_multi_replica's, test_partitions' and test_redis_outage's apps, deployed together (four
+    one-CPU replicas on the session's logical CPUs): later modules find them deployed by the first."""
+    shared, partitioned = "test-deployments", "test-partitions"
+    pooled = {"redis_url": pool_redis.url, "num_cpus_per_replica": 1}
     replica_args = {**pooled, "pool_namespace": shared}
     partitioned_args = {
         **pooled,
@@ -226,7 +222,7 @@ def pool_apps(serve_session, pool_namespaces) -> PoolApps:
         "num_replicas": 2,
     }
     apps = serve_session.deploy({"a": replica_args, "b": replica_args, "p": partitioned_args})
-    return PoolApps(apps, shared, partitioned)
+    return PoolApps(apps, shared, partitioned, pool_redis.url)
 
 
 def scrape(

@@ -1,4 +1,4 @@
-"""Two replicas sharing the machine's Redis pool, each behind its own application so requests
+"""Two replicas sharing a Redis pool, each behind its own application so requests
 go to a known replica: what one learns, the other drafts from; a killed replica is replaced."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from ray import serve
 from deployments.builder import REPLICA_DEPLOYMENT
 from nasd_core.config import EMBEDDED_MODEL
 from tests.deployments.conftest import ServedApp, wait_for
-from tests.redis_server import MACHINE_REDIS_URL
 
 TURN_1 = [
     {"role": "user", "content": "Write a Python function that returns the sum of the squares of a list."}
@@ -140,5 +139,6 @@ def test_a_response_stored_through_one_app_is_continued_through_the_other(apps, 
     ]
     assert second.output_text == chat(b, history)["choices"][0]["message"]["content"]
     assert b.client().responses.retrieve(first.id).output_text == first.output_text
-    keys = redis.Redis.from_url(MACHINE_REDIS_URL).keys(f"nasd:{{{pool_apps.shared_namespace}}}:responses:*")
+    stored = f"nasd:{{{pool_apps.shared_namespace}}}:responses:*"
+    keys = redis.Redis.from_url(pool_apps.redis_url).keys(stored)
     assert len(keys) >= 3  # the two responses and the index

@@ -1,4 +1,4 @@
-"""Pool partitions through the real service: two replicas on the machine's Redis with
+"""Pool partitions through the real service: two replicas on a Redis pool with
 ``pool_partitions``; requests are routed by partition and each replica tails only the
 partitions of the requests it served."""
 
@@ -13,7 +13,6 @@ from nasd_core.config import EMBEDDED_MODEL
 from pool_service.redis_pool import pool_keys
 from pool_service.shared import partition_namespace
 from tests.deployments.conftest import POOL_PARTITIONS, wait_for
-from tests.redis_server import MACHINE_REDIS_URL
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -27,11 +26,11 @@ QUESTIONS = [
 
 @pytest.fixture(scope="module")
 def app(pool_apps):
-    return pool_apps.apps["p"], pool_apps.partitioned_namespace
+    return pool_apps.apps["p"], pool_apps.partitioned_namespace, pool_apps.redis_url
 
 
 def test_requests_meet_their_partition_on_one_replica(app):
-    served, namespace = app
+    served, namespace, redis_url = app
     client = served.client()
     answers: dict[str, list[str]] = {}
     for question in QUESTIONS * 2:  # each question twice: a repeat follows its partition
@@ -63,7 +62,7 @@ def test_requests_meet_their_partition_on_one_replica(app):
     assert sorted(followed) == sorted(expected)
     # Each answer was published to its partition's stream, and only there (a replica's publisher
     # flushes in the background, and one stream entry may carry several sequences).
-    client_redis = redis.Redis.from_url(MACHINE_REDIS_URL)
+    client_redis = redis.Redis.from_url(redis_url)
 
     def num_sequences(name: str) -> int:
         entries = client_redis.xrange(pool_keys(name)["seqs"])
@@ -79,7 +78,7 @@ def test_requests_meet_their_partition_on_one_replica(app):
 
 def test_a_lone_surrogate_in_a_prompt_or_user_is_a_400_not_a_crash_of_the_partition_hash(app):
     """Partitions hash the prompt's opening and the user: text JSON allows and UTF-8 does not."""
-    served, _ = app
+    served, _, _ = app
     for body, param in (
         ({"model": EMBEDDED_MODEL, "prompt": "\ud800 hello", "max_tokens": 2}, "prompt"),
         ({"model": EMBEDDED_MODEL, "prompt": "hello", "user": "\udfff", "max_tokens": 2}, "user"),
