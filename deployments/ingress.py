@@ -714,13 +714,13 @@ class OpenAIIngress:
         return JSONResponse(await whole(choices, last))
 
     async def _reserve(self, requests: list[GenerateRequest]) -> int:
-        """Tokens a request reserves against its key's minute: each row's ``max_tokens``, or the
-        model's context where it sets none."""
+        """Tokens a request reserves against its key's minute: each row's most new tokens
+        (``GenerateRequest.max_new_tokens``, the prompt not yet encoded)."""
         context = None
         if any(request.max_tokens is None for request in requests):
             await self._model_card(self.served_model_name)
-            context = (self.model_info or {}).get("max_model_len") or 0
-        return sum(request.n * (request.max_tokens or context or 0) for request in requests)
+            context = (self.model_info or {}).get("max_model_len")
+        return sum(request.n * request.max_new_tokens(context) for request in requests)
 
     async def _tokens_call(self, model: str | None, method, body: BaseModel) -> TokensResult | Response:
         """A tokenize / detokenize call on a replica; an error as an OpenAI error response."""

@@ -423,10 +423,8 @@ class NASDServer:
     def _params(
         self, request: GenerateRequest, num_prompt_tokens: int, reasoning: ReasoningStream | None = None
     ) -> tuple[SamplingParams, SpecConfig]:
-        max_tokens = request.max_tokens
-        if max_tokens is None:  # chat without a limit: up to the end of the context, as vLLM does
-            limit = getattr(self.model.config, "max_position_embeddings", None) or 2 * num_prompt_tokens
-            max_tokens = max(1, limit - num_prompt_tokens)
+        context = getattr(self.model.config, "max_position_embeddings", None)
+        max_tokens = request.max_new_tokens(context, num_prompt_tokens)
         sampling: dict[str, Any] = {
             "max_tokens": max_tokens,
             "temperature": request.temperature,

@@ -70,6 +70,16 @@ class GenerateRequest(SamplingFields):
             **fields,
         )
 
+    def max_new_tokens(self, context_tokens: int | None, num_prompt_tokens: int = 0) -> int:
+        """The most tokens the request may generate: its ``max_tokens``, or, for a chat without one,
+        up to the end of the model's context as vLLM does (no context known: as many again as the
+        prompt). The ingress reserves it before the prompt is encoded (``num_prompt_tokens`` 0:
+        the whole context), the replica generates it."""
+        if self.max_tokens is not None:
+            return self.max_tokens
+        limit = context_tokens or 2 * num_prompt_tokens
+        return max(1, limit - num_prompt_tokens)
+
     def tool_names(self) -> frozenset[str]:
         """The names of the functions the request declares (its answer may call only these)."""
         return frozenset(tool["function"]["name"] for tool in self.tools or ())
