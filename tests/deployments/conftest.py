@@ -202,7 +202,7 @@ POOL_PARTITIONS = 8
 
 @pytest.fixture(scope="session")
 def pool_redis() -> Iterator[LocalRedis]:
-    """The pool apps' Redis: a redis-server of the suite's own, which test_redis_outage stops."""
+    """The pool apps' Redis: a redis-server of the suite's own, which test_pool_redis_outage stops."""
     server = own_redis_server()
     yield server
     server.stop()
@@ -210,7 +210,7 @@ def pool_redis() -> Iterator[LocalRedis]:
 
 @pytest.fixture(scope="module")
 def pool_apps(serve_session, pool_redis) -> PoolApps:
-    """test_multi_replica's, test_partitions' and test_redis_outage's apps, deployed together (four
+    """test_multi_replica's, test_partitions' and test_pool_redis_outage's apps, deployed together (four
     one-CPU replicas on the session's logical CPUs): later modules find them deployed by the first."""
     shared, partitioned = "test-deployments", "test-partitions"
     pooled = {"redis_url": pool_redis.url, "num_cpus_per_replica": 1}

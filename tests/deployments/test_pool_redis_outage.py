@@ -1,6 +1,7 @@
 """A Redis outage under the pool apps (their redis-server is the suite's own): requests that need
 the Responses store get a 503 with Retry-After, every other request is answered, and the store
-serves again once Redis is back. The last module to use those apps: the outage empties their pool."""
+serves again once Redis is back. The last module to use those apps (the outage empties their pool),
+named to run right after the other two, before another module deploys other apps in their place."""
 
 from __future__ import annotations
 
