@@ -1,0 +1,119 @@
+"""The deterministic mode's Triton kernels under Triton's interpreter, on the CPU: a row's output
+has the same bits whatever the other rows and however many positions its step verifies, in
+float32 and float16 (the interpreter computes in NumPy, which has no bfloat16), and is the
+function it claims to be (against torch, within rounding)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# The interpreter is chosen when a kernel is defined: before the kernels' module is imported
+# (the CPU suite runs no other Triton code).
+os.environ["TRITON_INTERPRET"] = "1"
+from nasd_core.layers import invariant_kernels
+
+ROW_COUNTS = (1, 3, 17, 64)
+DTYPES = (torch.float32, torch.float16)
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2}
+
+
+def rows_alone_and_among(function, x: torch.Tensor) -> None:
+    """``function``'s output rows are the same bits for every row count and every row alone."""
+    full = function(x)
+    for count in ROW_COUNTS:
+        assert torch.equal(function(x[:count]), full[:count]), count
+    for row in (0, 5, len(x) - 1):
+        assert torch.equal(function(x[row : row + 1]), full[row : row + 1]), row
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(function(x[order]), full[order])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_matmul_row_is_the_same_alone_among_its_positions_and_in_any_batch(dtype):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(max(ROW_COUNTS), 72, generator=generator).to(dtype)  # K not a whole tile
+    weight = torch.randn(40, 72, generator=generator).to(dtype)  # N not a whole tile either
+    rows_alone_and_among(lambda rows: invariant_kernels.matmul(rows, weight), x)
+    reference = x.float() @ weight.float().T
+    scale = reference.abs().max()
+    assert (invariant_kernels.matmul(x, weight).float() - reference).abs().max() <= TOLERANCE[dtype] * scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_rms_norm_row_is_the_same_alone_and_in_any_batch(dtype):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(max(ROW_COUNTS), 48, generator=generator).to(dtype)
+    weight = (1 + 0.1 * torch.randn(48, generator=generator)).to(dtype)
+    rows_alone_and_among(lambda rows: invariant_kernels.rms_norm(rows, weight, 1e-6), x)
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    reference = weight.float() * normed.to(dtype).float()
+    error = (invariant_kernels.rms_norm(x, weight, 1e-6).float() - reference).abs().max()
+    assert error <= TOLERANCE[dtype] * 4
+
+
+BLOCK_SIZE = 16
+HEADS, KV_HEADS, HEAD_DIM = 2, 1, 16  # grouped queries: two heads share a KV head
+# Rows' contexts (keys, new positions included): within a block, at a boundary, across several
+# blocks, and past a unit of keys (UNIT_KEYS).
+CONTEXTS = (5, 16, 17, 40, 300)
+
+
+class PagedCase:
+    """A cache whose rows hold ``CONTEXTS`` keys in scattered blocks, and every position's query."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        generator = torch.Generator().manual_seed(2)
+        blocks_per_row = [-(-length // BLOCK_SIZE) for length in CONTEXTS]
+        num_blocks = sum(blocks_per_row) + 3
+        order = torch.randperm(num_blocks, generator=generator).tolist()  # rows' blocks not contiguous
+        self.table = torch.zeros(len(CONTEXTS), max(blocks_per_row), dtype=torch.int32)
+        for row, count in enumerate(blocks_per_row):
+            self.table[row, :count] = torch.tensor([order.pop() for _ in range(count)])
+        slots = num_blocks * BLOCK_SIZE
+        self.keys = torch.randn(KV_HEADS, slots, HEAD_DIM, generator=generator).to(dtype)
+        self.values = torch.randn(KV_HEADS, slots, HEAD_DIM, generator=generator).to(dtype)
+        # One query per key position of every row (position p sees keys 0..p).
+        self.queries = {
+            (row, position): torch.randn(HEADS, HEAD_DIM, generator=generator).to(dtype)
+            for row, length in enumerate(CONTEXTS)
+            for position in range(length)
+        }
+
+    def attend(self, picked: list[tuple[int, int]]) -> torch.Tensor:
+        """The kernel's output for the ``picked`` (row, position) queries, packed in that order."""
+        queries = torch.stack([self.queries[pick] for pick in picked])
+        rows = torch.tensor([row for row, _ in picked], dtype=torch.int32)
+        last_keys = torch.tensor([position for _, position in picked], dtype=torch.int32)
+        return invariant_kernels.paged_attention(
+            queries, self.keys, self.values, self.table, rows, last_keys, BLOCK_SIZE, HEAD_DIM**-0.5
+        )
+
+    def reference(self, row: int, position: int) -> torch.Tensor:
+        blocks = self.table[row, : position // BLOCK_SIZE + 1].long()
+        slots = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).reshape(-1)[: position + 1]
+        keys = self.keys[:, slots].float().repeat_interleave(HEADS // KV_HEADS, 0)
+        values = self.values[:, slots].float().repeat_interleave(HEADS // KV_HEADS, 0)
+        scores = torch.einsum("hd,hkd->hk", self.queries[(row, position)].float(), keys) * HEAD_DIM**-0.5
+        return torch.einsum("hk,hkd->hd", scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_query_attends_the_same_alone_among_17_of_its_row_and_among_other_rows(dtype):
+    case = PagedCase(dtype)
+    verified = 17
+    # Every row's last query in one step, in two orders.
+    batch = [(row, length - 1) for row, length in enumerate(CONTEXTS)]
+    together, reversed_order = case.attend(batch), case.attend(batch[::-1])
+    for row, length in enumerate(CONTEXTS):
+        alone = case.attend([(row, length - 1)])  # a decode step
+        positions = [(row, position) for position in range(max(0, length - verified), length)]
+        within = case.attend(positions)  # the same row verifying up to 17 positions
+        assert torch.equal(within[-1], alone[0]), (row, length)
+        assert torch.equal(together[row], alone[0]), (row, length)
+        assert torch.equal(reversed_order[len(CONTEXTS) - 1 - row], alone[0]), (row, length)
+        for offset, (_, position) in enumerate(positions):
+            error = (within[offset].float() - case.reference(row, position)).abs().max()
+            assert error <= TOLERANCE[dtype] * 10, (row, position, float(error))
