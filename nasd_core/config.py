@@ -318,7 +318,14 @@ class RunnerConfig(_Config):
         "off, on or auto, whatever the batch. On a CPU: float32 arithmetic (bfloat16 weights widen "
         "exactly, so the model is changed in place to float32 and takes twice the memory), packed oneDNN "
         "Linears and the C++ attention kernel in fixed key units; the packed path only (no step graphs or "
-        "compiled layers). Not built for GPUs yet.",
+        "compiled layers). On a GPU: Triton kernels with the same property (deterministic_kernels), not "
+        "yet run on a GPU.",
+    )
+    deterministic_kernels: Literal["native", "triton"] | None = Field(
+        None,
+        description="The deterministic mode's kernels: 'native' (oneDNN and the C++ attention kernel, a "
+        "CPU's), 'triton' (nasd_core/layers/invariant_kernels.py; on a CPU only under Triton's interpreter, "
+        "TRITON_INTERPRET=1, for tests); None: native on a CPU, triton on a GPU.",
     )
 
 
@@ -335,6 +342,7 @@ FLAT_RUNNER_FIELDS = {"kv_block_size": "block_size"} | {
         "graph_attention",
         "compiled_layers",
         "deterministic",
+        "deterministic_kernels",
     )
 }
 

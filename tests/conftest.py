@@ -23,7 +23,12 @@ def pytest_configure(config) -> None:
     On a 2-core host kept busy by other processes: the tests' Ray workers (replicas, Serve's
     proxy) at the tests' own priority, where Ray's default niceness of 15 left them a thirtieth
     of a core; and Serve's proxy given 30 s a ready check where its default is 5 (a starting
-    proxy failed three checks in a row and Serve killed it)."""
+    proxy failed three checks in a row and Serve killed it).
+
+    Without a GPU, Triton runs through its interpreter (test_invariant_kernels): the choice is
+    made as triton is imported, which importing the runner does, so it is set here first."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from nasd_core.native.cache import keep_compiled_kernels
 
     keep_compiled_kernels()

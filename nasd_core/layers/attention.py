@@ -107,6 +107,9 @@ class KernelRows:
     block_table: torch.Tensor  # [rows, max blocks] int32
     info: torch.Tensor  # [rows, 3] int64: (first packed position, new positions, cached length)
     keys_per_unit: int
+    # For the Triton kernels instead (``invariant_kernels.paged_attention``): per query, its packed
+    # position, its row in ``block_table`` and the last key it sees.
+    triton_queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -191,12 +194,14 @@ def plan_step(
     use_kernel: bool,
     batch_rows: bool = False,
     deterministic: bool = False,
+    triton: bool = False,
 ) -> StepLayout:
     """The step's layout from the rows' spans (segments without masks): short rows to the
     kernel when ``use_kernel``, else to one padded SDPA call when ``batch_rows``, the rest to
     SDPA row by row with their causal masks. ``deterministic``: every row to the kernel, in
     units of ``DETERMINISTIC_KEYS_PER_UNIT`` keys (a query's output then depends on its own
-    keys only: not on the row's other queries, the other rows or the step's size)."""
+    keys only: not on the row's other queries, the other rows or the step's size); ``triton``:
+    with the Triton kernels (``invariant_kernels``) rather than the C++ one."""
     to_kernel: list[Segment] = []
     to_batch: list[Segment] = []
     to_sdpa: list[Segment] = []
@@ -209,12 +214,14 @@ def plan_step(
             to_sdpa.append(span)
     kernel_rows = None
     if to_kernel:
+        table = cache.block_table([span.row_id for span in to_kernel])
         kernel_rows = KernelRows(
-            cache.block_table([span.row_id for span in to_kernel]),
+            table.to(cache.device) if triton else table,
             torch.tensor([[span.start, span.num_positions, span.length] for span in to_kernel]),
             DETERMINISTIC_KEYS_PER_UNIT
             if deterministic
             else keys_per_unit(sum(span.length for span in to_kernel), torch.get_num_threads()),
+            triton_queries(to_kernel, cache.device) if triton else None,
         )
     segments = [
         replace(span, mask=causal_mask(span.num_positions, span.length, groups, cache.device))
@@ -222,6 +229,20 @@ def plan_step(
     ]
     batched_rows = plan_batch(cache, to_batch, groups) if to_batch else None
     return StepLayout(cache, segments, write_slots, groups, kernel_rows, batched_rows)
+
+
+def triton_queries(spans: list[Segment], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per query of ``spans``: its packed position, its row among them, the last key it sees."""
+    positions, rows, last_keys = [], [], []
+    for row, span in enumerate(spans):
+        first_key = span.length - span.num_positions
+        positions.extend(range(span.start, span.start + span.num_positions))
+        rows.extend([row] * span.num_positions)
+        last_keys.extend(range(first_key, span.length))
+    return tuple(
+        torch.tensor(values, dtype=dtype, device=device)
+        for values, dtype in ((positions, torch.long), (rows, torch.int32), (last_keys, torch.int32))
+    )
 
 
 def plan_batch(cache: PagedKVCache, spans: list[Segment], groups: int) -> BatchedRows:
@@ -318,7 +339,24 @@ def paged_attention(
     if batch is not None and batch.out_index is None:  # a padded step: every query is the batch's
         return attend_batch(query[0], cache, layer, batch, groups, scale).unsqueeze(0), None
     kernel_rows = nasd_step.kernel_rows
-    if kernel_rows is not None:
+    if kernel_rows is not None and kernel_rows.triton_queries is not None:
+        from nasd_core.layers.invariant_kernels import paged_attention as invariant_attention
+
+        positions, rows, last_keys = kernel_rows.triton_queries
+        out = query.new_empty(query.shape[2], query.shape[1], head_dim)  # [T, heads, D]
+        queries = query[0].transpose(0, 1).index_select(0, positions).contiguous()
+        attended = invariant_attention(
+            queries,
+            cache.keys[layer],
+            cache.values[layer],
+            kernel_rows.block_table,
+            rows,
+            last_keys,
+            cache.block_size,
+            scale,
+        )
+        out.index_copy_(0, positions, attended.to(out.dtype))
+    elif kernel_rows is not None:
         out = torch.ops.nasd.paged_attention(
             query[0].transpose(0, 1).contiguous(),
             cache.keys[layer],

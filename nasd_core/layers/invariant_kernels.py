@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
 # Tile shape of every matmul, whatever its M: the invariance rests on these being constants.
 BLOCK_M = 16
@@ -168,7 +169,9 @@ def _attention_unit_kernel(
     total = 0.0
     acc = tl.zeros((HEAD_DIM,), dtype=tl.float32)
     first = unit * UNIT_KEYS
-    for chunk in range(0, UNIT_KEYS, BLOCK_KEYS):
+    # Chunks past the query's last key would add exactly nothing (a shift of 1, no weight): skipped.
+    span = tl.minimum(UNIT_KEYS, tl.maximum(last_key + 1 - first, 0))
+    for chunk in range(0, span, BLOCK_KEYS):
         keys = first + chunk + tl.arange(0, BLOCK_KEYS)
         visible = keys <= last_key
         block = tl.load(table_ptr + row * stride_table + keys // BLOCK_SIZE, mask=visible, other=0)
@@ -304,3 +307,46 @@ def paged_attention(
         HEAD_DIM=head_dim,
     )
     return out
+
+
+class InvariantLinear(nn.Module):
+    """A Linear through ``matmul`` (the bias added element by element, which no batch changes)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = matmul(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
+
+class InvariantRMSNorm(nn.Module):
+    """A Llama-style RMSNorm (``weight``, ``variance_epsilon``) through ``rms_norm``."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.variance_epsilon)
+
+
+def use_invariant_kernels(model: nn.Module) -> int:
+    """Put every Linear (``lm_head`` included) and every Llama-style RMSNorm of ``model`` on these
+    kernels, in place (idempotent); how many modules were swapped. Attention goes to
+    ``paged_attention`` through the step's layout (``attention.plan_step(triton=True)``), and the
+    rest of a layer (rotary embedding, activation, residual adds) is element by element already."""
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+        or (type(child).__name__.endswith("RMSNorm") and hasattr(child, "variance_epsilon"))
+    ]
+    for parent, name, child in targets:
+        setattr(
+            parent, name, InvariantLinear(child) if isinstance(child, nn.Linear) else InvariantRMSNorm(child)
+        )
+    return len(targets)

@@ -213,11 +213,18 @@ class ModelRunner:
         # Deterministic steps keep one thread count: torch's own kernels split work by it.
         self.prefill_threads = None if deterministic else config.prefill_threads
         self.deterministic = deterministic
+        kernels = config.deterministic_kernels or ("native" if model.device.type == "cpu" else "triton")
+        self.triton_attention = deterministic and kernels == "triton"
         if deterministic:
             if step_graphs or compiled_layers:
                 raise ValueError("deterministic steps need step_graphs and compiled_layers off")
             step_graphs, compiled_layers = False, False
-            use_batch_invariant_kernels(model)
+            if kernels == "triton":
+                from nasd_core.layers.invariant_kernels import use_invariant_kernels
+
+                use_invariant_kernels(model)
+            else:
+                use_batch_invariant_kernels(model)
         use_paged_attention(model)
         num_layers, heads, kv_heads, head_dim = attention_shape(model)
         self.groups = heads // kv_heads
@@ -429,6 +436,7 @@ class ModelRunner:
             self.use_kernel,
             self.batch_attention,
             self.deterministic_attention,
+            self.triton_attention,
         )
         keep = torch.tensor(logit_index, dtype=torch.long, device=self.device)
         input_ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)

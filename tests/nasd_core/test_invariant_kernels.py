@@ -10,10 +10,12 @@ import os
 import pytest
 import torch
 
-# The interpreter is chosen when a kernel is defined: before the kernels' module is imported
-# (the CPU suite runs no other Triton code).
-os.environ["TRITON_INTERPRET"] = "1"
 from nasd_core.layers import invariant_kernels
+
+# tests/conftest.py sets TRITON_INTERPRET=1 off a GPU, before anything imports triton.
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs these on the CPU"
+)
 
 ROW_COUNTS = (1, 3, 17, 64)
 DTYPES = (torch.float32, torch.float16)
@@ -117,3 +119,67 @@ def test_a_query_attends_the_same_alone_among_17_of_its_row_and_among_other_rows
         for offset, (_, position) in enumerate(positions):
             error = (within[offset].float() - case.reference(row, position)).abs().max()
             assert error <= TOLERANCE[dtype] * 10, (row, position, float(error))
+
+
+# ------------------------------------------------------------------ a model through the engine
+# A tiny random Llama whose every Linear, norm and attention runs these kernels (under the
+# interpreter, so small): its greedy output with speculation is plain decoding's, token for
+# token, in a batch that rows join and leave, beside prompt chunks.
+TINY_PROMPTS = [[5, 6, 7, 8] * 4, [9, 10, 11] * 5 + [12], [13, 14] * 9]  # ids < 128
+TINY_MAX_TOKENS = [8, 6, 10]
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(  # each kernel program is interpreted: the smallest model with every part
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_engine(model, tokenizer):
+    from nasd_core.config import EngineConfig, RunnerConfig
+    from nasd_core.engine.engine import Engine
+
+    runner = RunnerConfig(
+        kv_cache_tokens=1024, block_size=16, deterministic=True, deterministic_kernels="triton"
+    )
+    return Engine(model, tokenizer, EngineConfig(max_batch_rows=4, prefill_chunk_tokens=16, runner=runner))
+
+
+def test_a_tiny_model_on_these_kernels_decodes_the_same_with_speculation_off_on_and_auto(
+    tiny_model, tokenizer
+):
+    from nasd_core.config import SamplingParams, SpecConfig
+    from tests.nasd_core.test_engine import FixedStepTimes
+
+    outputs, drafted = {}, {}
+    for mode in ("off", "on", "auto"):
+        engine = tiny_engine(tiny_model, tokenizer)
+        assert engine.runner.triton_attention
+        engine.step_time = FixedStepTimes(lambda *_: 0.1)  # drafts look free: auto verifies them
+        spec = SpecConfig(mode=mode, num_draft_tokens=6)
+        ids = {}
+        pending = list(range(len(TINY_PROMPTS)))
+        while pending or not engine.is_finished():  # rows join two at a time, between steps
+            for index in pending[:2]:
+                params = SamplingParams(max_tokens=TINY_MAX_TOKENS[index], ignore_eos=True)
+                ids[index] = engine.add_request(TINY_PROMPTS[index], params, spec)
+            pending = pending[2:]
+            engine.step()
+        outputs[mode] = [engine.pop_result(ids[index]).token_ids for index in range(len(TINY_PROMPTS))]
+        drafted[mode] = engine.stats.num_drafted
+    assert outputs["on"] == outputs["off"]
+    assert outputs["auto"] == outputs["off"]
+    assert drafted["on"] > 0 and drafted["auto"] > 0, drafted  # wider verifications ran
+    assert type(tiny_model.model.layers[0].self_attn.q_proj).__name__ == "InvariantLinear"
