@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.random_gguf import SHAPES, embedded_reader, tokenizer_fields, write_random_gguf
 from nasd_core import SamplingParams, SpecConfig
 from nasd_core.config import EngineConfig, ModelConfig, RunnerConfig
 from nasd_core.engine.engine import Engine
@@ -33,6 +32,7 @@ from nasd_core.layers.quantized import QuantLinear, QuantLinears, dequantize, se
 from nasd_core.loader import load_model, resolve_model_dir
 from nasd_core.loader.gguf_index import read_tensors
 from nasd_core.runner.model_runner import ModelRunner, StepRow
+from tests.nasd_core.random_gguf import SHAPES, embedded_reader, tokenizer_fields, write_random_gguf
 from tests.nasd_core.test_engine import MAX_TOKENS, PROMPTS, FixedStepTimes, run_staggered
 from tests.nasd_core.test_quantized import INT8_RELATIVE_ERROR, relative_error
 

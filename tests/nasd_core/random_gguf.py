@@ -6,7 +6,7 @@ needed): the tokenizer fields are copied from the embedded SmolLM2 file, the wei
 norms, Qwen2's query / key / value biases and Qwen3's per-head norms float32). Widths must be
 multiples of 32 (the blocks').
 
-    python -m benchmarks.random_gguf qwen2 /tmp/qwen2.gguf --shape qwen2.5-0.5b
+    python -m tests.nasd_core.random_gguf qwen2 /tmp/qwen2.gguf --shape qwen2.5-0.5b
 """
 
 from __future__ import annotations
