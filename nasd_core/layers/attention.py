@@ -110,6 +110,7 @@ class KernelRows:
     # For the Triton kernels instead (``invariant_kernels.paged_attention``): per query, its packed
     # position, its row in ``block_table`` and the last key it sees.
     triton_queries: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    num_keys: int = 0  # the longest row's keys
 
 
 @dataclass
@@ -222,6 +223,7 @@ def plan_step(
             if deterministic
             else keys_per_unit(sum(span.length for span in to_kernel), torch.get_num_threads()),
             triton_queries(to_kernel, cache.device) if triton else None,
+            max(span.length for span in to_kernel),
         )
     segments = [
         replace(span, mask=causal_mask(span.num_positions, span.length, groups, cache.device))
@@ -354,6 +356,8 @@ def paged_attention(
             last_keys,
             cache.block_size,
             scale,
+            kernel_rows.keys_per_unit,
+            kernel_rows.num_keys,
         )
         out.index_copy_(0, positions, attended.to(out.dtype))
     elif kernel_rows is not None:

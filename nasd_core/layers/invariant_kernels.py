@@ -8,7 +8,7 @@ alone, never by the step's shape:
   with the same tile shape whatever M (no split-K, no tile choice by M), so a row multiplied
   alone, among 17 positions of its own verification or among 64 rows gets the same bits.
 - ``rms_norm``: one program per row, the whole row in one block.
-- ``paged_attention``: each query reduces its keys in units of ``UNIT_KEYS`` (a fixed split
+- ``paged_attention``: each query reduces its keys in units of ``keys_per_unit`` (a fixed split
   size, never a split count chosen by the rows or the queries), each unit in ``BLOCK_KEYS``
   chunks in order, and the units are combined in order. Decode (one query) and verification
   (k + 1 queries) are the same kernel.
@@ -28,8 +28,7 @@ from torch import nn
 BLOCK_M = 16
 BLOCK_N = 32
 BLOCK_K = 32
-# Keys per unit of attention work, and per chunk within a unit (a multiple of it).
-UNIT_KEYS = 256
+# Keys per chunk of a unit of attention work (the unit's size is the caller's, a multiple of it).
 BLOCK_KEYS = 32
 
 
@@ -241,8 +240,12 @@ def paged_attention(
     query_last_keys: torch.Tensor,
     block_size: int,
     scale: float,
+    keys_per_unit: int,
+    num_keys: int,
 ) -> torch.Tensor:
-    """Causal attention of each query over its row's keys in a paged cache.
+    """Causal attention of each query over its row's keys in a paged cache, in units of
+    ``keys_per_unit`` keys (a multiple of ``BLOCK_KEYS``: the same for every step, or a query's
+    bits would follow the step).
 
     Args:
         queries: [num_queries, num_heads, head_dim], every row's new positions packed.
@@ -251,12 +254,13 @@ def paged_attention(
         block_table: [rows, blocks per row] (int32), each row's blocks in order.
         query_rows: [num_queries], the row of each query.
         query_last_keys: [num_queries], the last key each query sees (its own position).
+        num_keys: the most keys any query sees (known on the host: no device read to size the grid).
     Returns:
         [num_queries, num_heads, head_dim] in the queries' dtype.
     """
     num_queries, num_heads, head_dim = queries.shape
     groups = num_heads // key_pool.shape[0]
-    num_units = triton.cdiv(int(query_last_keys.max()) + 1, UNIT_KEYS) if num_queries else 0
+    num_units = triton.cdiv(num_keys, keys_per_unit) if num_queries else 0
     out = torch.empty_like(queries)
     if not num_queries:
         return out
@@ -288,7 +292,7 @@ def paged_attention(
         GROUPS=groups,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        UNIT_KEYS=UNIT_KEYS,
+        UNIT_KEYS=keys_per_unit,
         BLOCK_KEYS=BLOCK_KEYS,
     )
     _combine_units_kernel[(num_queries, num_heads)](

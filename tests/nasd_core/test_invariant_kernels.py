@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nasd_core.layers import invariant_kernels
+from nasd_core.layers.attention import DETERMINISTIC_KEYS_PER_UNIT
 
 # tests/conftest.py sets TRITON_INTERPRET=1 off a GPU, before anything imports triton.
 pytestmark = pytest.mark.skipif(
@@ -59,7 +60,7 @@ def test_an_rms_norm_row_is_the_same_alone_and_in_any_batch(dtype):
 BLOCK_SIZE = 16
 HEADS, KV_HEADS, HEAD_DIM = 2, 1, 16  # grouped queries: two heads share a KV head
 # Rows' contexts (keys, new positions included): within a block, at a boundary, across several
-# blocks, and past a unit of keys (UNIT_KEYS).
+# blocks, and past a unit of keys (the deterministic mode's 256).
 CONTEXTS = (5, 16, 17, 40, 300)
 
 
@@ -90,7 +91,16 @@ class PagedCase:
         rows = torch.tensor([row for row, _ in picked], dtype=torch.int32)
         last_keys = torch.tensor([position for _, position in picked], dtype=torch.int32)
         return invariant_kernels.paged_attention(
-            queries, self.keys, self.values, self.table, rows, last_keys, BLOCK_SIZE, HEAD_DIM**-0.5
+            queries,
+            self.keys,
+            self.values,
+            self.table,
+            rows,
+            last_keys,
+            BLOCK_SIZE,
+            HEAD_DIM**-0.5,
+            DETERMINISTIC_KEYS_PER_UNIT,
+            max(position for _, position in picked) + 1,
         )
 
     def reference(self, row: int, position: int) -> torch.Tensor:
