@@ -5,12 +5,12 @@ blocks (its vocabulary as Q8_0): about 96 MB a step, where the dequantized float
 540 MB. A user's GGUF file may hold Q4_0, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K or Q6_K blocks
 too; weights of other types are float32, as gguf-py reads them. ``QuantLinear`` keeps a Linear's blocks (Q4_0,
 Q4_1 and Q8_0 as the file holds them, the others repacked at load into blocks of 32 with the same
-values, ``loader.gguf.repack``) and multiplies by them with ``native/csrc/quant_linear.cpp``. By default
+values, ``loader.gguf.repack``) and multiplies by them with ``native/csrc/quant_linear_q8.cpp``. By default
 (``ModelConfig.int8_activations``) each input row is rounded to int8 per block of 32, as llama.cpp does for
 these blocks, and multiplied with integer dot products (AVX-512 VNNI, AVX-VNNI or AVX2), every row
 of a step multiplied by each tile of repacked weights: a verification step reads the weights
-once, not once per position. Otherwise the blocks are turned into floats in registers and
-multiplied by the float32 rows. Norms and attention stay float32.
+once, not once per position. Otherwise (``quant_linear.cpp``) the blocks are turned into floats in
+registers and multiplied by the float32 rows. Norms and attention stay float32.
 
 The block values are the GGUF reference's (``q * d + m``, exact in float32). Each output's sum
 runs in one fixed order, and a row's int8 rounding reads that row alone, so a Linear's output for

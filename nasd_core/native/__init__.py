@@ -30,9 +30,14 @@ from nasd_core.native.cache import default_cache_dir
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "quant_linear.cpp", CSRC / "decoder_ops.cpp"]
+SOURCES = [
+    CSRC / "paged_attention.cpp",
+    CSRC / "quant_linear.cpp",
+    CSRC / "quant_linear_q8.cpp",
+    CSRC / "decoder_ops.cpp",
+]
 # Included by the sources (their build must change when these do).
-HEADERS = [CSRC / "kernels.h", CSRC / "simd.h"]
+HEADERS = [CSRC / "kernels.h", CSRC / "simd.h", CSRC / "quant_blocks.h"]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 
 

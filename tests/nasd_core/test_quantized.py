@@ -134,7 +134,7 @@ def test_without_the_kernel_the_same_module_dequantizes(int8_activations):
 
 
 def q8_reference(inputs: torch.Tensor, blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    """quant_linear_q8's definition (csrc/quant_linear.cpp) in torch: per row and block of 32,
+    """quant_linear_q8's definition (csrc/quant_linear_q8.cpp) in torch: per row and block of 32,
     q = round_half_even(x * (127 / amax)), d_x = amax / 127, s = sum q; per output, a chain over
     the blocks of fma(d_w * d_x, isum, acc) (Q4_0: isum - 8 s; Q4_1: plus a chain of
     fma(m_w, d_x * s, acc_m), added last). The integer sums are exact (in float64); each fma is

@@ -17,7 +17,8 @@ int64_t paged_attention_lanes(int64_t wanted);
 
 // quant_linear.cpp
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64_t kind);
-// The same with each row's activations quantized to int8 per block of 32 (integer dot products).
+// quant_linear_q8.cpp
+// quant_linear's product with each row's activations quantized to int8 per block of 32 (integer dot products).
 at::Tensor quant_linear_q8(const at::Tensor& input, const at::Tensor& weight, int64_t kind);
 
 // decoder_ops.cpp

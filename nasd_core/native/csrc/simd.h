@@ -1,4 +1,4 @@
-// AVX2 helpers shared by the CPU kernels (quant_linear.cpp, decoder_ops.cpp, paged_attention.cpp).
+// AVX2 helpers shared by the CPU kernels (quant_blocks.h and the .cpp files here).
 // Each is one fixed sequence of instructions, so a value computed with it is the same bits
 // wherever it is computed.
 #pragma once
