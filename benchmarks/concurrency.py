@@ -231,7 +231,7 @@ def run_sweep(
             )
         add_ratios_to_off(row)
         sweep.setdefault(mix, {})[str(level)] = row
-        if mix == "repetitive" and level == 1:  # the figure issue 40 tracks (and gpu_rates simulates)
+        if mix == "repetitive" and level == 1:  # the figure issue 40 tracks
             payload["single_stream_auto_over_off"] = row["auto"]["ratio_to_off"]
         if on_cell is not None:
             on_cell(payload)

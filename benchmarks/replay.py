@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Protocol
 
 from benchmarks.common import publish_run, run_metadata
-from benchmarks.workloads import WORKLOADS, long_chats, make_workload
+from benchmarks.workloads import WORKLOADS, long_chats, make_workload, paraphrase
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
 from nasd_core.speculation.drafter import RequestDrafter, longest_matches, new_shared_index, propose_rows
 from nasd_core.speculation.ngram import prompt_lookup
@@ -42,7 +42,7 @@ from nasd_core.speculation.suffix import MAX_SPEC_FACTOR, SEPARATOR, SuffixIndex
 from pool_service.config import pool_index
 
 TRACES = Path(__file__).resolve().parent / "traces" / "greedy_float32.json"
-# The same questions reworded, answered greedily (``python -m benchmarks.pool_scale --record``).
+# The same questions reworded, answered greedily (also by ``--record``).
 PARAPHRASE_TRACES = TRACES.with_name("paraphrase_float32.json")
 # Workloads whose answers are free text, not copied from the prompt: where a pool holding
 # another wording's answer is the only source of long matches (the pool benchmark's paraphrases).
@@ -59,21 +59,27 @@ FRONTIER_DRAFTERS = ("ngram", "suffix", "suffix_tree", "suffix_decoding")
 
 
 # ----------------------------------------------------------------------------- recording
-def record(num_prompts: int, max_tokens: int) -> dict:
-    """Greedy continuations of every workload's prompts (speculation off, batched)."""
+def record(num_prompts: int, max_tokens: int) -> tuple[dict, dict]:
+    """Greedy continuations of every workload's prompts, then of the same questions reworded
+    (``workloads.paraphrase``; speculation off, batched): the two trace files."""
     from nasd_core.loader import load_model
 
     model, tokenizer = load_model()
-    prompts = {
-        name: [
-            tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
-            for conv in make_workload(name, num_prompts, seed=7)
-        ]
-        for name in WORKLOADS
-    }
+
+    def encode(conversation) -> list[int]:
+        return tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+
+    conversations = {name: make_workload(name, num_prompts, seed=7) for name in WORKLOADS}
+    prompts = {name: [encode(conv) for conv in convs] for name, convs in conversations.items()}
     prompts["long_chat"] = long_chats(tokenizer, num_prompts)
-    traces = greedy_traces(model, tokenizer, prompts, max_tokens)
-    return {"meta": run_metadata(model, "float32", "benchmarks.replay"), "traces": traces}
+    reworded = {name: [encode(paraphrase(conv)) for conv in convs] for name, convs in conversations.items()}
+    meta = run_metadata(model, "float32", "benchmarks.replay")
+    return (
+        {"meta": meta, "traces": greedy_traces(model, tokenizer, prompts, max_tokens)},
+        {"meta": meta, "traces": greedy_traces(model, tokenizer, reworded, max_tokens)},
+    )
 
 
 def greedy_traces(
@@ -718,13 +724,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--record", action="store_true", help="record the greedy traces first")
+    parser.add_argument("--record", action="store_true", help="record the greedy traces (both files) first")
     parser.add_argument("--quick", action="store_true", help="the first 4 traces of each workload")
     parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
     args = parser.parse_args()
     if args.record:
         TRACES.parent.mkdir(parents=True, exist_ok=True)
-        TRACES.write_text(json.dumps(record(NUM_PROMPTS, MAX_TOKENS)) + "\n")
+        for path, recorded in zip((TRACES, PARAPHRASE_TRACES), record(NUM_PROMPTS, MAX_TOKENS)):
+            path.write_text(json.dumps(recorded) + "\n")
     drafters = list(args.drafters)
     if "suffix_decoding" in drafters and (why := SuffixDecoding.available()) is not None:
         print(f"skipping suffix_decoding: {why}")

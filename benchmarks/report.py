@@ -30,7 +30,6 @@ SUITES = (
     "pool",
     "http",
     "replay",
-    "pool_scale",
 )
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -55,8 +54,6 @@ GPU_BLOCKS = {
     "gpu_step_cost_host": ("step_cost_cuda_qwen2-1.5b_h200_host", "step_cost", "markdown_table"),
     "gpu_single_stream_host": ("concurrency_cuda_bfloat16_h200_host", "concurrency", "runs_table"),
     "gpu_single_stream": ("single_stream_cuda_bfloat16", "single_stream", "markdown_table"),
-    # Not a GPU run: a CPU simulation of one (benchmarks/gpu_rates.py), labelled as such.
-    "gpu_rates_sim": ("gpu_rates_sim", "gpu_rates", "markdown_table"),
 }
 # The README's headline: (what, result file stem, suite, ratio key, docs/results.md anchor).
 HEADLINE = (

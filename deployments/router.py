@@ -9,8 +9,7 @@ could fill one replica's queue while others idle. This router keeps Ray's ring a
 its ring order, but passes over replicas already above ``load_bound`` times the mean load
 (Mirrokni et al., "Consistent Hashing with Bounded Loads"): a partition stays on its replica
 while that replica is not overloaded and spills to its ring successors, in the same order
-from every ingress, when it is. ``benchmarks/pool_scale.py`` models this routing (its service
-part with ``bounded_load_order`` itself, over every replica's ring position rather than 8).
+from every ingress, when it is (docs/results.md, the shared pool at cluster scale).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ DEFAULT_BACKOFF_MAX_S = 5.0
 DEFAULT_WARM_START_TIMEOUT_S = 5.0
 DEFAULT_MAX_TENANTS = 64
 # Partition streams a replica tails at once (per namespace). Routed by partition, a replica
-# serves ~(tenants x partitions / replicas) keys: ~20-24 in benchmarks/pool_scale.py's 64- and
-# 512-replica cells at the partitions its docs/results.md table suggests. Each costs a blocking read
+# serves ~(tenants x partitions / replicas) keys: ~20-24 in the 64- and 512-replica cells of
+# docs/results.md's cluster-scale simulation, at the partitions it suggests. Each costs a blocking read
 # (one Redis connection; connects and publishes share the replica's command client); a replica
 # that drifts onto more drops the least recently used.
 DEFAULT_MAX_FOLLOWED_PARTITIONS = 32

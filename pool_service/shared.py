@@ -12,7 +12,7 @@ streams by a hash of the conversation's opening (``GenerateRequest.pool_partitio
 are routed by tenant and partition (``deployments.router``), and a replica tails only the partitions
 of the requests it serves, at most ``max_followed_partitions`` at a time, into the one pool
 index of the namespace: its ingest then grows with its own traffic, not with the replica
-count (``benchmarks/pool_scale.py``).
+count (docs/results.md, the shared pool at cluster scale).
 
 Requests pass ``sources_for(tenant, partition)`` to the engine as their shared draft sources.
 """

@@ -281,65 +281,6 @@ def test_committed_results_carry_provenance_and_plot(suite):
         plt.close(figure)
 
 
-def test_pool_scale_routing_serves_every_key_within_bounded_load():
-    """Bounded-load consistent hashing places all of every key's traffic, no replica above
-    ``BOUNDED_LOAD`` times the mean, and a key bigger than a replica spreads over several."""
-    import random
-
-    from benchmarks.pool_scale import BOUNDED_LOAD, route, tenant_shares
-
-    shares = list(enumerate(tenant_shares()))
-    for num_replicas in (8, 64):
-        partitions = route(shares, num_replicas, random.Random(0))
-        load = [0.0] * num_replicas
-        for partition in partitions:
-            assert sum(partition.taken) == pytest.approx(partition.share)
-            for replica, served in zip(partition.replicas, partition.taken):
-                load[replica] += served
-        assert max(load) <= BOUNDED_LOAD / num_replicas + 1e-9
-        hottest = max(partitions, key=lambda partition: partition.share)
-        assert len(hottest.replicas) >= hottest.share * num_replicas / BOUNDED_LOAD
-
-
-def test_pool_scale_full_replication_ingests_everyone_else_and_partitions_do_not():
-    from benchmarks.pool_scale import TOKENS_PER_S, IndexCosts, simulate
-
-    costs = IndexCosts(us_per_token=2.0, entries_per_token=2.0, bytes_per_entry=100.0)
-    values = {"repeat": 40.0, "paraphrase": 20.0, "cross_tenant": 40.0, "unrelated": 2.0}
-    for num_replicas in (8, 64, 512):
-        full = simulate("full", num_replicas, costs, values)
-        assert full.ingest_tokens_per_s == (num_replicas - 1) * TOKENS_PER_S
-        for design in ("tenant", "tenant_split"):
-            cell = simulate(design, num_replicas, costs, values)
-            assert 0 < cell.hit_rate <= 1 and cell.ingest_tokens_per_s <= full.ingest_tokens_per_s
-    split = simulate("tenant_split", 512, costs, values)
-    assert split.ingest_tokens_per_s < 0.02 * simulate("full", 512, costs, values).ingest_tokens_per_s
-
-
-def test_pool_scale_service_partitions_cut_ingest_and_keep_repeats_draftable(monkeypatch):
-    """The service part runs the real pool layer and routing: unpartitioned, every replica
-    ingests everything and drafts every repeat; partitioned by the rule in docs/api.md, the busiest
-    replica ingests a fraction of that and still drafts most repeats (counts, not timings)."""
-    import asyncio
-
-    from benchmarks import pool_scale
-    from tests.redis_server import own_redis_server
-
-    monkeypatch.setattr(pool_scale, "SERVICE_TICKS", 8)
-    server = own_redis_server()
-    try:
-        unpartitioned = asyncio.run(pool_scale.service_cell(server, 0))
-        partitioned = asyncio.run(pool_scale.service_cell(server, 2))
-    finally:
-        server.stop()
-    assert unpartitioned["mean_ingest_share_of_full"] == pytest.approx(1.0, abs=0.03)
-    # Nearly all: a repeat placed before the sync delivered its answer (a busy machine) misses.
-    assert unpartitioned["max_followed_partitions"] == 1 and unpartitioned["repeat_hit_rate"] >= 0.97
-    assert partitioned["published_tokens"] > 0 and partitioned["repeats"] > 50
-    assert partitioned["busiest_ingest_share_of_full"] < 0.6
-    assert partitioned["repeat_hit_rate"] >= 0.8
-
-
 def test_a_tree_draft_keeps_the_deepest_node_on_the_models_path():
     from benchmarks.replay import TreeDraft, accepted_prefix
 

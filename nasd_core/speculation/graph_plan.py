@@ -34,7 +34,7 @@ class GraphStepTimes:
 
     Why not the packed path's ``StepTimeModel``: a fixed shape costs its padded width whatever its
     rows use, and pricing it per position made every step rebuild curves over columns no row
-    count shares (a third of the host work of a 16-row step in ``benchmarks.gpu_rates``)."""
+    count shares (a third of the host work of a simulated 16-row GPU step)."""
 
     def __init__(self) -> None:
         self._seconds: dict[tuple[int, int], float] = {}
