@@ -16,7 +16,6 @@ mean. Every setting is the server's default but the two it names: ``num_replicas
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import time
@@ -27,7 +26,7 @@ import openai
 import ray
 from ray import serve
 
-from benchmarks.common import new_figure, percentile, publish_run, run_metadata
+from benchmarks.common import new_figure, percentile, publish_run, result_name, run_metadata, suite_parser
 from deployments import build_app
 from nasd_core.config import EMBEDDED_MODEL
 from pool_service.local_redis import free_port
@@ -216,14 +215,11 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = suite_parser(__doc__, quick="2 replicas, 4 conversations of 3 turns")
     parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--quick", action="store_true", help="2 replicas, 4 conversations of 3 turns")
     args = parser.parse_args()
     if args.quick:
         args.replicas, args.conversations, args.turns = [2], 4, 3
@@ -247,7 +243,7 @@ def main() -> None:
         "changed_settings": ["num_replicas", "conversation_affinity (false for default routing)"],
         "runs": results,
     }
-    publish_run("agent_cluster", "gguf", args.quick, payload, plot, markdown_table)
+    publish_run(result_name("agent_cluster", "gguf", args.quick), payload, markdown_table, plot)
 
 
 if __name__ == "__main__":

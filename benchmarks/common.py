@@ -1,7 +1,15 @@
-"""Shared benchmark plumbing: run metadata, forward counting, result files."""
+"""What every benchmark suite shares: its command line, run metadata, result files and plots.
+
+A suite is a module ``benchmarks/<suite>.py`` whose ``main()`` parses ``suite_parser(__doc__)``,
+runs every compared system in one process, and hands its payload (``{"benchmark", "meta", ...}``)
+to ``publish_run``. ``benchmarks.report`` reads the module's ``markdown_table(payload)``, and
+where it has them ``plot(payload)`` (a figure) and ``ratios(payload)`` (ratio by key, for the
+README's headline and the quick run's comparison).
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -149,20 +157,28 @@ def result_name(suite: str, dtype: str, quick: bool, device: str = "cpu") -> str
     return f"{suite}_{where}{dtype}{'_quick' if quick else ''}"
 
 
+def suite_parser(doc: str, quick: str | None = None) -> argparse.ArgumentParser:
+    """A suite's command line: its module docstring as the help, and ``--quick`` (helped by
+    ``quick``) where the suite has a short version that ``make bench-quick`` runs."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if quick is not None:
+        parser.add_argument("--quick", action="store_true", help=quick)
+    return parser
+
+
 def publish_run(
-    suite: str,
-    dtype: str,
-    quick: bool,
+    name: str,
     payload: dict,
-    plot: Callable[[dict], object],
-    markdown_table: Callable[[dict], str],
-    device: str = "cpu",
+    markdown_table: Callable[[dict], str] | None = None,
+    plot: Callable[[dict], object] | None = None,
 ) -> Path:
-    """Write a suite's JSON result and PNG plot, print its table; the result's path."""
-    name = result_name(suite, dtype, quick, device)
+    """Write a run's ``results/<name>.json`` (and ``plots/<name>.png`` with a ``plot``), print
+    its table; the result's path."""
     path = write_result(name, payload)
-    save_figure(plot(payload), name)
-    print(markdown_table(payload))
+    if plot is not None:
+        save_figure(plot(payload), name)
+    if markdown_table is not None:
+        print(markdown_table(payload))
     print(f"\nresults: {path}")
     return path
 

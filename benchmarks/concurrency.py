@@ -13,7 +13,6 @@ interleaved (``run_order``), and their figures pool the runs.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from benchmarks.common import (
     publish_run,
     result_name,
     run_metadata,
+    suite_parser,
     write_result,
 )
 from benchmarks.workloads import long_chats, make_workload
@@ -330,10 +330,7 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
+    parser = suite_parser(__doc__, quick="the short version")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--device", default="cpu", help="torch device of the model (cuda on a GPU)")
     parser.add_argument("--levels", nargs="*", type=int, default=[1, 4, 16, 32], help="concurrencies")
@@ -361,7 +358,9 @@ def main() -> None:
             on_cell=lambda partial: write_result(name, partial),
             step_graphs=False if args.packed else None,
         )
-    publish_run("concurrency", args.dtype, args.quick, payload, plot, markdown_table, args.device)
+    publish_run(
+        result_name("concurrency", args.dtype, args.quick, args.device), payload, markdown_table, plot
+    )
 
 
 if __name__ == "__main__":

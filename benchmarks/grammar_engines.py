@@ -16,7 +16,6 @@ requirement is for GPU kernels this CPU run does not use) and runs this.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -27,7 +26,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from benchmarks.common import run_metadata, write_result
+from benchmarks.common import publish_run, run_metadata, suite_parser
 from benchmarks.structured import SCHEMA
 from nasd_core.loader import load_model
 from nasd_core.structured import JSON_OPTIONS, parser_limits
@@ -168,9 +167,7 @@ def markdown_table(payload: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = suite_parser(__doc__)
     parser.add_argument("--schemas", type=int, default=20, help="schemas compiled per engine")
     args = parser.parse_args()
     model, tokenizer = load_model()
@@ -193,8 +190,7 @@ def main() -> None:
         "engines": results,
         "masks_differ": masks_differ(engines, tokenizer),
     }
-    print(markdown_table(payload))
-    print(f"results: {write_result('grammar_engines', payload)}")
+    publish_run("grammar_engines", payload, markdown_table)
 
 
 if __name__ == "__main__":

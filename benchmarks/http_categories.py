@@ -37,12 +37,19 @@ are kept beside (``rounds``), their spread what one wave of that cell can be tru
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 from statistics import geometric_mean
 
-from benchmarks.common import grouped_bars, new_figure, publish_run, rotated, run_metadata
-from benchmarks.http import (
+from benchmarks.common import (
+    grouped_bars,
+    new_figure,
+    publish_run,
+    result_name,
+    rotated,
+    run_metadata,
+    suite_parser,
+)
+from benchmarks.serving import (
     counters_delta,
     engine_counters,
     run_requests,
@@ -102,7 +109,7 @@ def run(
     cells: dict[str, dict] = {}
     # Prompts per category a round takes: its cells', the mixed cell's and the arrivals cell's.
     per_round = sum(requests.values()) + 2 * MIXED_PER_CATEGORY
-    with served_modes(1, num_cpus, MODES, dtype="gguf", app_args=app_args) as urls:
+    with served_modes(1, num_cpus, MODES, app_args) as urls:
         for index, category in enumerate(categories):
             skip = 0
             for level, count in requests.items():
@@ -277,8 +284,13 @@ def streams(payload: dict) -> dict[str, dict]:
     return {name: payload[name] for name in ("mixed", "arrivals") if payload.get(name)}
 
 
-def ratios(payload: dict) -> dict[str, float]:
-    """``auto`` / ``off`` over every category, per cell (the README's headline reads these)."""
+def ratios(payload: dict, like: dict | None = None) -> dict[str, float]:
+    """``auto`` / ``off`` over every category, per cell (the README's headline reads these). With
+    ``like`` (a quick run's payload): over the categories that run has, at each concurrency (its
+    stream cells mix other categories, so they are left out)."""
+    if like is not None:
+        cells = {name: payload["cells"][name] for name in like["cells"] if name in payload["cells"]}
+        return {f"C={level}": overall(cells, level)["auto_over_off"] for level in like["overall"]}
     found = {f"C={level}": row["auto_over_off"] for level, row in payload["overall"].items()}
     return found | {name: stream["auto_over_off"] for name, stream in streams(payload).items()}
 
@@ -347,10 +359,7 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
+    parser = suite_parser(__doc__, quick="the short version")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="rounds of new prompts per cell")
     parser.add_argument(
@@ -397,7 +406,7 @@ def main() -> None:
         and arrivals["identical"]
         and all(row["identical"] for c in cells.values() for row in c.values()),
     }
-    publish_run("http_categories", "gguf", args.quick, payload, plot, markdown_table)
+    publish_run(result_name("http_categories", "gguf", args.quick), payload, markdown_table, plot)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,11 @@ under both modes.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
-from benchmarks.common import rotated, run_metadata, write_result
+from benchmarks.common import publish_run, result_name, rotated, run_metadata, suite_parser
 from benchmarks.workloads import HOT_TEMPERATURE, chat_ids, distinct_prompts, hot_sampled
 from deployments.builder import AppArgs, replica_config
 from nasd_core.config import SamplingParams
@@ -181,9 +180,7 @@ def markdown_table(payload: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = suite_parser(__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS))
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     args = parser.parse_args()
@@ -202,9 +199,7 @@ def main() -> None:
         "step_threads": torch.get_num_threads(),
         "cells": cells,
     }
-    path = write_result("lockstep_gguf", payload)
-    print(markdown_table(payload))
-    print(f"results: {path}")
+    publish_run(result_name("lockstep", "gguf", False), payload, markdown_table)
 
 
 if __name__ == "__main__":

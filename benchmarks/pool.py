@@ -19,14 +19,13 @@ line each:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import time
 
 from tqdm import tqdm
 
-from benchmarks.common import grouped_bars, new_figure, publish_run, run_metadata
+from benchmarks.common import grouped_bars, new_figure, publish_run, result_name, run_metadata, suite_parser
 from benchmarks.workloads import Messages, make_workload, paraphrase
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams
 from nasd_core.engine.async_engine import AsyncEngine
@@ -316,8 +315,7 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 conversations, 48 tokens")
+    parser = suite_parser(__doc__, quick="3 conversations, 48 tokens")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     num, max_tokens = (3, 48) if args.quick else (8, 96)
@@ -347,7 +345,7 @@ def main() -> None:
         "workloads": results,
         "sync_load": load,
     }
-    publish_run("pool", args.dtype, args.quick, payload, plot, markdown_table)
+    publish_run(result_name("pool", args.dtype, args.quick), payload, markdown_table, plot)
 
 
 if __name__ == "__main__":

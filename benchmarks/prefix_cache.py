@@ -16,12 +16,19 @@ python -m benchmarks.prefix_cache --quick    # C = 1, 3 turns, 48 new tokens
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
-from benchmarks.common import grouped_bars, new_figure, percentile, publish_run, run_metadata
+from benchmarks.common import (
+    grouped_bars,
+    new_figure,
+    percentile,
+    publish_run,
+    result_name,
+    run_metadata,
+    suite_parser,
+)
 from benchmarks.workloads import WORKLOADS, Messages, chat_ids, long_chat_messages, make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
 from nasd_core.engine.engine import Engine
@@ -214,15 +221,12 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true")
+    parser = suite_parser(__doc__, quick="the short version")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = parser.parse_args()
     levels, turns, max_tokens = ([1], 3, 48) if args.quick else ([1, 4], 4, 64)
     payload = run_benchmark(levels, turns, max_tokens, args.dtype)
-    publish_run("prefix_cache", args.dtype, args.quick, payload, plot, markdown_table)
+    publish_run(result_name("prefix_cache", args.dtype, args.quick), payload, markdown_table, plot)
 
 
 if __name__ == "__main__":

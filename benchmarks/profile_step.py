@@ -10,13 +10,12 @@ python -m benchmarks.profile_step --arch qwen2-1.5b     # a GPU; prints, and wri
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import run_metadata, write_result
+from benchmarks.common import publish_run, run_metadata, suite_parser
 from benchmarks.step_cost import ARCHITECTURES, random_model
 from nasd_core.layers.compiled_layers import compile_layers
 from nasd_core.runner.model_runner import StepRow
@@ -63,9 +62,7 @@ def profile_step(runner, num_rows: int, width: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = suite_parser(__doc__)
     parser.add_argument("--arch", choices=list(ARCHITECTURES), default="qwen2-1.5b")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
@@ -89,7 +86,7 @@ def main() -> None:
             print(f"{name}: wall {cell['wall_ms']} ms, kernels {cell['kernel_ms']} ms ({cell['path']})")
             for kernel, ms in cell["top_kernels_ms"].items():
                 print(f"    {ms:8.3f}  {kernel}")
-    print(f"results: {write_result(f'profile_step_cuda_{args.arch}', result)}")
+    publish_run(f"profile_step_cuda_{args.arch}", result)
 
 
 if __name__ == "__main__":

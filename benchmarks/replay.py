@@ -20,7 +20,6 @@ of 600-1600 prompt tokens built from several conversations (``long_chat``).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import heapq
 import itertools
@@ -33,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from benchmarks.common import publish_run, run_metadata
+from benchmarks.common import publish_run, result_name, run_metadata, suite_parser
 from benchmarks.workloads import WORKLOADS, long_chats, make_workload, paraphrase
 from nasd_core.config import DEFAULT_INDEX_MAX_ENTRIES, IndexConfig, SpecConfig
 from nasd_core.speculation.drafter import RequestDrafter, longest_matches, new_shared_index, propose_rows
@@ -721,11 +720,8 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = suite_parser(__doc__, quick="the first 4 traces of each workload")
     parser.add_argument("--record", action="store_true", help="record the greedy traces (both files) first")
-    parser.add_argument("--quick", action="store_true", help="the first 4 traces of each workload")
     parser.add_argument("--drafters", nargs="+", default=list(DRAFTERS), choices=list(DRAFTERS))
     args = parser.parse_args()
     if args.record:
@@ -756,7 +752,7 @@ def main() -> None:
         payload["frontier"] = frontier(traces)
     if PARAPHRASE_TRACES.exists():
         payload["paraphrase"] = paraphrase_gain(traces, json.loads(PARAPHRASE_TRACES.read_text())["traces"])
-    publish_run("replay", "float32", args.quick, payload, plot, markdown_table)
+    publish_run(result_name("replay", "float32", args.quick), payload, markdown_table, plot)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ held entries at its first report).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -35,7 +34,7 @@ import openai
 import ray
 from ray import serve
 
-from benchmarks.common import new_figure, publish_run, run_metadata
+from benchmarks.common import new_figure, publish_run, result_name, run_metadata, suite_parser
 from benchmarks.workloads import distinct_prompts
 from deployments import build_app
 from deployments.builder import REPLICA_DEPLOYMENT
@@ -209,9 +208,7 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = suite_parser(__doc__)
     parser.add_argument("--rounds", type=int, default=2, help="killed rounds (each after a reference round)")
     args = parser.parse_args()
     if not is_up(REDIS_URL):
@@ -252,7 +249,7 @@ def main() -> None:
         },
         "rounds": rounds,
     }
-    publish_run("replica_kill", "float32", False, payload, plot, markdown_table)
+    publish_run(result_name("replica_kill", "float32", False), payload, markdown_table, plot)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Benchmark results into docs/results.md, the README's headline and plots; a quick run held
 against the full one.
 
-Each suite (``benchmarks/<suite>.py``) writes ``results/<suite>_float32.json`` and knows how
-to show it (``markdown_table``, ``plot``, ``ratios``). Tables sit between
-``<!-- results:<name> -->`` and ``<!-- /results:<name> -->`` in docs/results.md (the README's
-headline block too) and are only ever written from those files, so a number there is always
-one a committed run produced.
+Each suite (``benchmarks/<suite>.py``; ``benchmarks/common.py`` says what a suite is) writes
+``results/<stem>.json`` and knows how to show it (``markdown_table``, ``plot``, ``ratios``).
+Tables sit between ``<!-- results:<name> -->`` and ``<!-- /results:<name> -->`` in
+docs/results.md (the README's headline block too) and are only ever written from those files,
+so a number there is always one a committed run produced.
 
     python -m benchmarks.report             # rewrite the tables, the headline and the plots
     python -m benchmarks.report --check     # exit 1 where a document differs from the results
@@ -21,40 +21,37 @@ import re
 import sys
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, result_name, save_figure
+from benchmarks.common import RESULTS_DIR, save_figure
 
-SUITES = (
-    "single_stream",
-    "concurrency",
-    "prefix_cache",
-    "pool",
-    "http",
-    "replay",
-)
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RESULTS_DOC = ROOT / "docs" / "results.md"
-# Results shown as a table (and a plot where the suite has one): block -> (result file
-# stem, suite, table).
-TABLE_BLOCKS = {
-    "structured": ("structured_float32", "structured", "markdown_table"),
-    "grammar_engines": ("grammar_engines", "grammar_engines", "markdown_table"),
-    "replica_kill": ("replica_kill_float32", "replica_kill", "markdown_table"),
+# docs/results.md's tables: block -> (result file stem, suite, the suite's table function). Each
+# has its plot where the suite has one.
+BLOCKS = {
     "vs_llamacpp": ("vs_llamacpp_gguf", "vs_llamacpp", "markdown_table"),
     "http_categories": ("http_categories_gguf", "http_categories", "markdown_table"),
     "lockstep": ("lockstep_gguf", "lockstep", "markdown_table"),
+    "single_stream": ("single_stream_float32", "single_stream", "markdown_table"),
+    "concurrency": ("concurrency_float32", "concurrency", "markdown_table"),
+    "prefix_cache": ("prefix_cache_float32", "prefix_cache", "markdown_table"),
     "agent_cluster": ("agent_cluster_gguf", "agent_cluster", "markdown_table"),
-}
-# Runs on a lent GPU (benchmarks/gpu_session.sh): README block -> (result file stem, suite, table).
-GPU_BLOCKS = {
-    "gpu_step_cost": ("step_cost_cuda_qwen2-1.5b", "step_cost", "markdown_table"),
-    "gpu_concurrency": ("concurrency_cuda_bfloat16", "concurrency", "runs_table"),
-    # The H200's latest session (cb7c224); its earlier sessions' tables (a3fe434, 5ba89c1) left
-    # docs/results.md when this one superseded them, their files kept in benchmarks/results/.
+    "replay": ("replay_float32", "replay", "markdown_table"),
+    "pool": ("pool_float32", "pool", "markdown_table"),
+    "structured": ("structured_float32", "structured", "markdown_table"),
+    "grammar_engines": ("grammar_engines", "grammar_engines", "markdown_table"),
+    "replica_kill": ("replica_kill_float32", "replica_kill", "markdown_table"),
+    # Runs on a lent GPU (benchmarks/gpu_session.sh). The H200's latest session (cb7c224); its
+    # earlier sessions' tables (a3fe434, 5ba89c1) left with their files when it superseded them.
     "gpu_step_cost_host": ("step_cost_cuda_qwen2-1.5b_h200_host", "step_cost", "markdown_table"),
     "gpu_single_stream_host": ("concurrency_cuda_bfloat16_h200_host", "concurrency", "runs_table"),
+    "gpu_step_cost": ("step_cost_cuda_qwen2-1.5b", "step_cost", "markdown_table"),
+    "gpu_concurrency": ("concurrency_cuda_bfloat16", "concurrency", "runs_table"),
     "gpu_single_stream": ("single_stream_cuda_bfloat16", "single_stream", "markdown_table"),
 }
+# What ``python -m benchmarks`` runs, one suite after the other (make bench; make bench-quick runs
+# each one's --quick, its ratios held against the full run's).
+SUITES = ("single_stream", "concurrency", "prefix_cache", "pool", "http_categories", "replay")
 # The README's headline: (what, result file stem, suite, ratio key, docs/results.md anchor).
 HEADLINE = (
     (
@@ -72,18 +69,11 @@ HEADLINE = (
         "the-laptop-path-the-engine-on-the-gguf-blocks-against-llamacpp",
     ),
     (
-        "Through the server (HTTP), repetitive requests, 1 client: `auto` / plain decoding",
-        "http_float32",
-        "http",
-        "1 replica(s)/repetitive/C=1/auto",
-        "through-the-server-http-concurrency-sweep",
-    ),
-    (
-        "Through the server, non-repetitive requests, 1 client",
-        "http_float32",
-        "http",
-        "1 replica(s)/non_repetitive/C=1/auto",
-        "through-the-server-http-concurrency-sweep",
+        "Laptop through the server (HTTP), 1 client, every category: `auto` / plain decoding",
+        "http_categories_gguf",
+        "http_categories",
+        "C=1",
+        "auto-against-plain-decoding-through-http-by-category",
     ),
     (
         "Laptop through the server (HTTP), 8 clients, mixed categories: `auto` / plain decoding",
@@ -121,14 +111,14 @@ HEADLINE = (
         "on-a-gpu-one-h100-bfloat16",
     ),
 )
-DTYPE = "float32"
 # A quick run uses fewer prompts and tokens: a ratio within this factor of the full run's is
 # taken as reproduced (cells of the full run alone vary by about ±15% on a 2-core VM).
 NOISE = 0.25
 
 
 def result_path(suite: str, quick: bool = False) -> Path:
-    return RESULTS_DIR / f"{result_name(suite, DTYPE, quick)}.json"
+    """The result file of a suite's run (its block's), or of its quick run."""
+    return RESULTS_DIR / f"{BLOCKS[suite][0]}{'_quick' if quick else ''}.json"
 
 
 def load(suite: str, quick: bool = False) -> dict | None:
@@ -151,11 +141,6 @@ def render_readme(readme: str, tables: dict[str, str]) -> str:
             lambda match, table=table: match.group(1) + table + "\n" + match.group(2), readme
         )
     return readme
-
-
-def block(suite: str, payload: dict) -> str:
-    """The README block of one suite: its table and where it came from."""
-    return suite_module(suite).markdown_table(payload) + footer(payload["meta"], result_path(suite))
 
 
 def footer(meta: dict, path: Path) -> str:
@@ -196,8 +181,9 @@ def headline_table() -> str:
 
 
 def readme_tables() -> dict[str, str]:
-    tables = {suite: block(suite, payload) for suite in SUITES if (payload := load(suite)) is not None}
-    for name, (stem, suite, table) in {**TABLE_BLOCKS, **GPU_BLOCKS}.items():
+    """Each block's table and where it came from, for the blocks whose result file exists."""
+    tables = {}
+    for name, (stem, suite, table) in BLOCKS.items():
         path = RESULTS_DIR / f"{stem}.json"
         if path.exists():
             payload = json.loads(path.read_text())
@@ -267,13 +253,13 @@ def main() -> None:
         return
     for path, (_, updated) in documents.items():
         path.write_text(updated)
-    for suite in SUITES:
-        if (payload := load(suite)) is not None:
-            print(f"plot: {save_figure(suite_module(suite).plot(payload), result_path(suite).stem)}")
-    for stem, suite, _ in TABLE_BLOCKS.values():
+    for stem, suite, _ in BLOCKS.values():  # the CPU runs' plots; a GPU session's tables stand alone
         path = RESULTS_DIR / f"{stem}.json"
-        if hasattr(suite_module(suite), "plot") and path.exists():
-            print(f"plot: {save_figure(suite_module(suite).plot(json.loads(path.read_text())), stem)}")
+        if not (hasattr(suite_module(suite), "plot") and path.exists()):
+            continue
+        payload = json.loads(path.read_text())
+        if payload["meta"].get("device", "cpu") == "cpu":
+            print(f"plot: {save_figure(suite_module(suite).plot(payload), stem)}")
     print(f"README headline and docs/results.md rewritten from {RESULTS_DIR}")
 
 

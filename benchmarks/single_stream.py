@@ -18,7 +18,6 @@ full run's figures for the very prompts it measured (``ratios(full, like=quick)`
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,8 +31,10 @@ from benchmarks.common import (
     grouped_bars,
     new_figure,
     publish_run,
+    result_name,
     rotated,
     run_metadata,
+    suite_parser,
 )
 from benchmarks.workloads import REPETITIVE, WORKLOADS, make_workload
 from nasd_core.config import ModelConfig, SamplingParams, SpecConfig
@@ -289,12 +290,7 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="first prompt of 4 workloads, 3 systems, full length"
-    )
+    parser = suite_parser(__doc__, quick="first prompt of 4 workloads, 3 systems, full length")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--workloads", nargs="*", default=None, choices=list(WORKLOADS))
@@ -310,7 +306,9 @@ def main() -> None:
     payload = run_benchmark(
         num_prompts, args.max_tokens, workloads, args.dtype, args.seed, systems, args.device
     )
-    publish_run("single_stream", args.dtype, args.quick, payload, plot, markdown_table, args.device)
+    publish_run(
+        result_name("single_stream", args.dtype, args.quick, args.device), payload, markdown_table, plot
+    )
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from benchmarks.common import run_metadata, write_result
+from benchmarks.common import publish_run, run_metadata, suite_parser
 from nasd_core.config import ModelConfig
 from nasd_core.layers.compiled_layers import compile_layers
 from nasd_core.loader import load_model
@@ -310,9 +310,7 @@ def device_run(args: argparse.Namespace) -> None:
             compiled = graphs_surface(model, args, "paged", compiled_layers=True)
             payload["step_graphs_compiled_layers"] = compiled
     name = f"step_cost_{args.device.split(':')[0]}_{args.arch or 'embedded'}"
-    print(f"results: {write_result(name, payload)}")
-    for rows, by_positions in payload["ms_by_rows_and_positions"][args.dtype].items():
-        print(f"{rows} rows, ms by positions per row:", by_positions)
+    publish_run(name, payload, markdown_table)
 
 
 CHUNK_COLUMNS = {
@@ -406,9 +404,7 @@ def shape_ms(step_time: StepTimeModel, num_rows: int) -> dict[int, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = suite_parser(__doc__)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--rows", nargs="*", type=int, default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--repeats", type=int, default=3)
@@ -448,7 +444,7 @@ def main() -> None:
             print(variant, f"{rows} rows, ms by positions per row:", by_positions)
         del model
     meta["dtype"] = sorted({VARIANTS[variant].dtype for variant in args.variants})
-    write_result("step_cost", {"benchmark": "step_cost", "meta": meta, "ms_by_rows_and_positions": surfaces})
+    publish_run("step_cost", {"benchmark": "step_cost", "meta": meta, "ms_by_rows_and_positions": surfaces})
 
 
 if __name__ == "__main__":

@@ -21,14 +21,13 @@ what the grammar's masks cost a step.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
 
 import jsonschema
 
-from benchmarks.common import grouped_bars, new_figure, run_metadata, write_result
+from benchmarks.common import grouped_bars, new_figure, publish_run, result_name, run_metadata, suite_parser
 from benchmarks.workloads import _CITIES, _ITEMS, _NAMES, chat_ids
 from deployments.tools import HERMES, ToolStream, chat_template_inputs
 from nasd_core.config import EngineConfig, GrammarSpec, SamplingParams, SpecConfig
@@ -272,10 +271,7 @@ def markdown_table(payload: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="16 extractions and 8 conversations per cell")
+    parser = suite_parser(__doc__, quick="16 extractions and 8 conversations per cell")
     args = parser.parse_args()
     model, tokenizer = load_model()
     calibration = Calibration()
@@ -311,8 +307,7 @@ def main() -> None:
         "workloads": workloads,
         "mask_cost": mask_cost,
     }
-    print(markdown_table(payload))
-    print(f"results: {write_result('structured_float32' + ('_quick' if args.quick else ''), payload)}")
+    publish_run(result_name("structured", "float32", args.quick), payload, markdown_table, plot)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ tokens are compared only as the share of requests whose first 32 tokens match th
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
@@ -41,7 +40,7 @@ from benchmarks.common import (
     publish_run,
     result_name,
     run_metadata,
-    write_result,
+    suite_parser,
 )
 from benchmarks.workloads import REPETITIVE, WORKLOADS, chat_ids, long_chats, make_workload
 from nasd_core.config import EngineConfig, ModelConfig, SamplingParams, SpecConfig
@@ -271,9 +270,7 @@ def plot(payload: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = suite_parser(__doc__)
     parser.add_argument("--prompts", type=int, default=3, help="prompts per workload")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -286,15 +283,13 @@ def main() -> None:
         help="measure only the engine processes' memory, into the last run's result",
     )
     args = parser.parse_args()
+    name = result_name("vs_llamacpp", "gguf", False)
     if args.footprint_only:
-        path = RESULTS_DIR / f"{result_name('vs_llamacpp', 'gguf', False)}.json"
-        payload = json.loads(path.read_text())
+        payload = json.loads((RESULTS_DIR / f"{name}.json").read_text())
         payload["footprint"] = {dtype: footprint(dtype) for dtype in ("gguf", "float32")}
-        write_result(path.stem, payload)
-        print(markdown_table(payload))
+        publish_run(name, payload, markdown_table)
         return
-    payload = run(args.prompts, args.max_tokens, args.threads, args.float32)
-    publish_run("vs_llamacpp", "gguf", False, payload, plot, markdown_table)
+    publish_run(name, run(args.prompts, args.max_tokens, args.threads, args.float32), markdown_table, plot)
 
 
 if __name__ == "__main__":

@@ -70,13 +70,6 @@ def test_concurrency_cell_pools_its_runs():
     assert summary["itl_p99_ms"] > 20.0
 
 
-def test_http_quick_cells_are_the_full_runs_cells():
-    from benchmarks import http
-
-    assert set(http.QUICK_LEVELS) <= set(http.LEVELS)
-    assert http.cell_sizes(http.LEVELS) == [6, 8, 32, 64]
-
-
 def test_workloads_are_deterministic_and_distinct():
     for name in WORKLOADS:
         first, again = make_workload(name, 3, seed=5), make_workload(name, 3, seed=5)
@@ -85,29 +78,18 @@ def test_workloads_are_deterministic_and_distinct():
     assert make_workload("code_edit", 3, seed=1) != make_workload("code_edit", 3, seed=2)
 
 
-def test_http_cell_summary_and_table():
-    from benchmarks import http
+def test_cell_summary_leaves_out_a_single_tokens_missing_gap():
+    from benchmarks.serving import summarise
 
     results = [
         {"text": "a", "tokens": 10, "ttft_s": 0.1, "itl_s": 0.02},
         {"text": "b", "tokens": 30, "ttft_s": 0.3, "itl_s": 0.04},
         {"text": "c", "tokens": 1, "ttft_s": 0.2, "itl_s": None},  # one token: no inter-token gap
     ]
-    cell = http.summarise(results, elapsed=2.0)
+    cell = summarise(results, elapsed=2.0)
     assert (cell["requests"], cell["tokens"], cell["tokens_per_s"]) == (3, 41, 20.5)
     assert cell["ttft_p50_ms"] == 200.0
     assert cell["itl_p50_ms"] == 30.0  # the None is left out, not counted as 0
-    off = {**cell, "ratio_to_off": 1.0}
-    on = {**cell, "tokens_per_s": 10.25, "ratio_to_off": 0.5}
-    auto = {**cell, "tokens_per_s": 41.0, "ratio_to_off": 2.0, "ttft_p50_ms": 100.0}
-    row = {"off": off, "on": on, "auto": auto, "identical": False}
-    payload = {"results": {"1": {"repetitive": {"4": row}}}}
-    (line,) = http.markdown_table(payload).splitlines()[2:]
-    assert line.startswith("| 1 | repetitive | 4 | 20.5 | 0.50x | 2.00x ≠ | 200 / 200 / 100 |")
-    assert http.ratios(payload) == {
-        "1 replica(s)/repetitive/C=4/on": 0.5,
-        "1 replica(s)/repetitive/C=4/auto": 2.0,
-    }
 
 
 def test_http_categories_mixed_cell_rates_and_table():
@@ -220,7 +202,7 @@ def test_readme_results_are_rendered_from_the_committed_result_files():
     from benchmarks import report
 
     tables = report.readme_tables()
-    expected = set(report.SUITES) | set(report.TABLE_BLOCKS) | set(report.GPU_BLOCKS)
+    expected = set(report.BLOCKS)
     assert set(tables) == expected, "every suite has committed results"
     for path, (current, rendered) in report.rendered_documents().items():
         assert rendered == current, f"{path.name}: run python -m benchmarks.report"
