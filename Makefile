@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo serve test test-quick lint bench bench-quick bench-grammar-engines bench-peers image clean
+.PHONY: install demo serve test test-quick lint bench bench-quick bench-peers image clean
 
 install: $(STAMP)
 
@@ -56,12 +56,8 @@ bench: install
 bench-quick: install
 	$(PY) -m benchmarks --quick
 
-# llguidance (the project's grammar engine) against xgrammar, installed beside the venv only for this.
+# Benchmark peers live beside the venv, never in it.
 PEERS := .bench-peers
-bench-grammar-engines: install
-	$(PY) -m pip install -q --no-deps --target $(PEERS) xgrammar==0.2.8 apache-tvm-ffi==0.1.15.post2
-	PYTHONPATH=$(PEERS) $(PY) -m benchmarks.grammar_engines
-
 # llama.cpp (llama-cpp-python, built from source for this CPU: about 11 minutes on 2 cores) beside
 # the venv, only for benchmarks.vs_llamacpp. On a CPU that reports AMX it is built for AVX-512
 # without AMX: its AMX build crashed in its first decode on such a Xeon (a VM, 2026-11-28).

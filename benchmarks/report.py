@@ -39,7 +39,6 @@ BLOCKS = {
     "replay": ("replay_float32", "replay", "markdown_table"),
     "pool": ("pool_float32", "pool", "markdown_table"),
     "structured": ("structured_float32", "structured", "markdown_table"),
-    "grammar_engines": ("grammar_engines", "grammar_engines", "markdown_table"),
     "replica_kill": ("replica_kill_float32", "replica_kill", "markdown_table"),
     # Runs on a lent GPU (benchmarks/gpu_session.sh). The H200's latest session (cb7c224); its
     # earlier sessions' tables (a3fe434, 5ba89c1) left with their files when it superseded them.
