@@ -31,15 +31,13 @@ from deployments.router import ROUTER_CLASS
 from deployments.shutdown import DEFAULT_DRAIN_TIMEOUT_S, drain_on_sigterm, is_serve_run
 from deployments.tools import ToolCallParser
 from nasd_core.config import (
-    DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_GRAPH_WARMUP_BUDGET_S,
-    DEFAULT_NUM_DRAFT_TOKENS,
     EMBEDDED_MODEL,
     EMBEDDED_MODEL_ALIASES,
     EngineConfig,
     ModelConfig,
     RunnerConfig,
     SpecConfig,
+    field_of,
 )
 from nasd_core.loader import default_dtype
 from pool_service import PoolConfig
@@ -69,7 +67,9 @@ SHORT_ENV_VARS = {"num_cpus_per_replica": "NASD_NUM_CPUS", "num_gpus_per_replica
 
 
 class AppArgs(BaseModel):
-    """Arguments of the application (a typo is an error, not a silently ignored setting)."""
+    """Arguments of the application (a typo is an error, not a silently ignored setting). The
+    engine's own settings take their type bounds, default and description from its configs
+    (``field_of``), mapped onto them once in ``replica_config``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -145,20 +145,21 @@ class AppArgs(BaseModel):
         "otherwise 1.",
     )
     num_gpus_per_replica: float = Field(0.0, ge=0, description="GPUs per replica (0 = CPU only).")
-    speculation: Literal["auto", "on", "off"] = Field("auto", description="Default speculation mode.")
-    num_draft_tokens: int = Field(DEFAULT_NUM_DRAFT_TOKENS, ge=0, description="Default draft length cap.")
+    speculation: Literal["auto", "on", "off"] = field_of(
+        SpecConfig,
+        "mode",
+        "Requests' speculation unless they set their own: off (plain decoding), on (always draft up to "
+        "num_draft_tokens) or auto (the policy decides each step, row by row).",
+    )
+    num_draft_tokens: int = field_of(SpecConfig, "num_draft_tokens")
     drafter: Literal["suffix", "ngram"] = Field(
         "suffix",
         description="Draft sources: suffix (the request's own tokens and the replica and pool indexes "
         "matched by suffix, up to 64 tokens, in the compiled store) or ngram (prompt lookup with an n-gram "
         "index of the request, n-gram replica and pool indexes of contexts up to 3 tokens).",
     )
-    max_batch_rows: int | None = Field(
-        None, ge=1, description="Rows per engine step (None = the engine's default)."
-    )
-    max_waiting: int | None = Field(
-        None, ge=0, description="Queued requests per replica (None = engine default)."
-    )
+    max_batch_rows: int = field_of(EngineConfig, "max_batch_rows")
+    max_waiting: int = field_of(EngineConfig, "max_waiting")
     probe_max_rows: int = Field(
         DEFAULT_PROBE_MAX_ROWS,
         ge=0,
@@ -166,12 +167,7 @@ class AppArgs(BaseModel):
         "8 s on 2 CPU cores), so `auto` starts calibrated; 0 = no probe: auto starts from TensorRT-LLM's "
         "table and learns step times as it runs.",
     )
-    prefix_cache_tokens: int | None = Field(
-        None,
-        ge=0,
-        description="Positions of finished requests' KV kept for later prompts with the same start "
-        "(EngineConfig.prefix_cache_tokens; None: 8192 on a CPU, the whole pool on a GPU; 0: off).",
-    )
+    prefix_cache_tokens: int | None = field_of(EngineConfig, "prefix_cache_tokens")
     prefill_threads: int | None = Field(
         None,
         ge=1,
@@ -179,45 +175,13 @@ class AppArgs(BaseModel):
         "(RunnerConfig.prefill_threads, llama.cpp's --threads-batch); None: every visible core for a lone "
         "CPU replica on its default CPUs, whose other steps leave one to Ray's processes; else its CPUs.",
     )
-    kv_cache_dtype: Literal["auto", "float32", "float16"] = Field(
-        "auto",
-        description="Element type of the KV-cache (RunnerConfig.kv_cache_dtype): 'auto' is float16 on the "
-        "CPU's GGUF path, the model's dtype elsewhere; 'float16' under a float32 model on a CPU only.",
-    )
-    step_graphs: bool | None = Field(
-        None,
-        description="Decode and verification steps in fixed shapes, replayed from CUDA graphs on a GPU "
-        "(RunnerConfig.step_graphs; Llama, Mistral and Qwen2/3 models); None: on wherever CUDA is.",
-    )
-    graph_attention: Literal["paged", "gathered"] | None = Field(
-        None,
-        description="How graph steps attend (RunnerConfig.graph_attention): 'paged' through the block "
-        "tables, 'gathered' per context bucket; None: paged where graphs are captured.",
-    )
-    compiled_layers: bool | None = Field(
-        None,
-        description="Merged projections and decoder layers compiled once for every step shape "
-        "(RunnerConfig.compiled_layers); None: on wherever CUDA is and the model is of a type they serve.",
-    )
-    deterministic: bool = Field(
-        False,
-        description="Batch-invariant steps, so greedy output is the same with speculation off, on or "
-        "auto, whatever else is batched (RunnerConfig.deterministic; CPU replicas only).",
-    )
-    gpu_memory_utilization: float = Field(
-        DEFAULT_GPU_MEMORY_UTILIZATION,
-        gt=0.0,
-        le=1.0,
-        description="Share of each GPU's memory a replica plans for: weights, activations, step graphs, "
-        "and the KV-cache takes the rest (RunnerConfig.gpu_memory_utilization); settings that cannot fit "
-        "are refused at replica start.",
-    )
-    graph_warmup_budget_s: float = Field(
-        DEFAULT_GRAPH_WARMUP_BUDGET_S,
-        ge=0,
-        description="Seconds a GPU replica's start may spend capturing its CUDA-graph steps "
-        "(EngineConfig.graph_warmup_budget_s); shapes left out run without graphs.",
-    )
+    kv_cache_dtype: Literal["auto", "float32", "float16"] = field_of(RunnerConfig, "kv_cache_dtype")
+    step_graphs: bool | None = field_of(RunnerConfig, "step_graphs")
+    graph_attention: Literal["paged", "gathered"] | None = field_of(RunnerConfig, "graph_attention")
+    compiled_layers: bool | None = field_of(RunnerConfig, "compiled_layers")
+    deterministic: bool = field_of(RunnerConfig, "deterministic")
+    gpu_memory_utilization: float = field_of(RunnerConfig, "gpu_memory_utilization")
+    graph_warmup_budget_s: float = field_of(EngineConfig, "graph_warmup_budget_s")
     autoscaling: dict[str, Any] | None = Field(
         None, description="Serve autoscaling_config (min_replicas, max_replicas, ...); replaces num_replicas."
     )
@@ -332,13 +296,9 @@ def replica_config(args: AppArgs) -> ReplicaConfig:
     dtype = args.dtype or default_dtype(args.model, device)
     if args.kv_cache_dtype not in ("auto", dtype) and (device != "cpu" or dtype not in ("float32", "gguf")):
         raise ValueError(f"kv_cache_dtype {args.kv_cache_dtype} needs a float32 or gguf model on a CPU")
-    engine_limits = {
-        name: value
-        for name, value in (("max_batch_rows", args.max_batch_rows), ("max_waiting", args.max_waiting))
-        if value is not None
-    }
     engine = EngineConfig(
-        **engine_limits,
+        max_batch_rows=args.max_batch_rows,
+        max_waiting=args.max_waiting,
         graph_warmup_budget_s=args.graph_warmup_budget_s,
         prefix_cache_tokens=args.prefix_cache_tokens,
         runner=RunnerConfig(

@@ -6,7 +6,8 @@ constants so the CLI, the service and the benchmarks agree on them.
 
 from __future__ import annotations
 
-from typing import Literal
+import copy
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -59,6 +60,14 @@ def at_most(name: str, value: int, bound_name: str, bound: int) -> int:
     if value > bound:
         raise ValueError(f"{name} ({value}) must be <= {bound_name} ({bound})")
     return value
+
+
+def field_of(config: type[BaseModel], name: str, description: str | None = None) -> Any:
+    """``config``'s field ``name`` (its default, bounds and description, or ``description``), to
+    declare the same setting in another model, the server's ``AppArgs``, without its defaults again."""
+    field = copy.deepcopy(config.model_fields[name])
+    field.description = description or field.description
+    return field
 
 
 class GrammarSpec(_Config):
