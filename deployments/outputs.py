@@ -15,16 +15,14 @@ from deployments.tools import ToolFormat, ToolStream
 from nasd_core import logprobs as engine_logprobs
 from nasd_core.config import SamplingParams
 from nasd_core.engine.async_engine import StreamChunk
-from nasd_core.engine.stopping import first_stop_at
 
 
 class TextStream:
     """Turns a growing list of output ids into text deltas that never need taking back.
 
     While a request runs, the tail that could still be the start of a stop string (and an
-    incomplete UTF-8 character) is held back; at the end the text is cut before the first stop
-    string, exactly as ``StopChecker.text()`` cuts the library's result. This relies on the
-    engine ending a request with the token that completes a stop string.
+    incomplete UTF-8 character) is held back; at the end the text is cut where the engine found
+    the stop string that ended it (``StreamChunk.stop_text_at``), as the library's result is.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str]) -> None:
@@ -34,11 +32,11 @@ class TextStream:
         self.output_ids: list[int] = []
         self.num_sent = 0
 
-    def push(self, token_ids: Sequence[int], finished: bool) -> str:
+    def push(self, token_ids: Sequence[int], finished: bool, stop_at: int | None = None) -> str:
+        """The new text that can be sent; ``stop_at`` (with ``finished``): where the text ends."""
         self.output_ids.extend(token_ids)
         text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
         if finished:
-            stop_at = first_stop_at(text, self.stop)
             end = len(text) if stop_at is None else stop_at
         else:
             end = len(text) - self.holdback
@@ -118,7 +116,7 @@ class ChoiceOutput:
     def add(self, step: StreamChunk, echoed_prompt: list[int] | None) -> None:
         finished = step.finish_reason is not None
         self.pending_tokens += len(step.token_ids)
-        text = self._answer_text(step.token_ids, finished)
+        text = self._answer_text(step.token_ids, finished, step.stop_text_at)
         if self.tools is not None:  # tool calls are read from the answer after the reasoning
             text, calls = self.tools.push(text, finished)
             self.pending_calls += calls
@@ -130,22 +128,22 @@ class ChoiceOutput:
         if step.logprobs:
             self.logprobs += logprob_entries(self.tokenizer, step.logprobs)
 
-    def _answer_text(self, token_ids: Sequence[int], finished: bool) -> str:
+    def _answer_text(self, token_ids: Sequence[int], finished: bool, stop_at: int | None) -> str:
         """The new tokens' answer text, their reasoning added to what is pending. Until the
         reasoning ends the tokens go through one at a time, so that each one is counted as
         reasoning or not whatever the grouping of tokens into steps: a token is reasoning where
         the split is in the reasoning before or after it (so the closing marker's are)."""
         if self.reasoning is None:
-            return self.text.push(token_ids, finished)
+            return self.text.push(token_ids, finished, stop_at)
         if self.reasoning.state == ANSWER or not token_ids:
-            reasoning, text = self.reasoning.push(self.text.push(token_ids, finished), finished)
+            reasoning, text = self.reasoning.push(self.text.push(token_ids, finished, stop_at), finished)
             self.pending_reasoning += reasoning
             return text
         answer = []
         for position, token_id in enumerate(token_ids):
             last = finished and position == len(token_ids) - 1
             was_reasoning = self.reasoning.state == REASONING
-            reasoning, text = self.reasoning.push(self.text.push([token_id], last), last)
+            reasoning, text = self.reasoning.push(self.text.push([token_id], last, stop_at), last)
             self.pending_reasoning += reasoning
             answer.append(text)
             self.num_reasoning_tokens += was_reasoning or self.reasoning.state == REASONING

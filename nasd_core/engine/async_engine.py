@@ -39,6 +39,8 @@ class StreamChunk:
     stats: SpecStats | None = None
     logprobs: list[TokenLogprob] | None = None  # of ``token_ids``, when the request asked for them
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on the first chunk, when asked for
+    # On the last chunk: where in the output's text the stop string that ended it begins.
+    stop_text_at: int | None = None
 
 
 class AsyncEngine:
@@ -130,6 +132,7 @@ class AsyncEngine:
                 prompt_logprobs_sent = True
             if request.stopper.is_finished or request.cancelled:
                 chunk.finish_reason, chunk.stats = request.finish_reason, request.stats
+                chunk.stop_text_at = request.stopper.stop_text_at
             loop.call_soon_threadsafe(chunks.put_nowait, chunk)
 
         def prepare() -> tuple[list[int], RequestDrafter]:

@@ -57,13 +57,27 @@ def test_text_stream_deltas_add_up_to_the_cut_text(tokenizer, stop):
     for count, token in enumerate(token_ids, start=1):
         # Fed as the engine feeds it: the request ends with the token that completes a stop.
         so_far = tokenizer.decode(token_ids[:count])
-        finished = count == len(token_ids) or any(s in so_far for s in stop)
-        deltas.append(stream.push([token], finished))
+        found = [at for at in (so_far.find(s) for s in stop) if at >= 0]
+        finished = count == len(token_ids) or bool(found)
+        deltas.append(stream.push([token], finished, min(found, default=None)))
         if finished:
             break
     cut = min((at for at in (text.find(s) for s in stop) if at >= 0), default=len(text))
     assert "".join(deltas) == text[:cut]
     assert len(deltas) > 3 and all("\ufffd" not in delta for delta in deltas), "a half character was sent"
+
+
+def test_a_stop_string_below_min_tokens_stays_in_the_text(served, model, tokenizer):
+    """The engine looks for stop strings only from min_tokens on; the text a client gets is cut
+    where the engine stopped, not at an earlier occurrence, as the library's result is."""
+    server, loop = served
+    params = SamplingParams(max_tokens=24, min_tokens=8, stop=[" "])
+    expected = generate(model, tokenizer, PROMPT, params)
+    assert " " in expected.text, "the test needs a space that min_tokens kept"
+    body = {"prompt": PROMPT, "max_tokens": 24, "min_tokens": 8, "stop": [" "], "temperature": 0}
+    (whole,) = collect(server, loop, body)
+    streamed = collect(server, loop, {**body, "stream": True})
+    assert whole.text == "".join(chunk.text for chunk in streamed) == expected.text
 
 
 def test_start_probes_step_times_up_to_the_batch_limit(served):
