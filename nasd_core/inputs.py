@@ -7,16 +7,28 @@ from collections.abc import Sequence
 from nasd_core.errors import ContextLengthError, InvalidRequestError
 
 
+class PromptIds(list):
+    """Token ids ``encode_prompt`` has checked against a vocabulary of ``vocab_size``. Each layer
+    a prompt crosses (replica, async engine, engine) asks ``encode_prompt`` for its ids; these
+    come back as they are, so a prompt is encoded and checked once."""
+
+    def __init__(self, ids: Sequence[int], vocab_size: int) -> None:
+        super().__init__(ids)
+        self.vocab_size = vocab_size
+
+
 def encode_prompt(
     tokenizer,
     prompt: str | Sequence[int],
     vocab_size: int,
     param: str = "prompt",
     add_special_tokens: bool = False,
-) -> list[int]:
+) -> PromptIds:
     """Token ids of a text or id-list prompt; raises InvalidRequestError (naming ``param``) on
     empty, non-Unicode or out-of-vocabulary input. ``add_special_tokens``: let the tokenizer
     add its own (a BOS token...) to a text prompt; generation feeds the text as it is."""
+    if isinstance(prompt, PromptIds) and prompt.vocab_size == vocab_size:
+        return prompt
     if isinstance(prompt, str):
         if not prompt:
             raise InvalidRequestError("prompt must not be empty", param=param)
@@ -40,7 +52,7 @@ def encode_prompt(
         raise InvalidRequestError(
             f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})", param=param
         )
-    return prompt_ids
+    return PromptIds(prompt_ids, vocab_size)
 
 
 def check_context(model, num_prompt_tokens: int, max_tokens: int) -> None:
