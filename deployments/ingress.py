@@ -36,7 +36,7 @@ from deployments.response_store import (
     open_response_store,
 )
 from deployments.responses import RESPONSE_ID, ResponseAnswer, ResponsesRequest, chat_request
-from deployments.routing import routing_key
+from deployments.routing import placed, routing_key
 from deployments.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -762,6 +762,7 @@ class OpenAIIngress:
         so the HTTP status is known before any byte of the answer is sent. A call that fails
         before its first chunk (the replica died) is sent again, once: nothing of it reached the
         client (a whole answer's first chunk is its last), and Serve routes it to a live replica."""
+        request = placed(request, self.pool_partitions)
         session_id = routing_key(request, self.pool_partitions, self.conversation_affinity)
         handle = self.replica.options(stream=True, **({"session_id": session_id} if session_id else {}))
         for attempt in range(1 + REPLICA_RETRIES):

@@ -26,7 +26,6 @@ from ray import serve
 from deployments.metrics import EXPORT_INTERVAL_S, ReplicaMetrics
 from deployments.outputs import ChoiceOutput, ToolParsing
 from deployments.reasoning import ReasoningParser, ReasoningStream, reasoning_format
-from deployments.routing import pool_partition
 from deployments.schemas import (
     CompletionTokensDetails,
     DetokenizeRequest,
@@ -257,8 +256,7 @@ class NASDServer:
                 for _ in range(parsed.n)
             ]
             stats = SpecStats()
-            partition = pool_partition(parsed, self.config.pool.partitions)
-            steps = self._choice_steps(prompt_ids, params, spec, parsed, partition)
+            steps = self._choice_steps(prompt_ids, params, spec, parsed)
             async with contextlib.aclosing(steps):
                 async for index, step in steps:
                     if step.finish_reason == "cancelled":  # the engine aborted it (shutdown, failed step)
@@ -271,7 +269,9 @@ class NASDServer:
                     choice.add(step, prompt_ids if parsed.echo else None)
                     if step.finish_reason is not None:
                         stats.merge(step.stats)
-                        self.pools.publish(parsed.tenant, prompt_ids + choice.text.output_ids, partition)
+                        self.pools.publish(
+                            parsed.tenant, prompt_ids + choice.text.output_ids, parsed.pool_partition
+                        )
                         chunk = choice.chunk(index, step.finish_reason)
                         if all(other.finish_reason for other in choices):  # the request's last chunk
                             yield self._finish(prompt_ids, choices, stats, chunk)
@@ -290,12 +290,11 @@ class NASDServer:
         params: SamplingParams,
         spec: SpecConfig,
         request: GenerateRequest,
-        partition: int,
     ) -> AsyncIterator[tuple[int, StreamChunk]]:
         """Every choice's engine steps as they come, tagged with the choice's index. The first
         choice starts alone; the others join after its first step and copy its prefill. Choice
         i samples with seed + i. Leaving early (the client went away) cancels every choice."""
-        shared = self.pools.sources_for(request.tenant, partition)
+        shared = self.pools.sources_for(request.tenant, request.pool_partition)
         first_id = f"choice0-{uuid.uuid4().hex}"
         streams = [
             self.async_engine.generate(

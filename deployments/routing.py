@@ -45,13 +45,19 @@ def pool_partition(request: GenerateRequest, partitions: int) -> int:
     return conversation_hash(request) % partitions
 
 
+def placed(request: GenerateRequest, partitions: int) -> GenerateRequest:
+    """``request`` with its pool partition set: decided once, by the ingress, which routes by it,
+    and read by the replica."""
+    return request.model_copy(update={"pool_partition": pool_partition(request, partitions)})
+
+
 def routing_key(request: GenerateRequest, partitions: int, conversation_affinity: bool = False) -> str | None:
-    """The session id the ingress routes ``request`` by: with pool partitions, its tenant and
-    partition; else with conversation affinity, its conversation (every turn then goes to the
+    """The session id the ingress routes a ``placed`` request by: with pool partitions, its tenant
+    and partition; else with conversation affinity, its conversation (every turn then goes to the
     replica whose prefix cache holds the earlier ones, while that replica is not overloaded);
     else None (the less loaded of two replicas)."""
     if partitions:
-        return f"{request.tenant or ''}\0{pool_partition(request, partitions)}"
+        return f"{request.tenant or ''}\0{request.pool_partition}"
     if conversation_affinity:
         return f"{CONVERSATION_KEY_PREFIX}{conversation_hash(request):016x}"
     return None

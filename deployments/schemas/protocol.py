@@ -37,6 +37,12 @@ class GenerateRequest(SamplingFields):
         description="Set by the ingress, never by a client: the API key's tenant, or without keys the "
         "`user` label. It picks the pool namespace, the prefix-cache salt and the routing key.",
     )
+    pool_partition: int = Field(
+        0,
+        ge=0,
+        description="Set by the ingress, never by a client: which of its tenant's pool partitions the "
+        "request reads and feeds, the one it was routed by (deployments.routing.placed).",
+    )
 
     @classmethod
     def from_completion(

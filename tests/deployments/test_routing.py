@@ -6,7 +6,8 @@ from __future__ import annotations
 import collections
 
 from deployments.router import bounded_load_order, conversation_order, load_capacity
-from deployments.routing import CONVERSATION_KEY_PREFIX, PARTITION_PREFIX_CHARS, pool_partition, routing_key
+from deployments.routing import CONVERSATION_KEY_PREFIX, PARTITION_PREFIX_CHARS, placed, pool_partition
+from deployments.routing import routing_key as placed_routing_key
 from deployments.schemas import GenerateRequest
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
@@ -16,6 +17,18 @@ def chat(*turns: str, tenant: str | None = None) -> GenerateRequest:
     roles = ["user", "assistant"] * len(turns)
     messages = [SYSTEM] + [{"role": role, "content": turn} for role, turn in zip(roles, turns)]
     return GenerateRequest(messages=messages, tenant=tenant)
+
+
+def routing_key(request: GenerateRequest, partitions: int, conversation_affinity: bool = False) -> str | None:
+    """The session id the ingress gives ``request``: its partition placed, then its key."""
+    return placed_routing_key(placed(request, partitions), partitions, conversation_affinity)
+
+
+def test_the_replica_reads_the_partition_the_ingress_routed_by():
+    request = placed(chat("How do I reverse a list in Python?", tenant="t"), 64)
+    assert request.pool_partition == pool_partition(request, 64)
+    assert placed_routing_key(request, 64) == f"t\0{request.pool_partition}"
+    assert GenerateRequest.model_validate(request.model_dump()).pool_partition == request.pool_partition
 
 
 def test_every_turn_of_a_conversation_keeps_its_partition():
@@ -132,9 +145,9 @@ def test_placing_a_hot_key_never_loads_a_replica_past_the_bound():
     would take them all."""
     ring = [f"replica-{i}" for i in range(8)]
     load = dict.fromkeys(ring, 0)
-    for placed in range(1, 201):
+    for num_placed in range(1, 201):
         chosen = order(ring, load)[0]
         load[chosen] += 1
-        assert max(load.values()) <= -(-1.25 * placed // len(ring)), (placed, load)
+        assert max(load.values()) <= -(-1.25 * num_placed // len(ring)), (num_placed, load)
     # Filled along the ring from the owner: the owner holds the most, a later replica none yet.
     assert load[ring[0]] == max(load.values()) and load[ring[1]] > 0 and load[ring[-1]] == 0
