@@ -21,6 +21,7 @@ import json
 import time
 import urllib.request
 from pathlib import Path
+from statistics import median
 
 import openai
 import ray
@@ -176,27 +177,31 @@ def run_cluster(num_replicas: int, routing: str, conversations: int, turns: int,
 
 
 def markdown_table(payload: dict) -> str:
+    """One row per replica count and routing, over the turns after the first (their per-turn
+    figures are in the result file and the plot)."""
     meta = payload["meta"]
     lines = [
         f"{payload['conversations']} conversations of {payload['turns']} turns, {payload['concurrency']} "
         f"at a time, {MAX_TOKENS} tokens a turn, greedy; {meta['isa']}; settings changed: "
-        f"{', '.join(payload['changed_settings'])}.",
+        f"{', '.join(payload['changed_settings'])}. Over turns 2-{payload['turns']}, the ones with a history "
+        f"to reuse; latencies over turns 3-{payload['turns']}.",
         "",
-        "| replicas | routing | turn | prompt tokens | computed | cached share | history reused | "
-        "p50 s | p95 s | tokens/step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| replicas | routing | history reused: lowest / median | prompt tokens computed / sent | "
+        "p50 s, turns 3+ | worst p95 s, turns 3+ | tokens/step | max / mean replica load |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for replicas, runs in payload["runs"].items():
         for routing, run in runs.items():
-            for row in run["turns"]:
-                reused = "-" if row["history_reused"] is None else f"{row['history_reused']:.0%}"
-                lines.append(
-                    f"| {replicas} | {routing} | {row['turn']} | {row['prompt_tokens']} | "
-                    f"{row['computed_prompt_tokens']} | {row['cached_share']:.0%} | {reused} | "
-                    f"{row['latency_p50_s']} | {row['latency_p95_s']} | {row['tokens_per_step']} |"
-                )
-            load = run["max_over_mean_load"]
-            lines.append(f"| {replicas} | {routing} | max / mean replica load: {load} | | | | | | | |")
+            later, settled = run["turns"][1:], run["turns"][2:]
+            reused = [row["history_reused"] for row in later]
+            p50 = [row["latency_p50_s"] for row in settled]
+            lines.append(
+                f"| {replicas} | {routing} | {min(reused):.0%} / {median(reused):.0%} | "
+                f"{sum(row['computed_prompt_tokens'] for row in later):,} / "
+                f"{sum(row['prompt_tokens'] for row in later):,} | {min(p50):.2f}-{max(p50):.2f} | "
+                f"{max(row['latency_p95_s'] for row in settled):.2f} | "
+                f"{median(row['tokens_per_step'] for row in later):.2f} | {run['max_over_mean_load']} |"
+            )
     return "\n".join(lines)
 
 
