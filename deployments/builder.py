@@ -13,7 +13,7 @@ import os
 from typing import Any, Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
@@ -213,9 +213,9 @@ class AppArgs(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _empty_is_none(cls, value: Any) -> Any:
+    def _empty_is_unset(cls, value: Any, info: ValidationInfo) -> Any:
         # `serve run ... redis_url=` and an empty environment variable mean "not set".
-        return None if value == "" else value
+        return cls.model_fields[info.field_name].get_default() if value == "" else value
 
     @field_validator("autoscaling", mode="before")
     @classmethod
