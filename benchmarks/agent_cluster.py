@@ -8,10 +8,12 @@ the others send their whole history to chat completions each turn, as most agent
 do. ``--concurrency`` conversations run at a time. Per turn it reports the prompt tokens served
 from a replica's prefix cache (as a share of the turn's prompt and of the earlier turns'
 history), turn latency p50 / p95, tokens per step; per run, each replica's requests against the
-mean. Every setting is the server's default but the two it names: ``num_replicas``, and
-``conversation_affinity`` false for the default-routing run.
+mean. Every setting is the server's default but the ones it names: ``num_replicas``,
+``conversation_affinity`` false for the default-routing runs, and with ``--pool`` each routing
+again with the shared pool on (``redis_url``: a redis-server of the run's own, a namespace per
+run), so a replica also drafts from what the others finished.
 
-    python -m benchmarks.agent_cluster [--replicas 2 4] [--conversations 16] [--turns 8] [--concurrency 4]
+    python -m benchmarks.agent_cluster [--replicas 2 4] [--conversations 16] [--turns 8] [--pool]
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from ray import serve
 from benchmarks.common import new_figure, percentile, publish_run, result_name, run_metadata, suite_parser
 from deployments import build_app
 from nasd_core.config import EMBEDDED_MODEL
-from pool_service.local_redis import free_port
+from pool_service.local_redis import LocalRedis, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # The files a turn quotes (a tool's output), cut to QUOTE_CHARS each: code and documents.
@@ -54,6 +56,7 @@ TASKS = [
 INSTRUCTIONS = "You are a coding agent. Answer briefly."
 MAX_TOKENS = 32
 ROUTINGS = {"default": False, "affinity": True}
+POOL_SUFFIX = " + pool"
 
 
 def quote(conversation: int, turn: int) -> str:
@@ -155,11 +158,19 @@ def per_turn(runs: list[list[dict]], turns: int) -> list[dict]:
     return rows
 
 
-def run_cluster(num_replicas: int, routing: str, conversations: int, turns: int, concurrency: int) -> dict:
-    """One application of ``num_replicas`` replicas on the machine's Redis-less defaults."""
+def run_cluster(
+    num_replicas: int, routing: str, conversations: int, turns: int, concurrency: int, redis_url: str | None
+) -> dict:
+    """One application of ``num_replicas`` replicas; ``routing`` names its routing and, ending in
+    ``POOL_SUFFIX``, a shared pool on ``redis_url`` (else the server's default: none)."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = {"num_replicas": num_replicas, "conversation_affinity": ROUTINGS[routing]}
+    args = {
+        "num_replicas": num_replicas,
+        "conversation_affinity": ROUTINGS[routing.removesuffix(POOL_SUFFIX)],
+    }
+    if routing.endswith(POOL_SUFFIX):
+        args |= {"redis_url": redis_url, "pool_namespace": f"agents-{num_replicas}-{routing.split()[0]}"}
     try:
         serve.run(build_app(args), name="agents", route_prefix="/")
         base_url = f"http://127.0.0.1:{port}"
@@ -225,27 +236,38 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--pool", action="store_true", help="each routing again with the shared pool on")
     args = parser.parse_args()
     if args.quick:
         args.replicas, args.conversations, args.turns = [2], 4, 3
+    routings = [*ROUTINGS, *(f"{routing}{POOL_SUFFIX}" for routing in ROUTINGS if args.pool)]
+    redis = LocalRedis().start() if args.pool else None
     ray.init(address="local", num_cpus=max(args.replicas), include_dashboard=False, log_to_driver=False)
     try:
         results = {
             str(replicas): {
-                routing: run_cluster(replicas, routing, args.conversations, args.turns, args.concurrency)
-                for routing in ROUTINGS
+                routing: run_cluster(
+                    replicas, routing, args.conversations, args.turns, args.concurrency, redis and redis.url
+                )
+                for routing in routings
             }
             for replicas in args.replicas
         }
     finally:
         ray.shutdown()
+        if redis is not None:
+            redis.stop()
     payload = {
         "benchmark": "agent_cluster",
         "meta": run_metadata(None, "gguf", "benchmarks.agent_cluster"),
         "conversations": args.conversations,
         "turns": args.turns,
         "concurrency": args.concurrency,
-        "changed_settings": ["num_replicas", "conversation_affinity (false for default routing)"],
+        "changed_settings": [
+            "num_replicas",
+            "conversation_affinity (false for default routing)",
+            *(["redis_url, pool_namespace (+ pool)"] if args.pool else []),
+        ],
         "runs": results,
     }
     publish_run(result_name("agent_cluster", "gguf", args.quick), payload, markdown_table, plot)
