@@ -68,7 +68,7 @@ SHORT_ENV_VARS = {"num_cpus_per_replica": "NASD_NUM_CPUS", "num_gpus_per_replica
 
 class AppArgs(BaseModel):
     """Arguments of the application (a typo is an error, not a silently ignored setting). The
-    engine's own settings take their type bounds, default and description from its configs
+    engine's own settings take their bounds, default and description from its configs
     (``field_of``), mapped onto them once in ``replica_config``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
