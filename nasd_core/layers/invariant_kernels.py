@@ -347,7 +347,11 @@ def use_invariant_kernels(model: nn.Module) -> int:
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) is nn.Linear
-        or (type(child).__name__.endswith("RMSNorm") and hasattr(child, "variance_epsilon"))
+        or (
+            type(child) is not InvariantRMSNorm
+            and type(child).__name__.endswith("RMSNorm")
+            and hasattr(child, "variance_epsilon")
+        )
     ]
     for parent, name, child in targets:
         setattr(

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from nasd_core import SamplingParams, SpecConfig, generate
-from nasd_core.config import EngineConfig, ModelConfig
+from nasd_core.config import EngineConfig, ModelConfig, RunnerConfig
 from nasd_core.engine import engine as engine_module
 from nasd_core.engine.engine import Engine
 from nasd_core.loader import load_model
@@ -163,6 +163,31 @@ def test_an_engine_captures_its_grid_at_start_and_nothing_while_serving(cuda_mod
     outputs = test_engine.run_staggered(engine, test_engine.PROMPTS, test_engine.MAX_TOKENS, spec)
     assert [outputs[index] for index in range(len(test_engine.PROMPTS))] == references
     assert graphs.num_captured_serving == 0
+
+
+def test_deterministic_bfloat16_greedy_is_the_same_alone_batched_and_with_speculation():
+    """Issue 74: on the Triton kernels (``nasd_core/layers/invariant_kernels.py``) a row's logits
+    do not depend on its batch or on how many positions it verifies, so in bfloat16 greedy output
+    is each prompt's single run, token for token, with speculation off, on and auto, where the
+    default kernels differ at near-ties (the test above)."""
+    model, tokenizer = load_model(config=ModelConfig(device="cuda", dtype="bfloat16"))  # changed in place
+    runner = RunnerConfig(deterministic=True)
+    single = Engine(model, tokenizer, EngineConfig(max_batch_rows=1, runner=runner))
+    assert single.runner.triton_attention and model.dtype == torch.bfloat16
+    references = [
+        test_engine.run_staggered(single, [prompt], [max_tokens], SpecConfig(mode="off"))[0]
+        for prompt, max_tokens in zip(test_engine.PROMPTS, test_engine.MAX_TOKENS)
+    ]
+    for mode in ("off", "on", "auto"):
+        config = EngineConfig(max_batch_rows=8, prefill_chunk_tokens=16, runner=runner)
+        engine = Engine(model, tokenizer, config)
+        if mode == "auto":
+            engine.step_time = test_engine.FixedStepTimes(lambda *_: 0.1)  # drafts look free
+        spec = SpecConfig(mode=mode, num_draft_tokens=5)
+        outputs = test_engine.run_staggered(engine, test_engine.PROMPTS, test_engine.MAX_TOKENS, spec)
+        mismatches = [i for i, expected in enumerate(references) if outputs[i] != expected]
+        assert not mismatches, f"{mode}: prompts {mismatches} differ from their single runs"
+        assert mode == "off" or engine.stats.num_accepted > 0, "speculation was not exercised"
 
 
 def test_the_default_engine_at_the_k8s_settings_plans_memory_warms_up_and_answers():

@@ -1,7 +1,7 @@
-"""The deterministic mode's Triton kernels under Triton's interpreter, on the CPU: a row's output
-has the same bits whatever the other rows and however many positions its step verifies, in
-float32 and float16 (the interpreter computes in NumPy, which has no bfloat16), and is the
-function it claims to be (against torch, within rounding)."""
+"""The deterministic mode's Triton kernels: a row's output has the same bits whatever the other
+rows and however many positions its step verifies, and is the function it claims to be (against
+torch, within rounding). On a GPU they run compiled, in bfloat16 too; on the CPU under Triton's
+interpreter, in float32 and float16 (the interpreter computes in NumPy, which has no bfloat16)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ from nasd_core.layers import invariant_kernels
 from nasd_core.layers.attention import DETERMINISTIC_KEYS_PER_UNIT
 
 # tests/conftest.py sets TRITON_INTERPRET=1 off a GPU, before anything imports triton.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter runs these on the CPU"
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="off a GPU, Triton's interpreter runs these (TRITON_INTERPRET=1)",
 )
 
 ROW_COUNTS = (1, 3, 17, 64)
-DTYPES = (torch.float32, torch.float16)
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2}
+DTYPES = (torch.float32, torch.float16, *((torch.bfloat16,) if DEVICE == "cuda" else ()))
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
 def rows_alone_and_among(function, x: torch.Tensor) -> None:
@@ -30,15 +32,15 @@ def rows_alone_and_among(function, x: torch.Tensor) -> None:
         assert torch.equal(function(x[:count]), full[:count]), count
     for row in (0, 5, len(x) - 1):
         assert torch.equal(function(x[row : row + 1]), full[row : row + 1]), row
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1))
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1)).to(x.device)
     assert torch.equal(function(x[order]), full[order])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_matmul_row_is_the_same_alone_among_its_positions_and_in_any_batch(dtype):
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(max(ROW_COUNTS), 72, generator=generator).to(dtype)  # K not a whole tile
-    weight = torch.randn(40, 72, generator=generator).to(dtype)  # N not a whole tile either
+    x = torch.randn(max(ROW_COUNTS), 72, generator=generator).to(DEVICE, dtype)  # K not a whole tile
+    weight = torch.randn(40, 72, generator=generator).to(DEVICE, dtype)  # N not a whole tile either
     rows_alone_and_among(lambda rows: invariant_kernels.matmul(rows, weight), x)
     reference = x.float() @ weight.float().T
     scale = reference.abs().max()
@@ -48,8 +50,8 @@ def test_a_matmul_row_is_the_same_alone_among_its_positions_and_in_any_batch(dty
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_an_rms_norm_row_is_the_same_alone_and_in_any_batch(dtype):
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(max(ROW_COUNTS), 48, generator=generator).to(dtype)
-    weight = (1 + 0.1 * torch.randn(48, generator=generator)).to(dtype)
+    x = torch.randn(max(ROW_COUNTS), 48, generator=generator).to(DEVICE, dtype)
+    weight = (1 + 0.1 * torch.randn(48, generator=generator)).to(DEVICE, dtype)
     rows_alone_and_among(lambda rows: invariant_kernels.rms_norm(rows, weight, 1e-6), x)
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
     reference = weight.float() * normed.to(dtype).float()
@@ -76,11 +78,12 @@ class PagedCase:
         for row, count in enumerate(blocks_per_row):
             self.table[row, :count] = torch.tensor([order.pop() for _ in range(count)])
         slots = num_blocks * BLOCK_SIZE
-        self.keys = torch.randn(KV_HEADS, slots, HEAD_DIM, generator=generator).to(dtype)
-        self.values = torch.randn(KV_HEADS, slots, HEAD_DIM, generator=generator).to(dtype)
+        self.table = self.table.to(DEVICE)
+        self.keys = torch.randn(KV_HEADS, slots, HEAD_DIM, generator=generator).to(DEVICE, dtype)
+        self.values = torch.randn(KV_HEADS, slots, HEAD_DIM, generator=generator).to(DEVICE, dtype)
         # One query per key position of every row (position p sees keys 0..p).
         self.queries = {
-            (row, position): torch.randn(HEADS, HEAD_DIM, generator=generator).to(dtype)
+            (row, position): torch.randn(HEADS, HEAD_DIM, generator=generator).to(DEVICE, dtype)
             for row, length in enumerate(CONTEXTS)
             for position in range(length)
         }
@@ -88,8 +91,8 @@ class PagedCase:
     def attend(self, picked: list[tuple[int, int]]) -> torch.Tensor:
         """The kernel's output for the ``picked`` (row, position) queries, packed in that order."""
         queries = torch.stack([self.queries[pick] for pick in picked])
-        rows = torch.tensor([row for row, _ in picked], dtype=torch.int32)
-        last_keys = torch.tensor([position for _, position in picked], dtype=torch.int32)
+        rows = torch.tensor([row for row, _ in picked], dtype=torch.int32, device=DEVICE)
+        last_keys = torch.tensor([position for _, position in picked], dtype=torch.int32, device=DEVICE)
         return invariant_kernels.paged_attention(
             queries,
             self.keys,
@@ -105,7 +108,8 @@ class PagedCase:
 
     def reference(self, row: int, position: int) -> torch.Tensor:
         blocks = self.table[row, : position // BLOCK_SIZE + 1].long()
-        slots = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).reshape(-1)[: position + 1]
+        slots = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=DEVICE)).reshape(-1)
+        slots = slots[: position + 1]
         keys = self.keys[:, slots].float().repeat_interleave(HEADS // KV_HEADS, 0)
         values = self.values[:, slots].float().repeat_interleave(HEADS // KV_HEADS, 0)
         scores = torch.einsum("hd,hkd->hk", self.queries[(row, position)].float(), keys) * HEAD_DIM**-0.5
@@ -154,7 +158,7 @@ def tiny_model():
         tie_word_embeddings=True,
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).to(DEVICE).eval()
 
 
 def tiny_engine(model, tokenizer):
@@ -193,3 +197,4 @@ def test_a_tiny_model_on_these_kernels_decodes_the_same_with_speculation_off_on_
     assert outputs["auto"] == outputs["off"]
     assert drafted["on"] > 0 and drafted["auto"] > 0, drafted  # wider verifications ran
     assert type(tiny_model.model.layers[0].self_attn.q_proj).__name__ == "InvariantLinear"
+    assert invariant_kernels.use_invariant_kernels(tiny_model) == 0  # each engine found it swapped
