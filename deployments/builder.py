@@ -214,8 +214,9 @@ class AppArgs(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _empty_is_unset(cls, value: Any, info: ValidationInfo) -> Any:
-        # `serve run ... redis_url=` and an empty environment variable mean "not set".
-        return cls.model_fields[info.field_name].get_default() if value == "" else value
+        # `serve run ... redis_url=` and an empty environment variable mean "not set", and so does
+        # None, which meant "the engine's default" before AppArgs took the engine's defaults.
+        return cls.model_fields[info.field_name].get_default() if value is None or value == "" else value
 
     @field_validator("autoscaling", mode="before")
     @classmethod

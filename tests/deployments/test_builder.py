@@ -90,6 +90,7 @@ def test_string_arguments_from_the_cli_are_coerced():
     assert config.pool.redis_url == "redis://nasd-redis:6379" and config.pool.tenant_isolation
     assert config.pool_namespace is None  # empty means unset
     assert config.engine.graph_warmup_budget_s == builder.AppArgs().graph_warmup_budget_s
+    assert builder.AppArgs(max_batch_rows=None, max_waiting=None) == builder.AppArgs()
     assert (config.engine.spec.mode, config.engine.spec.num_draft_tokens) == ("off", 5)
     assert (config.engine.max_batch_rows, config.engine.max_waiting) == (8, 16)
     assert config.engine.runner.step_graphs and config.engine.prefix_cache_tokens == 0
