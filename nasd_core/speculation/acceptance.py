@@ -10,10 +10,6 @@ import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # annotations only: the planner builds rows from these estimates
-    from nasd_core.speculation.policy import RowDraft
 
 # Prior chance the first draft is accepted, by matched context length (longer = likelier);
 # measured on the benchmark workloads with the embedded model.
@@ -134,19 +130,21 @@ class AcceptanceEstimator:
         a_next = (following.accepted + PRIOR_WEIGHT * prior_next) / (following.trials + PRIOR_WEIGHT)
         return a_first, a_next
 
-    def reaches(self, row: RowDraft) -> list[float]:
-        """The chance that each of ``row``'s available draft tokens is reached and accepted
+    def reaches(
+        self, num_available: int, match_length: int, source: str | None, splits: Sequence[bool] = ()
+    ) -> list[float]:
+        """The chance that each of a row's ``num_available`` draft tokens is reached and accepted
         (every earlier one accepted too): a falling product of per-token rates."""
-        rates = {False: self.rates(row.match_length, row.source)}
-        if not any(row.splits[: row.num_available]):  # unanimous: one product, built in C
+        rates = {False: self.rates(match_length, source)}
+        if not any(splits[:num_available]):  # unanimous: one product, built in C
             a_first, a_next = rates[False]
-            following = itertools.repeat(a_next, max(0, row.num_available - 1))
-            return list(itertools.accumulate(following, operator.mul, initial=a_first))[: row.num_available]
+            following = itertools.repeat(a_next, max(0, num_available - 1))
+            return list(itertools.accumulate(following, operator.mul, initial=a_first))[:num_available]
         reach, reaches = 1.0, []
-        for position in range(row.num_available):
-            split = _split_at(row.splits, position)
+        for position in range(num_available):
+            split = _split_at(splits, position)
             if split not in rates:
-                rates[split] = self.rates(row.match_length, row.source, split)
+                rates[split] = self.rates(match_length, source, split)
             a_first, a_next = rates[split]
             reach *= a_first if position == 0 else a_next
             reaches.append(reach)

@@ -100,7 +100,7 @@ def plan_graph_drafts(
     num_rows = len(rows)
     forced = [row.num_available if row.mode == "on" else 0 for row in rows]
     narrowest_index = bisect.bisect_left(widths, 1 + max(forced))
-    reaches = [row.acceptance.reaches(row) if row.mode != "off" and row.num_available else [] for row in rows]
+    reaches = [row.reaches() if row.mode != "off" and row.num_available else [] for row in rows]
     # Each row's expected tokens without the chosen width's drafts (an "on" row's are forced).
     own_base = np.array([1 + (sum(reach) if row.mode == "on" else 0.0) for reach, row in zip(reaches, rows)])
     base_tokens = float(own_base.sum())

@@ -72,6 +72,10 @@ class RowDraft:
     # row sets no floor on the step.
     pace_credit: float = math.inf
 
+    def reaches(self) -> list[float]:
+        """The chance that each available draft token is reached and accepted."""
+        return self.acceptance.reaches(self.num_available, self.match_length, self.source, self.splits)
+
 
 def draft_position_cap(num_rows: int, step_time: StepTimeModel) -> int:
     """Most draft positions an uncalibrated step may add: the cold-start table's per-row cap
@@ -149,7 +153,7 @@ def plan_batch_drafts(
     for index, row in enumerate(rows):
         if row.mode == "off" or row.num_available == 0:
             continue
-        reaches = row.acceptance.reaches(row)
+        reaches = row.reaches()
         if row.mode == "on":
             own_base[index] += sum(reaches)
             continue

@@ -33,11 +33,11 @@ from nasd_core.speculation.step_time import MAX_SAMPLE_RATIO, MIN_TRUSTED_SAMPLE
 def test_a_drafts_reaches_are_falling_products_of_its_tokens_rates():
     estimator = AcceptanceEstimator()
     a_first, a_next = estimator.rates(3)
-    unanimous = estimator.reaches(RowDraft("auto", 3, 3, estimator))
+    unanimous = RowDraft("auto", 3, 3, estimator).reaches()
     assert unanimous == pytest.approx([a_first, a_first * a_next, a_first * a_next**2])
     split_first, split_next = estimator.rates(3, split=True)
     assert (split_first, split_next) == (PRIOR_SPLIT_FIRST_ACCEPT, PRIOR_SPLIT_NEXT_ACCEPT)
-    forked = estimator.reaches(RowDraft("auto", 3, 3, estimator, splits=(False, True, False)))
+    forked = RowDraft("auto", 3, 3, estimator, splits=(False, True, False)).reaches()
     assert forked == pytest.approx([a_first, a_first * split_next, a_first * split_next * a_next])
     # E(g), the tokens a step verifying g drafts emits, is 1 + the first g reaches.
     assert 1 + sum(unanimous) > 1 + sum(forked)
