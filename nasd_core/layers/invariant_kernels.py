@@ -13,8 +13,9 @@ alone, never by the step's shape:
   chunks in order, and the units are combined in order. Decode (one query) and verification
   (k + 1 queries) are the same kernel.
 
-Checked on a CPU under Triton's interpreter (``TRITON_INTERPRET=1``; float16 and float32, since
-NumPy has no bfloat16): ``tests/nasd_core/test_invariant_kernels.py``.
+Checked by ``tests/nasd_core/test_invariant_kernels.py``: compiled on a GPU, bfloat16 included; on a
+CPU under Triton's interpreter (``TRITON_INTERPRET=1``; float16 and float32, since NumPy has no
+bfloat16).
 """
 
 from __future__ import annotations
@@ -259,11 +260,11 @@ def paged_attention(
         [num_queries, num_heads, head_dim] in the queries' dtype.
     """
     num_queries, num_heads, head_dim = queries.shape
-    groups = num_heads // key_pool.shape[0]
-    num_units = triton.cdiv(num_keys, keys_per_unit) if num_queries else 0
     out = torch.empty_like(queries)
     if not num_queries:
         return out
+    groups = num_heads // key_pool.shape[0]
+    num_units = triton.cdiv(num_keys, keys_per_unit)
     partial = torch.empty(
         num_queries, num_heads, num_units, head_dim, dtype=torch.float32, device=queries.device
     )
