@@ -56,7 +56,6 @@ TASKS = [
 INSTRUCTIONS = "You are a coding agent. Answer briefly."
 MAX_TOKENS = 32
 ROUTINGS = {"default": False, "affinity": True}
-POOL_SUFFIX = " + pool"
 
 
 def quote(conversation: int, turn: int) -> str:
@@ -158,19 +157,29 @@ def per_turn(runs: list[list[dict]], turns: int) -> list[dict]:
     return rows
 
 
-def run_cluster(
-    num_replicas: int, routing: str, conversations: int, turns: int, concurrency: int, redis_url: str | None
-) -> dict:
-    """One application of ``num_replicas`` replicas; ``routing`` names its routing and, ending in
-    ``POOL_SUFFIX``, a shared pool on ``redis_url`` (else the server's default: none)."""
+def run_settings(num_replicas: int, redis_url: str | None) -> dict[str, dict]:
+    """Each run's name and its application's arguments: each routing, and with ``redis_url`` each
+    routing again with the shared pool there, in a namespace of the run's own."""
+    runs = {
+        name: {"num_replicas": num_replicas, "conversation_affinity": affinity}
+        for name, affinity in ROUTINGS.items()
+    }
+    if redis_url is not None:
+        runs |= {
+            f"{name} + pool": {
+                **args,
+                "redis_url": redis_url,
+                "pool_namespace": f"agents-{num_replicas}-{name}",
+            }
+            for name, args in runs.items()
+        }
+    return runs
+
+
+def run_cluster(args: dict, conversations: int, turns: int, concurrency: int) -> dict:
+    """One application built from ``args``, its conversations run through it."""
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = {
-        "num_replicas": num_replicas,
-        "conversation_affinity": ROUTINGS[routing.removesuffix(POOL_SUFFIX)],
-    }
-    if routing.endswith(POOL_SUFFIX):
-        args |= {"redis_url": redis_url, "pool_namespace": f"agents-{num_replicas}-{routing.split()[0]}"}
     try:
         serve.run(build_app(args), name="agents", route_prefix="/")
         base_url = f"http://127.0.0.1:{port}"
@@ -240,16 +249,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.replicas, args.conversations, args.turns = [2], 4, 3
-    routings = [*ROUTINGS, *(f"{routing}{POOL_SUFFIX}" for routing in ROUTINGS if args.pool)]
     redis = LocalRedis().start() if args.pool else None
     ray.init(address="local", num_cpus=max(args.replicas), include_dashboard=False, log_to_driver=False)
     try:
         results = {
             str(replicas): {
-                routing: run_cluster(
-                    replicas, routing, args.conversations, args.turns, args.concurrency, redis and redis.url
-                )
-                for routing in routings
+                name: run_cluster(app_args, args.conversations, args.turns, args.concurrency)
+                for name, app_args in run_settings(replicas, redis and redis.url).items()
             }
             for replicas in args.replicas
         }
