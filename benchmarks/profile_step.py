@@ -16,8 +16,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import publish_run, run_metadata, suite_parser
-from benchmarks.step_cost import ARCHITECTURES, random_model
 from nasd_core.layers.compiled_layers import compile_layers
+from nasd_core.loader.random_weights import ARCHITECTURES, random_model
 from nasd_core.runner.model_runner import StepRow
 from nasd_core.speculation.calibration import filled_runner, probe_row
 

@@ -33,6 +33,7 @@ from benchmarks.common import publish_run, run_metadata, suite_parser
 from nasd_core.config import ModelConfig
 from nasd_core.layers.compiled_layers import compile_layers
 from nasd_core.loader import load_model
+from nasd_core.loader.random_weights import ARCHITECTURES, random_model
 from nasd_core.runner.model_runner import ModelRunner, StepRow
 from nasd_core.runner.step_graphs import POSITION_BUCKETS, bucket
 from nasd_core.speculation.calibration import (
@@ -52,39 +53,11 @@ VARIANTS = {
 }
 
 
-# Architectures timed with random weights (their shapes are what a step costs; weights are not).
-# qwen2-1.5b: Qwen2-1.5B's published config, the ~1.5B class a GPU replica would serve.
-ARCHITECTURES = {
-    "qwen2-1.5b": {
-        "model_type": "qwen2",
-        "hidden_size": 1536,
-        "intermediate_size": 8960,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 12,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "max_position_embeddings": 32768,
-        "rope_theta": 1000000.0,
-        "tie_word_embeddings": True,
-    },
-}
 # Widths the probe does not time (PROBE_POSITIONS has 1-6, 9, 17): the cost model interpolates them.
 HELD_OUT_WIDTHS = (7, 12)
 LAYOUT_WIDTHS = (1, 5)
 LAYOUT_CONTEXTS = (256, 1024)
 PROMPT_CHUNK = 512
-
-
-def random_model(arch: str, dtype: str, device: str):
-    """``arch`` with random weights, built on ``device`` (no weights to load or carry)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    spec = dict(ARCHITECTURES[arch])
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    return model.eval()
 
 
 def fastest_ms(runner: ModelRunner, widths: list[int], context_length: int, repeats: int) -> float:

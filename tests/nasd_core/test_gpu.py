@@ -195,7 +195,7 @@ def test_the_default_engine_at_the_k8s_settings_plans_memory_warms_up_and_answer
     engine there plans its memory within gpu_memory_utilization, captures its paged grid within
     the start-up budget, and answers. Random weights of that shape (no hub here), and token ids
     for a prompt (no tokenizer either: this runs before the embedded model is on the machine)."""
-    from benchmarks.step_cost import random_model
+    from nasd_core.loader.random_weights import random_model
 
     model = random_model("qwen2-1.5b", "bfloat16", "cuda")
     torch.cuda.reset_peak_memory_stats()

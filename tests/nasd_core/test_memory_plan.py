@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks.step_cost import ARCHITECTURES
 from nasd_core.config import DEFAULT_NUM_DRAFT_TOKENS, MAX_KV_BLOCK_SIZE, EngineConfig, RunnerConfig
 from nasd_core.engine import engine as engine_module
 from nasd_core.engine.engine import Engine
 from nasd_core.layers.attention import BATCH_MAX_KEYS, flex_kernel_options
+from nasd_core.loader.random_weights import ARCHITECTURES
 from nasd_core.runner.memory_plan import (
     GIB,
     MIN_DEFAULT_PREFILL_CHUNK,
