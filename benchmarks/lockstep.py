@@ -19,11 +19,16 @@ adversarial ``hot_sampled`` (answers sampled at ``HOT_TEMPERATURE``, where next 
 accepted), ``closed``: creative prompts with every ``auto`` request's gate closed for the whole
 run, the plain step a request whose drafts do not pay is sent back to, which must cost what a
 step of ``off`` does; and ``control``: creative prompts with both engines ``off``, what the
-instrument itself reads between two engines doing the same work. Every answer must be the same
-under both modes.
+instrument itself reads between two engines doing the same work; and ``mixed``: a stream of every
+category (``benchmarks.workloads``' own, long chats of 600-1600 prompt tokens and the adversarial
+samples, interleaved) kept ``rows`` in flight on each engine, a finished request's slot taking
+the next at once, as the HTTP benchmark's mixed cell sends them: there each engine learns a
+request as it finishes, where a wave's are learned after its last step. Every answer must be the
+same under both modes.
 
     python -m benchmarks.lockstep               # rows 1 and 8
     python -m benchmarks.lockstep --rows 8 --workloads creative hot_sampled
+    python -m benchmarks.lockstep --rows 8 --workloads mixed
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ import time
 import torch
 
 from benchmarks.common import publish_run, result_name, rotated, run_metadata, suite_parser
-from benchmarks.workloads import HOT_TEMPERATURE, chat_ids, distinct_prompts, hot_sampled
+from benchmarks.workloads import HOT_TEMPERATURE, chat_ids, distinct_prompts, hot_sampled, long_chats
+from benchmarks.workloads import WORKLOADS as CATEGORIES
 from deployments.builder import AppArgs, replica_config
 from nasd_core.config import SamplingParams
 from nasd_core.engine.engine import Engine
@@ -45,10 +51,14 @@ MODES = ("off", "auto")
 CLOSED = "closed"
 CONTROL = "control"
 HOT_SAMPLED = "hot_sampled"
-WORKLOADS = ("code_edit", "rag_quote", "creative", HOT_SAMPLED, CLOSED, CONTROL)
+MIXED = "mixed"
+WORKLOADS = ("code_edit", "rag_quote", "creative", HOT_SAMPLED, MIXED, CLOSED, CONTROL)
 ROWS = (1, 8)
 # Waves per cell: about as many tokens at one row as at eight take seconds.
 WAVES = {1: 12, 8: 6}
+# The mixed stream sends as many requests as this many waves, in one stream: its drain, where
+# fewer than ``rows`` are left in flight, is then a small part of it.
+MIXED_WAVES = 18
 MAX_TOKENS = 128
 CLOSED_STEPS = 10**6  # plain steps left on a closed gate: closed for the whole run
 
@@ -60,6 +70,11 @@ def workload_requests(tokenizer, workload: str, count: int) -> list[Request]:
     if workload == HOT_SAMPLED:
         samples = hot_sampled(count, seed=5)
         return [(chat_ids(tokenizer, messages), dict(sampling)) for messages, sampling in samples]
+    if workload == MIXED:
+        per_category = -(-count // (len(CATEGORIES) + 2))
+        categories = [workload_requests(tokenizer, name, per_category) for name in (*CATEGORIES, HOT_SAMPLED)]
+        categories.append([(prompt, {}) for prompt in long_chats(tokenizer, per_category)])
+        return [request for requests in zip(*categories) for request in requests][:count]
     name = "creative" if workload in (CLOSED, CONTROL) else workload
     return [(chat_ids(tokenizer, messages), {}) for messages in distinct_prompts([name], count, seed=41)]
 
@@ -82,53 +97,77 @@ def server_engines(model, tokenizer, workload: str) -> dict[str, ServerEngine]:
 
 
 def run_wave(
-    servers: dict[str, ServerEngine], wave: list[Request], workload: str, first: int
+    servers: dict[str, ServerEngine],
+    wave: list[Request],
+    workload: str,
+    first: int,
+    in_flight: int | None = None,
 ) -> dict[str, dict]:
     """``wave`` on each mode's engine, their steps alternating (``first``: the mode that leads):
     per mode, its steps' seconds, the step count and the requests' results, which its replica
-    source then learns (as a replica learns each request it finishes, after its steps)."""
+    source learns. All at once, learned after the last step; with ``in_flight``, a stream that
+    keeps that many in flight on each engine, each request learned as it finishes."""
     engines = {mode: server.engine for mode, server in servers.items()}
-    ids = {}
+    in_flight = in_flight or len(wave)
+    streaming = in_flight < len(wave)
     params = [SamplingParams(max_tokens=MAX_TOKENS, **extra) for _, extra in wave]
-    for mode, engine in engines.items():
-        ids[mode] = [
-            engine.add_request(prompt, param) for (prompt, _), param in zip(wave, params, strict=True)
-        ]
-        if workload == CLOSED and mode == "auto":
-            for request_id in ids[mode]:
+    queued = {mode: iter(range(len(wave))) for mode in MODES}
+    running = {mode: {} for mode in MODES}  # request id -> its index in the wave
+    results = {mode: [None] * len(wave) for mode in MODES}
+
+    def admit(mode: str) -> None:
+        engine = engines[mode]
+        while len(running[mode]) < in_flight and (index := next(queued[mode], None)) is not None:
+            request_id = engine.add_request(wave[index][0], params[index])
+            running[mode][request_id] = index
+            if workload == CLOSED and mode == "auto":
                 engine.requests[request_id].gate.plain_steps_left = CLOSED_STEPS
+
+    for mode in MODES:
+        admit(mode)
     order = rotated(MODES, first)
     seconds = dict.fromkeys(MODES, 0.0)
     steps = dict.fromkeys(MODES, 0)
-    while not all(engines[mode].is_finished() for mode in MODES):
+    while any(running.values()):
         for mode in order:
-            if engines[mode].is_finished():
+            if not running[mode]:
                 continue
             started = time.perf_counter()
-            engines[mode].step()
+            finished = engines[mode].step()
             seconds[mode] += time.perf_counter() - started
             steps[mode] += 1
+            for request in finished:
+                index = running[mode].pop(request.request_id)
+                results[mode][index] = result = engines[mode].pop_result(request.request_id)
+                if streaming:
+                    servers[mode].replica.update(result.prompt_ids + result.token_ids)
+            admit(mode)
     ran = {}
     for mode in MODES:
-        results = [engines[mode].pop_result(request_id) for request_id in ids[mode]]
-        for result in results:
-            servers[mode].replica.update(result.prompt_ids + result.token_ids)
-        ran[mode] = {"seconds": seconds[mode], "steps": steps[mode], "results": results}
+        if not streaming:
+            for result in results[mode]:
+                servers[mode].replica.update(result.prompt_ids + result.token_ids)
+        ran[mode] = {"seconds": seconds[mode], "steps": steps[mode], "results": results[mode]}
     return ran
 
 
 def measure(model, tokenizer, workload: str, num_rows: int) -> dict:
-    """One cell: ``WAVES[num_rows]`` waves of ``num_rows`` new requests through both modes."""
+    """One cell: ``WAVES[num_rows]`` waves of ``num_rows`` new requests through both modes (the
+    mixed stream: one stream of ``MIXED_WAVES`` waves' worth, ``num_rows`` in flight)."""
     engines = server_engines(model, tokenizer, workload)
-    num_waves = WAVES.get(num_rows, 6)
+    num_waves = MIXED_WAVES if workload == MIXED else WAVES.get(num_rows, 6)
     requests = workload_requests(tokenizer, workload, (num_waves + 1) * num_rows)
     run_wave(engines, requests[:num_rows], workload, 0)  # warm both: kernels, first timings
+    if workload == MIXED:
+        rounds = [(requests[num_rows:], num_rows)]
+    else:
+        starts = range(num_rows, len(requests), num_rows)
+        rounds = [(requests[start : start + num_rows], None) for start in starts]
     counters = ("steps", "tokens", "speculative_steps", "accepted")
     totals = {mode: {"seconds": 0.0} | dict.fromkeys(counters, 0) for mode in MODES}
     identical = True
-    for number in range(num_waves):
-        wave = requests[(number + 1) * num_rows : (number + 2) * num_rows]
-        ran = run_wave(engines, wave, workload, number % 2)
+    for number, (wave, in_flight) in enumerate(rounds):
+        ran = run_wave(engines, wave, workload, number % 2, in_flight)
         for mode, outcome in ran.items():
             total = totals[mode]
             total["seconds"] += outcome["seconds"]
