@@ -52,6 +52,9 @@ CLOSED = "closed"
 CONTROL = "control"
 HOT_SAMPLED = "hot_sampled"
 MIXED = "mixed"
+LONG_CHAT = "long_chat"
+# The mixed stream's categories, one request of each in turn.
+MIXED_CATEGORIES = (*CATEGORIES, HOT_SAMPLED, LONG_CHAT)
 WORKLOADS = ("code_edit", "rag_quote", "creative", HOT_SAMPLED, MIXED, CLOSED, CONTROL)
 ROWS = (1, 8)
 # Waves per cell: about as many tokens at one row as at eight take seconds.
@@ -70,8 +73,8 @@ def workload_requests(tokenizer, workload: str, count: int) -> list[Request]:
     if workload == HOT_SAMPLED:
         samples = hot_sampled(count, seed=5)
         return [(chat_ids(tokenizer, messages), dict(sampling)) for messages, sampling in samples]
-    if workload == MIXED:
-        per_category = -(-count // (len(CATEGORIES) + 2))
+    if workload == MIXED:  # request i is of MIXED_CATEGORIES[i % len(MIXED_CATEGORIES)]
+        per_category = -(-count // len(MIXED_CATEGORIES))
         categories = [workload_requests(tokenizer, name, per_category) for name in (*CATEGORIES, HOT_SAMPLED)]
         categories.append([(prompt, {}) for prompt in long_chats(tokenizer, per_category)])
         return [request for requests in zip(*categories) for request in requests][:count]
@@ -104,9 +107,10 @@ def run_wave(
     in_flight: int | None = None,
 ) -> dict[str, dict]:
     """``wave`` on each mode's engine, their steps alternating (``first``: the mode that leads):
-    per mode, its steps' seconds, the step count and the requests' results, which its replica
-    source learns. All at once, learned after the last step; with ``in_flight``, a stream that
-    keeps that many in flight on each engine, each request learned as it finishes."""
+    per mode, its steps' seconds, the step count, the requests' results, which its replica
+    source learns, and each request's seconds (its steps', from its admission to its finish).
+    All at once, learned after the last step; with ``in_flight``, a stream that keeps that many
+    in flight on each engine, each request learned as it finishes."""
     engines = {mode: server.engine for mode, server in servers.items()}
     in_flight = in_flight or len(wave)
     streaming = in_flight < len(wave)
@@ -114,6 +118,7 @@ def run_wave(
     queued = {mode: iter(range(len(wave))) for mode in MODES}
     running = {mode: {} for mode in MODES}  # request id -> its index in the wave
     results = {mode: [None] * len(wave) for mode in MODES}
+    request_seconds = {mode: [0.0] * len(wave) for mode in MODES}
 
     def admit(mode: str) -> None:
         engine = engines[mode]
@@ -134,8 +139,11 @@ def run_wave(
                 continue
             started = time.perf_counter()
             finished = engines[mode].step()
-            seconds[mode] += time.perf_counter() - started
+            step_s = time.perf_counter() - started
+            seconds[mode] += step_s
             steps[mode] += 1
+            for index in running[mode].values():
+                request_seconds[mode][index] += step_s
             for request in finished:
                 index = running[mode].pop(request.request_id)
                 results[mode][index] = result = engines[mode].pop_result(request.request_id)
@@ -147,7 +155,12 @@ def run_wave(
         if not streaming:
             for result in results[mode]:
                 servers[mode].replica.update(result.prompt_ids + result.token_ids)
-        ran[mode] = {"seconds": seconds[mode], "steps": steps[mode], "results": results[mode]}
+        ran[mode] = {
+            "seconds": seconds[mode],
+            "steps": steps[mode],
+            "results": results[mode],
+            "request_seconds": request_seconds[mode],
+        }
     return ran
 
 
@@ -165,6 +178,8 @@ def measure(model, tokenizer, workload: str, num_rows: int) -> dict:
         rounds = [(requests[start : start + num_rows], None) for start in starts]
     counters = ("steps", "tokens", "speculative_steps", "accepted")
     totals = {mode: {"seconds": 0.0} | dict.fromkeys(counters, 0) for mode in MODES}
+    # Per mode and category of the mixed stream: its requests' tokens and their own seconds.
+    paces = {mode: {name: [0, 0.0] for name in MIXED_CATEGORIES} for mode in MODES}
     identical = True
     for number, (wave, in_flight) in enumerate(rounds):
         ran = run_wave(engines, wave, workload, number % 2, in_flight)
@@ -172,14 +187,22 @@ def measure(model, tokenizer, workload: str, num_rows: int) -> dict:
             total = totals[mode]
             total["seconds"] += outcome["seconds"]
             total["steps"] += outcome["steps"]
-            for result in outcome["results"]:
+            for index, result in enumerate(outcome["results"]):
                 total["tokens"] += len(result.token_ids)
                 total["speculative_steps"] += result.stats.num_speculative_steps
                 total["accepted"] += result.stats.num_accepted
+                pace = paces[mode][MIXED_CATEGORIES[(num_rows + index) % len(MIXED_CATEGORIES)]]
+                pace[0] += len(result.token_ids)
+                pace[1] += outcome["request_seconds"][index]
         texts = {mode: [result.token_ids for result in outcome["results"]] for mode, outcome in ran.items()}
         identical &= texts["off"] == texts["auto"]
     rates = {mode: total["tokens"] / total["seconds"] for mode, total in totals.items()}
     auto = totals["auto"]
+    categories = {}
+    if workload == MIXED:  # each category's pace: its requests' tokens over their own seconds
+        for name in MIXED_CATEGORIES:
+            (auto_tokens, auto_s), (off_tokens, off_s) = paces["auto"][name], paces["off"][name]
+            categories[name] = round((auto_tokens / auto_s) / (off_tokens / off_s), 3)
     return {
         "workload": workload,
         "rows": num_rows,
@@ -193,7 +216,7 @@ def measure(model, tokenizer, workload: str, num_rows: int) -> dict:
         "speculative_share": round(auto["speculative_steps"] / auto["tokens"], 3),
         "accepted": auto["accepted"],
         "identical": identical,
-    }
+    } | ({"categories": categories} if categories else {})
 
 
 def markdown_table(payload: dict) -> str:
@@ -215,6 +238,13 @@ def markdown_table(payload: dict) -> str:
             f"| {cell['off_steps']} / {cell['auto_steps']} "
             f"| {cell['speculative_share']:.0%} | {'yes' if cell['identical'] else '**no**'} |"
         )
+    for cell in payload["cells"]:
+        if "categories" in cell:
+            paces = ", ".join(f"{name} {ratio:.3f}" for name, ratio in cell["categories"].items())
+            lines.append(
+                f"\nThe mixed stream at {cell['rows']} rows, each category's auto / off over its requests' "
+                f"own seconds (their steps', admission to finish): {paces}."
+            )
     return "\n".join(lines)
 
 
