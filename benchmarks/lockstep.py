@@ -191,9 +191,10 @@ def measure(model, tokenizer, workload: str, num_rows: int) -> dict:
                 total["tokens"] += len(result.token_ids)
                 total["speculative_steps"] += result.stats.num_speculative_steps
                 total["accepted"] += result.stats.num_accepted
-                pace = paces[mode][MIXED_CATEGORIES[(num_rows + index) % len(MIXED_CATEGORIES)]]
-                pace[0] += len(result.token_ids)
-                pace[1] += outcome["request_seconds"][index]
+                if workload == MIXED:
+                    pace = paces[mode][MIXED_CATEGORIES[(num_rows + index) % len(MIXED_CATEGORIES)]]
+                    pace[0] += len(result.token_ids)
+                    pace[1] += outcome["request_seconds"][index]
         texts = {mode: [result.token_ids for result in outcome["results"]] for mode, outcome in ran.items()}
         identical &= texts["off"] == texts["auto"]
     rates = {mode: total["tokens"] / total["seconds"] for mode, total in totals.items()}
