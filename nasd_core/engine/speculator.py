@@ -22,6 +22,8 @@ import math
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from nasd_core.engine.scheduler import ScheduledStep
 from nasd_core.engine.sequence import Request
 from nasd_core.runner.model_runner import ModelRunner, StepRow
@@ -30,7 +32,7 @@ from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import EMPTY_DRAFT, Draft, cut_draft, longest_matches, propose_rows
 from nasd_core.speculation.gate import row_costs
 from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
-from nasd_core.speculation.pace import clock_ratio, prefill_floor
+from nasd_core.speculation.pace import MIN_ROW_PACE, clock_ratio, prefill_floor
 from nasd_core.speculation.payoff import DraftPayoff
 from nasd_core.speculation.policy import DraftPlan, RowDraft, draft_position_cap, plan_batch_drafts
 from nasd_core.speculation.step_time import MAX_SAMPLE_RATIO, MIN_TRUSTED_SAMPLES, StepTimeModel
@@ -99,13 +101,13 @@ class Speculator:
         started = time.perf_counter()
         rows = step.rows
         looked_up = [request.looks_up for request in rows]
-        if not any(looked_up) or self._times_plain(step):
+        chunk_floor = prefill_floor(request.prefill_pace_credit for request, _ in step.chunks)
+        if not any(looked_up) or self._times_plain(step) or self._pace_bound(step, looked_up, chunk_floor):
             if rows:
                 self.width_histogram[0] = self.width_histogram.get(0, 0) + 1
             return Proposal([EMPTY_DRAFT] * len(rows), DraftPlan([0] * len(rows)), [False] * len(rows))
         # A runner with fixed-shape steps (a GPU) builds every looked-up row's draft at once and
         # prices them once, prompt chunks or not: its host time is the step's bound.
-        chunk_floor = prefill_floor(request.prefill_pace_credit for request, _ in step.chunks)
         if self.runner.graph_widths is not None:
             drafts = self._build(rows, looked_up)
         else:
@@ -120,6 +122,33 @@ class Speculator:
             widest = max(plan.lengths)
             self.width_histogram[widest] = self.width_histogram.get(widest, 0) + 1
         return Proposal(drafts, plan, looked_up, time.perf_counter() - started)
+
+    def _pace_bound(self, step: ScheduledStep, looked_up: list[bool], chunk_floor: float) -> bool:
+        """Whether the pace floors leave this packed step no draft position at all: for every row
+        that would look up, another row's floor or the prompt chunks' (``chunk_floor``) is under
+        the cheapest drafted step's cost. The policy would then plan nothing, so neither it nor
+        the drafter is asked: rows held at their floor otherwise looked up and were priced in
+        every step, for nothing. Not with an ``on`` row, whose drafts are forced; one row alone
+        sets no floor on its own drafts here."""
+        rows = step.rows
+        if self.runner.graph_widths is not None or any(request.mode == "on" for request in rows):
+            return False
+        floors = np.array([request.pace_credit for request in rows]) + 1 / MIN_ROW_PACE
+        lowest = int(np.argmin(floors))
+        second = np.partition(floors, 1)[1] if len(rows) > 1 else math.inf
+        # For each row that would draft, the lowest floor of the others (and of the chunks).
+        others = np.minimum(np.where(np.arange(len(rows)) == lowest, second, floors[lowest]), chunk_floor)
+        best_floor = others[np.asarray(looked_up)].max()
+        if best_floor == math.inf:
+            return False
+        num_rows = len(rows) + len(step.chunks)
+        base_positions = step.num_chunk_positions + len(rows)
+        cost = self.step_time.curve(num_rows)
+        extra = np.arange(1, draft_position_cap(num_rows, self.step_time) + 1)
+        ratios = clock_ratio(
+            cost.many(base_positions + extra) / cost(base_positions), self.payoff.excess_scale(num_rows)
+        )
+        return bool(best_floor < ratios.min(initial=math.inf))
 
     def _times_plain(self, step: ScheduledStep) -> bool:
         """Whether this step runs plain to time a plain step of its rows on the packed path, the

@@ -416,6 +416,37 @@ def test_a_plain_step_in_auto_runs_no_drafting_code(model, tokenizer, single_run
     assert lookups and min(lookups) == 2 + speculator.MIN_TRUSTED_SAMPLES
 
 
+def test_rows_at_their_pace_floor_look_nothing_up_while_no_draft_could_keep_it(model, tokenizer, monkeypatch):
+    """Two rows of a repeating prompt, where one extra position would make a step 1.5x as dear:
+    with their pace credit spent, no draft could keep the other row's floor, so ``auto`` asks
+    neither the drafter nor the policy (``Speculator._pace_bound``); with the credit a request
+    starts with, the same steps look up. One row alone sets no floor on its own drafts."""
+    lookups: list[int] = []
+    longest_matches = speculator.longest_matches
+
+    def counting(drafters, tokens):
+        lookups.append(len(drafters))
+        return longest_matches(drafters, tokens)
+
+    monkeypatch.setattr(speculator, "longest_matches", counting)
+    expected = greedy_off(model, tokenizer, REPEATING, 10)
+    for spent, num_rows in ((True, 2), (False, 2), (True, 1)):
+        lookups.clear()
+        engine = Engine(model, tokenizer)
+        engine.step_time = FixedStepTimes(lambda rows, positions: 0.01 * positions)
+        ids = [
+            engine.add_request(REPEATING, SamplingParams(max_tokens=10), SpecConfig(mode="auto"))
+            for _ in range(num_rows)
+        ]
+        if spent:
+            for request_id in ids:
+                engine.requests[request_id].pace_credit = 0.0
+        while not engine.is_finished():
+            engine.step()
+        assert [engine.pop_result(request_id).token_ids for request_id in ids] == [expected] * num_rows
+        assert (not lookups) == (spent and num_rows == 2), (spent, num_rows, lookups)
+
+
 def test_auto_drafts_less_where_drafted_steps_have_not_delivered(model, tokenizer, single_runs):
     """The engine prices drafts with its step-time model's ``DraftPayoff``: where drafted steps
     of 2+ rows delivered next to nothing, auto drafts less at those row counts (one-row steps
