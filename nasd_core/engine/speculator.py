@@ -10,10 +10,11 @@ tenth of a ~6 ms GPU step at 64 rows). A step of fixed shapes (CUDA graphs) is p
 
 After the step, each row is charged what the step cost, read off the clock: its pace credit
 (``pace.pace_credit``) and its gate (``gate.DraftGate``), which sends a request whose drafts do
-not pay to plain steps, where none of this runs. A step in which no row's gate is open costs what
-a step of ``off`` does. The packed model learns whole steps' wall times (drafting, forward,
-verification and commit); its plain steps, the yardstick of every charge, are read at each row
-count before the first drafts there and again every ``PLAIN_REFRESH_STEPS`` steps.
+not pay to plain steps, where none of this runs. A step in which no row's gate is open, or whose
+rows' pace floors leave no draft position (``_pace_bound``), costs what a step of ``off`` does.
+The packed model learns whole steps' wall times (drafting, forward, verification and commit);
+its plain steps, the yardstick of every charge, are read at each row count before the first
+drafts there and again every ``PLAIN_REFRESH_STEPS`` steps.
 """
 
 from __future__ import annotations
