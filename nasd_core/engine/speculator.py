@@ -23,8 +23,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from nasd_core.engine.scheduler import ScheduledStep
 from nasd_core.engine.sequence import Request
 from nasd_core.runner.model_runner import ModelRunner, StepRow
@@ -33,9 +31,15 @@ from nasd_core.speculation.calibration import Calibration
 from nasd_core.speculation.drafter import EMPTY_DRAFT, Draft, cut_draft, longest_matches, propose_rows
 from nasd_core.speculation.gate import row_costs
 from nasd_core.speculation.graph_plan import GraphStepTimes, plan_graph_drafts
-from nasd_core.speculation.pace import MIN_ROW_PACE, clock_ratio, prefill_floor
+from nasd_core.speculation.pace import clock_ratio, prefill_floor
 from nasd_core.speculation.payoff import DraftPayoff
-from nasd_core.speculation.policy import DraftPlan, RowDraft, draft_position_cap, plan_batch_drafts
+from nasd_core.speculation.policy import (
+    DraftPlan,
+    RowDraft,
+    draft_position_cap,
+    floors_leave_no_draft,
+    plan_batch_drafts,
+)
 from nasd_core.speculation.step_time import MAX_SAMPLE_RATIO, MIN_TRUSTED_SAMPLES, StepTimeModel
 from nasd_core.structured import GRAMMAR_SOURCE
 
@@ -125,31 +129,23 @@ class Speculator:
         return Proposal(drafts, plan, looked_up, time.perf_counter() - started)
 
     def _pace_bound(self, step: ScheduledStep, looked_up: list[bool], chunk_floor: float) -> bool:
-        """Whether the pace floors leave this packed step no draft position at all: for every row
-        that would look up, another row's floor or the prompt chunks' (``chunk_floor``) is under
-        the cheapest drafted step's cost. The policy would then plan nothing, so neither it nor
-        the drafter is asked: rows held at their floor otherwise looked up and were priced in
-        every step, for nothing. Not with an ``on`` row, whose drafts are forced; one row alone
-        sets no floor on its own drafts here."""
+        """Whether the pace floors leave this packed step no draft position at all
+        (``policy.floors_leave_no_draft``): the policy would then plan nothing, so neither it nor
+        the drafter is asked (rows held at their floor otherwise looked up and were priced in
+        every step, for nothing). Not with an ``on`` row, whose drafts are forced."""
         rows = step.rows
         if self.runner.graph_widths is not None or any(request.mode == "on" for request in rows):
             return False
-        floors = np.array([request.pace_credit for request in rows]) + 1 / MIN_ROW_PACE
-        lowest = int(np.argmin(floors))
-        second = np.partition(floors, 1)[1] if len(rows) > 1 else math.inf
-        # For each row that would draft, the lowest floor of the others (and of the chunks).
-        others = np.minimum(np.where(np.arange(len(rows)) == lowest, second, floors[lowest]), chunk_floor)
-        best_floor = others[np.asarray(looked_up)].max()
-        if best_floor == math.inf:
-            return False
         num_rows = len(rows) + len(step.chunks)
-        base_positions = step.num_chunk_positions + len(rows)
-        cost = self.step_time.curve(num_rows)
-        extra = np.arange(1, draft_position_cap(num_rows, self.step_time) + 1)
-        ratios = clock_ratio(
-            cost.many(base_positions + extra) / cost(base_positions), self.payoff.excess_scale(num_rows)
+        return floors_leave_no_draft(
+            [request.pace_credit for request in rows],
+            looked_up,
+            chunk_floor,
+            self.step_time,
+            num_rows,
+            step.num_chunk_positions + len(rows),
+            self.payoff.excess_scale(num_rows),
         )
-        return bool(best_floor < ratios.min(initial=math.inf))
 
     def _times_plain(self, step: ScheduledStep) -> bool:
         """Whether this step runs plain to time a plain step of its rows on the packed path, the

@@ -237,6 +237,33 @@ def _paced_totals(
     return paced
 
 
+def floors_leave_no_draft(
+    credits: Sequence[float],
+    may_draft: Sequence[bool],
+    chunk_floor: float,
+    step_time: StepTimeModel,
+    num_rows: int,
+    base_positions: int,
+    excess_scale: float = 1.0,
+) -> bool:
+    """Whether no total of draft positions could keep the pace floors (``_paced_totals``' test,
+    before any draft is looked up): for every row that ``may_draft``, another row's floor, or the
+    prompt chunks' (``chunk_floor``), is under the cheapest drafted step's cost on the clock. A row
+    of ``credits[i]`` has the floor ``credits[i] + 1 / MIN_ROW_PACE``; its own drafts add its own
+    tokens, so its own floor is left out (one row alone is never held)."""
+    floors = np.asarray(credits, dtype=float) + 1 / MIN_ROW_PACE
+    lowest = int(np.argmin(floors))
+    second = np.partition(floors, 1)[1] if len(floors) > 1 else math.inf
+    others = np.minimum(np.where(np.arange(len(floors)) == lowest, second, floors[lowest]), chunk_floor)
+    best_floor = others[np.asarray(may_draft, dtype=bool)].max(initial=-math.inf)
+    if best_floor == math.inf:
+        return False
+    cost = step_time.curve(num_rows)
+    extra = np.arange(1, draft_position_cap(num_rows, step_time) + 1)
+    ratios = clock_ratio(cost.many(base_positions + extra) / cost(base_positions), excess_scale)
+    return bool(best_floor < ratios.min(initial=math.inf))
+
+
 def min_draft_gain(num_rows: int) -> float:
     """How much more throughput a step of ``num_rows`` rows must promise before it drafts."""
     if num_rows == 1:
