@@ -11,9 +11,17 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 
-import pytest
-import torch
+# Triton's interpreter computes tl.dot with NumPy's OpenBLAS. Its Haswell kernel, which AVX2
+# hosts get, sums a row of a small product by the row's place in the tile, so
+# test_invariant_kernels would read the interpreter, not the kernel; the Sandybridge kernel sums
+# every row alike. OpenBLAS reads this as NumPy loads, which importing torch does.
+if platform.machine() == "x86_64":
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def pytest_configure(config) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -34,6 +35,20 @@ def rows_alone_and_among(function, x: torch.Tensor) -> None:
         assert torch.equal(function(x[row : row + 1]), full[row : row + 1]), row
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1)).to(x.device)
     assert torch.equal(function(x[order]), full[order])
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="about Triton's interpreter, off a GPU")
+def test_the_interpreters_tile_product_sums_every_row_alike():
+    """What the kernels' tests below stand on: the interpreter's ``tl.dot`` (NumPy's BLAS) gives
+    a row the same bits wherever it sits in a tile (OPENBLAS_CORETYPE, tests/conftest.py)."""
+    generator = torch.Generator().manual_seed(3)
+    tile = torch.randn(16, 32, generator=generator).numpy()
+    other = torch.randn(32, 32, generator=generator).numpy()
+    product = np.matmul(tile, other, dtype=np.float32)
+    for row in range(16):
+        alone = np.zeros_like(tile)
+        alone[0] = tile[row]
+        assert np.array_equal(np.matmul(alone, other, dtype=np.float32)[0], product[row]), row
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
