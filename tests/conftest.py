@@ -20,8 +20,8 @@ import platform
 if platform.machine() == "x86_64":
     os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 
 def pytest_configure(config) -> None:
