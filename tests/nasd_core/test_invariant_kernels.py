@@ -42,10 +42,11 @@ def test_the_interpreters_tile_product_sums_every_row_alike():
     """What the kernels' tests below stand on: the interpreter's ``tl.dot`` (NumPy's BLAS) gives
     a row the same bits wherever it sits in a tile (OPENBLAS_CORETYPE, tests/conftest.py)."""
     generator = torch.Generator().manual_seed(3)
-    tile = torch.randn(16, 32, generator=generator).numpy()
-    other = torch.randn(32, 32, generator=generator).numpy()
+    kernels = invariant_kernels
+    tile = torch.randn(kernels.BLOCK_M, kernels.BLOCK_K, generator=generator).numpy()
+    other = torch.randn(kernels.BLOCK_K, kernels.BLOCK_N, generator=generator).numpy()
     product = np.matmul(tile, other, dtype=np.float32)
-    for row in range(16):
+    for row in range(kernels.BLOCK_M):
         alone = np.zeros_like(tile)
         alone[0] = tile[row]
         assert np.array_equal(np.matmul(alone, other, dtype=np.float32)[0], product[row]), row
