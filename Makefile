@@ -32,8 +32,19 @@ serve: install
 	@echo "    -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Say hello\"}], \"max_tokens\": 32, \"temperature\": 0}'"
 	$(VENV)/bin/serve run deployments.app
 
+# Two pytest processes side by side on a 2-core host (docs/development.md): the library's tests
+# (tests/nasd_core, the model's compute) beside the rest (Serve, Redis, manifests), whose time is
+# much of it waiting on Ray, replicas starting and HTTP. Each writes its JUnit report under .ci/;
+# the second's output follows the first's.
+LIBRARY_TESTS := tests/nasd_core
 test: install
-	$(PY) -m pytest -q --durations=25 --junitxml=.ci/test-report.xml tests
+	@rm -f .ci/test-report*.xml
+	@$(PY) -m pytest -q -p no:cacheprovider --durations=10 --junitxml=.ci/test-report-service.xml \
+		--ignore=$(LIBRARY_TESTS) tests > .ci/service-tests.log 2>&1 & service=$$!; \
+	$(PY) -m pytest -q --durations=15 --junitxml=.ci/test-report.xml $(LIBRARY_TESTS); library=$$?; \
+	wait $$service; services=$$?; \
+	echo "--- tests outside $(LIBRARY_TESTS), run beside the above ---"; cat .ci/service-tests.log; \
+	test $$library -eq 0 && test $$services -eq 0
 
 # While working on a change: pure logic, kernels and manifests, no generation and no Serve (about a
 # minute on 2 cores). `make test` stays the whole suite, and what CI runs.

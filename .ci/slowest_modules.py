@@ -1,6 +1,6 @@
-"""The test modules that took longest in a pytest JUnit report: ``python .ci/slowest_modules.py
-REPORT [COUNT]`` prints the COUNT (10) slowest, with the run's total, so a CI log says where the
-suite's time goes."""
+"""The test modules that took longest in pytest JUnit reports: ``python .ci/slowest_modules.py
+REPORT... [COUNT]`` prints the COUNT (10) slowest over all the reports (one per pytest process of
+``make test``), with their total, so a CI log says where the suite's time goes."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ def module_seconds(report_path: str) -> Counter:
 
 
 def main(argv: list[str]) -> int:
-    report_path = argv[0]
-    count = int(argv[1]) if len(argv) > 1 else 10
-    seconds = module_seconds(report_path)
+    count = int(argv[-1]) if argv[-1].isdigit() else 10
+    seconds: Counter = Counter()
+    for report_path in (arg for arg in argv if not arg.isdigit()):
+        seconds.update(module_seconds(report_path))
     total = sum(seconds.values())
     print(f"slowest {count} of {len(seconds)} test modules ({total / 60:.1f} min of tests in all):")
     for module, taken in seconds.most_common(count):
