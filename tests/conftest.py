@@ -19,10 +19,9 @@ import platform
 # every row alike. OpenBLAS reads this as NumPy loads, which importing torch does.
 if platform.machine() == "x86_64":
     os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
-# `make test` runs two pytest processes side by side, and Ray's workers beside them: OpenMP
-# threads that spin while waiting for work took the cores the other processes needed (on a Zen 4,
-# 20.8 min of CPU for a 14-min run; 12 min and 10.8 min of wall with threads that sleep). Read as
-# torch loads its OpenMP, and inherited by the replicas and CLIs the tests start.
+# `make test` runs two pytest processes side by side, with Ray's workers beside them: OpenMP
+# threads spinning while they waited for work took the cores the others needed
+# (docs/development.md). Read as torch loads OpenMP; the replicas and CLIs the tests start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
