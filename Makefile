@@ -34,16 +34,21 @@ serve: install
 
 # Two pytest processes side by side on a 2-core host (docs/development.md): the library's tests
 # (tests/nasd_core, the model's compute) beside the rest (Serve, Redis, manifests), whose time is
-# much of it waiting on Ray, replicas starting and HTTP. Each writes its JUnit report under .ci/;
-# the second's output follows the first's.
+# much of it waiting on Ray, replicas starting and HTTP. Two float32 library modules with no Serve
+# or Triton in them run in the second process, which finished minutes before the first. Each writes
+# its JUnit report under .ci/; the second's output follows the first's.
 LIBRARY_TESTS := tests/nasd_core
+BESIDE_TESTS := $(addprefix $(LIBRARY_TESTS)/test_,structured.py processors.py)
+SERVICE_TESTS := $(filter-out $(LIBRARY_TESTS)/ tests/files/ tests/__pycache__/,$(wildcard tests/*/)) \
+	$(wildcard tests/test_*.py) $(BESIDE_TESTS)
 test: install
 	@rm -f .ci/test-report*.xml
 	@$(PY) -m pytest -q -p no:cacheprovider --durations=10 --junitxml=.ci/test-report-service.xml \
-		--ignore=$(LIBRARY_TESTS) tests > .ci/service-tests.log 2>&1 & service=$$!; \
-	$(PY) -m pytest -q --durations=15 --junitxml=.ci/test-report.xml $(LIBRARY_TESTS); library=$$?; \
+		$(SERVICE_TESTS) > .ci/service-tests.log 2>&1 & service=$$!; \
+	$(PY) -m pytest -q --durations=15 --junitxml=.ci/test-report.xml $(LIBRARY_TESTS) \
+		$(addprefix --ignore=,$(BESIDE_TESTS)); library=$$?; \
 	wait $$service; services=$$?; \
-	echo "--- tests outside $(LIBRARY_TESTS), run beside the above ---"; cat .ci/service-tests.log; \
+	echo "--- the other tests, run beside the above ---"; cat .ci/service-tests.log; \
 	test $$library -eq 0 && test $$services -eq 0
 
 # While working on a change: pure logic, kernels and manifests, no generation and no Serve (about a
