@@ -155,7 +155,8 @@ class Engine:
 
     @property
     def acceptance(self) -> AcceptanceEstimator:
-        """Acceptance pooled over the requests: the prior of each new request's own."""
+        """Acceptance pooled over the greedy requests: the prior of each new greedy request's own
+        (``Calibration.acceptance_prior``)."""
         return self.calibration.acceptance
 
     @property
@@ -251,7 +252,7 @@ class Engine:
                 else self.new_drafter(prompt_ids, spec, params.seed, shared, local_index)
             ),
             draws=TokenDraws(params.seed),
-            acceptance=AcceptanceEstimator(prior=self.acceptance),
+            acceptance=AcceptanceEstimator(prior=self.calibration.acceptance_prior(params.is_greedy)),
             gate=self.calibration.gate_history.new_gate(),
             on_tokens=on_tokens,
             processors=(

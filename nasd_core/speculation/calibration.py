@@ -42,7 +42,9 @@ class Calibration:
     Attributes:
         step_time: seconds of packed steps by rows and positions.
         graph_step_times: seconds of fixed-shape (CUDA-graph) steps by shape.
-        acceptance: acceptance pooled over the requests, the prior of each new request's own.
+        acceptance: acceptance pooled over the greedy requests, the prior of each new greedy
+            request's own.
+        sampled_acceptance: the same for sampled requests (``acceptance_prior``).
         payoff: what drafted packed steps deliver of their promise (read against ``step_time``).
         graph_payoff: the same for fixed-shape steps.
         gate_history: the first verdicts of the requests' draft gates, which size a new
@@ -52,9 +54,19 @@ class Calibration:
     step_time: StepTimeModel = field(default_factory=StepTimeModel)
     graph_step_times: GraphStepTimes = field(default_factory=GraphStepTimes)
     acceptance: AcceptanceEstimator = field(default_factory=pooled_acceptance)
+    sampled_acceptance: AcceptanceEstimator = field(default_factory=pooled_acceptance)
     payoff: DraftPayoff = field(default_factory=DraftPayoff)
     graph_payoff: DraftPayoff = field(default_factory=DraftPayoff)
     gate_history: GateHistory = field(default_factory=GateHistory)
+
+    def acceptance_prior(self, greedy: bool) -> AcceptanceEstimator:
+        """The pool a new request's acceptance starts from: greedy and sampled requests apart.
+
+        Why: a sampled row keeps a drafted token with the model's probability of it, not only
+        when it is the top one, so the same match is accepted less often, and far less at a high
+        temperature; pooled with greedy copies, sampled requests started from greedy odds.
+        """
+        return self.acceptance if greedy else self.sampled_acceptance
 
 
 PROBE_ROW = "nasd-probe"

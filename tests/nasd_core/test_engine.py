@@ -588,6 +588,32 @@ def test_engines_given_one_calibration_start_from_what_earlier_engines_learned(m
     )
 
 
+def test_sampled_and_greedy_requests_start_from_pools_of_their_own(model, tokenizer):
+    """A sampled row keeps a drafted token with the model's probability of it, a greedy row only
+    when it is the top one: what greedy requests' drafts measured is no sampled request's prior,
+    nor the other way round."""
+    engine = Engine(model, tokenizer)
+    greedy_pool, sampled_pool = engine.calibration.acceptance, engine.calibration.sampled_acceptance
+    fixed = {length: AcceptanceEstimator().rates(length) for length in range(1, 8)}
+
+    def learned(pool: AcceptanceEstimator) -> list[int]:
+        return [length for length in fixed if pool.rates(length, LOCAL_SOURCE) != fixed[length]]
+
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=3)
+    engine.generate([PROMPTS[1]], sampled, SpecConfig(mode="on"))
+    assert learned(sampled_pool) and not learned(greedy_pool)
+    engine.generate([PROMPTS[1]], SamplingParams(max_tokens=24), SpecConfig(mode="on"))
+    assert learned(greedy_pool)
+    for pool, params in ((greedy_pool, SamplingParams(max_tokens=4)), (sampled_pool, sampled)):
+        newcomer = engine.requests[engine.add_request(PROMPTS[6], params)].acceptance
+        assert newcomer.prior is pool
+        assert all(newcomer.rates(n, LOCAL_SOURCE) == pool.rates(n, LOCAL_SOURCE) for n in fixed)
+    assert any(
+        greedy_pool.rates(length, LOCAL_SOURCE) != sampled_pool.rates(length, LOCAL_SOURCE)
+        for length in learned(greedy_pool)
+    )
+
+
 def test_choices_of_one_prompt_share_its_prefill(model, tokenizer, single_runs):
     """``prefill_from``: a second choice copies the first's prompt keys and values instead of
     prefilling them; its greedy output is the prompt's, sampled choices keep their seeds."""
